@@ -1,0 +1,52 @@
+"""LipsFormer's Lipschitz building blocks, and factories that let models swap each one by name."""
+from typing import Callable
+
+import torch.nn as nn
+
+from .center_norm import CenterNorm
+from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
+from .dot_product_attention import DotProductAttention
+from .scaled_cosine_attention import ScaledCosineAttention
+from .spectral_init import WEIGHT_INITS, init_weights_, spectral_normalize_
+from .weighted_residual import ScaleLayer
+from .windows import pad_to_multiple, padding_key_mask, window_partition, window_reverse
+
+NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
+    'center': CenterNorm,
+    'layer': nn.LayerNorm,
+    'none': lambda dim: nn.Identity(),
+}
+
+
+def get_norm_layer(norm_layer: str | Callable[[int], nn.Module]) -> Callable[[int], nn.Module]:
+    """A norm constructor (taking the channel count) from a name in ``NORM_LAYERS`` or a callable."""
+    if callable(norm_layer):
+        return norm_layer
+    if norm_layer not in NORM_LAYERS:
+        raise ValueError(f'unknown norm_layer {norm_layer!r}; expected one of {sorted(NORM_LAYERS)} or a callable')
+    return NORM_LAYERS[norm_layer]
+
+
+def create_attention(
+        attn_type: str,
+        head_dim: int,
+        tau: float,
+        tau_learnable: bool = False,
+        v_norm: bool = False,
+        nu: float = 1.0,
+        attn_drop: float = 0.0,
+) -> nn.Module:
+    """The attention maths (q, k, v, bias -> out) for ``attn_type``: 'scsa' (LipsFormer) or 'dot' (standard)."""
+    if attn_type == 'scsa':
+        return ScaledCosineAttention(tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu, attn_drop=attn_drop)
+    if attn_type == 'dot':
+        return DotProductAttention(head_dim, attn_drop=attn_drop)
+    raise ValueError(f"unknown attn_type {attn_type!r}; expected 'scsa' or 'dot'")
+
+
+__all__ = [
+    'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'NORM_LAYERS', 'ScaleLayer',
+    'ScaledCosineAttention', 'WEIGHT_INITS', 'create_attention', 'create_conv_shortcuts', 'get_norm_layer',
+    'init_weights_', 'pad_to_multiple', 'padding_key_mask', 'spectral_normalize_', 'window_partition',
+    'window_reverse',
+]

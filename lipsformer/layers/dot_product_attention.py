@@ -1,0 +1,42 @@
+"""Standard scaled dot-product attention (Vaswani et al., 2017), the non-Lipschitz baseline of the ablations.
+
+    Attn(X) = softmax(Q K^T / sqrt(d) + B) V
+
+Dot-product self-attention is not Lipschitz (Kim et al., ICML 2021, Theorem 3.1): with one token at 0 and the others
+scaled by s, its Jacobian grows like s^2. It is here so that LipsFormer's SCSA can be swapped for it (``attn_type='dot'``).
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import use_fused_attn
+
+__all__ = ['DotProductAttention']
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T * scale + bias) v on (batch, heads, tokens, head_dim) tensors."""
+
+    fused_attn: torch.jit.Final[bool]
+
+    def __init__(self, head_dim: int, attn_drop: float = 0.0) -> None:
+        super().__init__()
+        self.fused_attn = use_fused_attn()
+        self.scale = head_dim ** -0.5
+        self.attn_drop = nn.Dropout(attn_drop)
+
+    def forward(
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            attn_bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if self.fused_attn:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_bias, dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        if attn_bias is not None:
+            attn = attn + attn_bias
+        return self.attn_drop(attn.softmax(dim=-1)) @ v

@@ -1,0 +1,105 @@
+"""Scaled cosine similarity attention, SCSA (Qi et al., ICLR 2023, section 4.1.2 and Theorem 1).
+
+    SCSA(X) = nu * softmax(tau * Q_n K_n^T + B) V_n,    q_n = q / sqrt(||q||^2 + eps)  (likewise k, and v if v_norm)
+
+Every logit lies in [-tau, tau], so the softmax is never saturated by the input scale, unlike dot-product attention.
+With l2-normalised v (the paper's form) SCSA is Lipschitz: Theorem 1 bounds its Jacobian by a constant in tau, nu,
+N, ||W^Q||, ||W^K||, ||W^V|| and 1 / sqrt(eps); each output row has norm <= nu. The authors' released code, which
+this module follows by default, keeps v un-normalised (``v_norm=False``, no nu): the logits are still bounded by
+tau, and the output is a convex combination of the value rows.
+
+This module holds only the attention maths on (batch, heads, tokens, head_dim) tensors; window and stripe
+partitioning, projections and positional terms belong to the caller.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import use_fused_attn
+
+__all__ = ['ScaledCosineAttention']
+
+
+class ScaledCosineAttention(nn.Module):
+    """softmax(tau * cos(q, k) + bias) v, optionally with l2-normalised v scaled by nu."""
+
+    fused_attn: torch.jit.Final[bool]
+    tau_learnable: torch.jit.Final[bool]
+    v_norm: torch.jit.Final[bool]
+
+    def __init__(
+            self,
+            tau: float = 10.0,
+            tau_learnable: bool = False,
+            v_norm: bool = False,
+            nu: float = 1.0,
+            eps: float = 1e-12,
+            attn_drop: float = 0.0,
+    ) -> None:
+        """
+        Args:
+            tau: Temperature multiplying the cosine similarities (10 in the authors' Swin, 12 in their CSwin and
+                the paper).
+            tau_learnable: Learn tau (a scalar parameter initialised at ``tau``).
+            v_norm: l2-normalise the values and scale the output by ``nu``, the paper's form.
+            nu: Output scale used with ``v_norm``.
+            eps: Floor of the norms (``F.normalize``'s eps, as the authors' code).
+            attn_drop: Dropout on the attention probabilities.
+        """
+        super().__init__()
+        self.fused_attn = use_fused_attn()
+        self.tau_learnable = tau_learnable
+        self.v_norm = v_norm
+        self.nu = nu
+        self.eps = eps
+        self.tau_init = float(tau)
+        if tau_learnable:
+            self.tau = nn.Parameter(torch.tensor(float(tau)))
+        else:
+            self.register_buffer('tau', torch.tensor(float(tau)), persistent=False)
+        self.attn_drop = nn.Dropout(attn_drop)
+
+    def forward(
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            attn_bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            q, k, v: (batch, heads, tokens, head_dim).
+            attn_bias: Additive logits broadcastable to (batch, heads, tokens, tokens) (a relative-position bias, a
+                -inf/-100 mask), or None.
+
+        Returns:
+            (batch, heads, tokens, head_dim).
+        """
+        q = F.normalize(q, dim=-1, eps=self.eps)
+        k = F.normalize(k, dim=-1, eps=self.eps)
+        if self.v_norm:
+            v = F.normalize(v, dim=-1, eps=self.eps)
+        if self.fused_attn:
+            if self.tau_learnable:
+                # SDPA's scale must be a Python float: fold a learnable tau into q instead.
+                x = F.scaled_dot_product_attention(
+                    q * self.tau, k, v, attn_mask=attn_bias,
+                    dropout_p=self.attn_drop.p if self.training else 0.0, scale=1.0)
+            else:
+                x = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_bias,
+                    dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.tau_init)
+        else:
+            attn = self.tau * (q @ k.transpose(-2, -1))
+            if attn_bias is not None:
+                attn = attn + attn_bias
+            attn = self.attn_drop(attn.softmax(dim=-1))
+            x = attn @ v
+        if self.v_norm:
+            x = x * self.nu
+        return x
+
+    def extra_repr(self) -> str:
+        return (f'tau={self.tau_init}, tau_learnable={self.tau_learnable}, v_norm={self.v_norm}, nu={self.nu}, '
+                f'fused_attn={self.fused_attn}')

@@ -1,0 +1,303 @@
+"""The trunk shared by LipsFormer-Swin and LipsFormer-CSwin: block, stage and the timm model interface.
+
+LipsFormer (Qi et al., "LipsFormer: Introducing Lipschitz Continuity to Vision Transformers", ICLR 2023,
+arXiv:2304.09856). A family supplies its token mixer (window or cross-stripe attention) and its downsampling; this
+module holds everything else, with timm's model API (features, intermediates, pruning, grad checkpointing, heads).
+Feature maps are NHWC throughout, as in timm's Swin.
+"""
+import re
+from collections import defaultdict
+from functools import partial
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple
+from timm.models import checkpoint_seq, register_notrace_function
+from timm.models._features import feature_take_indices
+from timm.models._input import update_model_input_size
+
+from ..layers import ScaleLayer, create_conv_shortcuts, get_norm_layer, init_weights_
+
+__all__ = ['LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'check_checkpoint_depths', 'default_cfg']
+
+# Builds a block's token mixer from (stage index, block index, dim, feature size of the stage at img_size).
+MixerFactory = Callable[[int, int, int, Tuple[int, int]], nn.Module]
+
+
+class LipsFormerBlock(nn.Module):
+    """Conv shortcuts, then weighted residual attention and MLP, each followed by a (post-)norm.
+
+        x <- x + DropPath(alpha_c (.) conv_c(x))          for each conv shortcut c
+        x <- norm1(x + DropPath(alpha1 (.) attn(x)))      norm1 is Identity where the family has no norm there
+        x <- norm2(x + DropPath(alpha2 (.) mlp(x)))
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            attn: nn.Module,
+            norm_layer: Callable[[int], nn.Module],
+            alpha_init: float,
+            post_attn_norm: bool,
+            mlp_ratio: float = 4.0,
+            conv_config: str = 'D',
+            drop_path: float = 0.0,
+            proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path)
+        self.attn = attn
+        self.alpha1 = ScaleLayer(dim, alpha_init)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm1 = norm_layer(dim) if post_attn_norm else nn.Identity()
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
+        self.alpha2 = ScaleLayer(dim, alpha_init)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for shortcut in self.conv_shortcuts:
+            x = shortcut(x)
+        x = self.norm1(x + self.drop_path1(self.alpha1(self.attn(x))))
+        return self.norm2(x + self.drop_path2(self.alpha2(self.mlp(x))))
+
+
+class LipsFormerStage(nn.Module):
+    """Optional downsampling followed by a sequence of blocks, on NHWC maps."""
+
+    def __init__(self, downsample: nn.Module, blocks: List[nn.Module]) -> None:
+        super().__init__()
+        self.downsample = downsample
+        self.blocks = nn.Sequential(*blocks)
+        self.grad_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.downsample(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint_seq(self.blocks, x)
+        return self.blocks(x)
+
+
+@register_notrace_function  # checks the traced input's shape at run time
+def check_input(x: torch.Tensor, in_chans: int, divisor: int) -> torch.Tensor:
+    """Return ``x`` if it is a (B, in_chans, H, W) batch with H and W multiples of ``divisor``, else raise."""
+    if x.dim() != 4:
+        raise ValueError(f'expected a 4-D image batch (B, C, H, W), got a tensor of shape {list(x.shape)}')
+    if x.shape[1] != in_chans:
+        raise ValueError(f'expected {in_chans} input channels, got {x.shape[1]} (input shape {list(x.shape)}); '
+                         f'build the model with in_chans={x.shape[1]} to accept it')
+    if x.shape[2] % divisor != 0 or x.shape[3] % divisor != 0:
+        raise ValueError(f'input height and width must be multiples of {divisor}, got {x.shape[2]}x{x.shape[3]}; '
+                         f'resize or pad the image')
+    return x
+
+
+class LipsFormer(nn.Module):
+    """Patch stem, four (or any number of) stages, final norm and classifier head, with timm's model interface."""
+
+    def __init__(
+            self,
+            make_mixer: MixerFactory,
+            make_downsample: Callable[[int, int, Callable[[int], nn.Module]], nn.Module],
+            post_attn_norm: bool,
+            final_norm: bool,
+            alpha_init: float,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            patch_size: int = 4,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            embed_dim: int = 96,
+            depths: Sequence[int] = (2, 2, 6, 2),
+            mlp_ratio: float = 4.0,
+            conv_config: str = 'D',
+            norm_layer: Union[str, Callable[[int], nn.Module]] = 'center',
+            weight_init: str = 'spectral',
+            drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.0,
+    ) -> None:
+        super().__init__()
+        norm_layer = get_norm_layer(norm_layer)
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.output_fmt = 'NHWC'
+        self.input_divisor = patch_size * 2 ** (len(depths) - 1)
+        img_size = to_2tuple(img_size)
+        self._check_img_size(img_size)
+        dims = [int(embed_dim * 2 ** i) for i in range(len(depths))]
+        self.num_features = self.head_hidden_size = dims[-1]
+
+        self.patch_embed = PatchEmbed(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+            norm_layer=norm_layer, output_fmt='NHWC', strict_img_size=False)
+        grid = self.patch_embed.grid_size
+        drop_path_rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
+        stages = []
+        self.feature_info = []
+        for i, depth in enumerate(depths):
+            feat_size = (grid[0] // 2 ** i, grid[1] // 2 ** i)
+            blocks = [
+                LipsFormerBlock(
+                    dims[i], make_mixer(i, j, dims[i], feat_size), norm_layer, alpha_init, post_attn_norm,
+                    mlp_ratio=mlp_ratio, conv_config=conv_config, drop_path=drop_path_rates[i][j],
+                    proj_drop=proj_drop_rate)
+                for j in range(depth)]
+            downsample = make_downsample(dims[i - 1], dims[i], norm_layer) if i > 0 else nn.Identity()
+            stages.append(LipsFormerStage(downsample, blocks))
+            self.feature_info.append(dict(num_chs=dims[i], reduction=patch_size * 2 ** i, module=f'stages.{i}'))
+        self.stages = nn.Sequential(*stages)
+        self.norm = norm_layer(self.num_features) if final_norm else nn.Identity()
+        self.head = ClassifierHead(
+            self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, input_fmt=self.output_fmt)
+        self.weight_init = weight_init
+        self.apply(partial(init_weights_, mode=weight_init))
+
+    def _check_img_size(self, img_size: Tuple[int, int]) -> None:
+        if img_size[0] % self.input_divisor or img_size[1] % self.input_divisor:
+            raise ValueError(f'img_size must be a multiple of {self.input_divisor}, got {img_size[0]}x{img_size[1]}')
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size: Union[int, Tuple[int, int]]) -> None:
+        """Make ``img_size`` the model's default input size (any multiple of the stride works without this)."""
+        img_size = to_2tuple(img_size)
+        self._check_img_size(img_size)
+        self.patch_embed.set_input_size(img_size=img_size)
+        update_model_input_size(self, img_size)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        return {n for n, _ in self.named_parameters() if 'relative_position_bias_table' in n or n.endswith('.tau')}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        return dict(
+            stem=r'^patch_embed',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.downsample', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                (r'^norm', (99999,)),
+            ])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for stage in self.stages:
+            stage.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        self.head.reset(num_classes, pool_type=global_pool, in_features=self.num_features)
+        self.head.fc.apply(partial(init_weights_, mode=self.weight_init))
+        self.head_hidden_size = self.head.num_features
+        if global_pool is not None:
+            self.global_pool = global_pool
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward returning the stage outputs (NCHW) listed in ``indices``, as timm's ``forward_intermediates``.
+
+        Args:
+            x: Input images.
+            indices: Take the last n stages if an int, all if None, those listed if a sequence.
+            norm: Apply the final norm to the last stage's intermediate.
+            stop_early: Stop after the last stage needed.
+            output_fmt: Only 'NCHW'.
+            intermediates_only: Return only the intermediates.
+        """
+        if output_fmt != 'NCHW':
+            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
+        intermediates = []
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        x = self.patch_embed(check_input(x, self.in_chans, self.input_divisor))
+        last_index = len(self.stages) - 1
+        if torch.jit.is_scripting() or not stop_early:
+            stages = self.stages
+        else:
+            stages = self.stages[:max_index + 1]
+        i = 0
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in take_indices:
+                x_inter = self.norm(x) if norm and i == last_index else x
+                intermediates.append(x_inter.permute(0, 3, 1, 2).contiguous())
+        if intermediates_only:
+            return intermediates
+        if i == last_index:
+            x = self.norm(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages (and norm / head) that the intermediates in ``indices`` do not need."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        self.stages = self.stages[:max_index + 1]
+        if prune_end:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(check_input(x, self.in_chans, self.input_divisor))
+        x = self.stages(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(x, pre_logits=True) if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def check_checkpoint_depths(keys: Iterable[str], block_pattern: str, model: 'LipsFormer') -> None:
+    """Raise a CheckpointError when a checkpoint's blocks per stage differ from the model's.
+
+    Args:
+        keys: The checkpoint's keys.
+        block_pattern: Regex whose two groups capture the stage and block indices of a block's key.
+        model: The model the checkpoint is loaded into.
+    """
+    from ..checkpoint import CheckpointError
+    blocks = defaultdict(set)
+    for key in keys:
+        match = re.match(block_pattern, key)
+        if match:
+            blocks[int(match.group(1))].add(int(match.group(2)))
+    found_depths = tuple(len(blocks[stage]) for stage in sorted(blocks))
+    model_depths = tuple(len(stage.blocks) for stage in model.stages)
+    if found_depths != model_depths:
+        raise CheckpointError(
+            f'checkpoint has depths {tuple(found_depths)} but the model has depths {tuple(model_depths)}; build '
+            f'the model with depths={tuple(found_depths)} to load it')
+
+
+def default_cfg(url: str = '', **kwargs: Any) -> dict[str, Any]:
+    """timm pretrained config shared by every LipsFormer model (the authors' evaluation: resize 256, crop 224)."""
+    return {
+        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
+        'crop_pct': 0.875, 'interpolation': 'bicubic', 'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'patch_embed.proj', 'classifier': 'head.fc', 'paper_ids': 'arXiv:2304.09856',
+        'paper_name': 'LipsFormer: Introducing Lipschitz Continuity to Vision Transformers',
+        'origin_url': 'https://github.com/IDEA-Research/LipsFormer', 'license': 'apache-2.0', **kwargs,
+    }

@@ -1,0 +1,290 @@
+"""LipsFormer-CSwin.
+
+A timm implementation of LipsFormer-CSwin from `LipsFormer: Introducing Lipschitz Continuity to Vision Transformers`
+(Qi et al., ICLR 2023) - https://arxiv.org/abs/2304.09856, following the authors' code (IDEA-Research/LipsFormer,
+commit 00acb80, models/cswin.py) on the CSWin Transformer backbone (Dong et al., CVPR 2022): cross-shaped window
+attention, half the heads in vertical and half in horizontal stripes, with scaled cosine attention (tau = 12),
+locally-enhanced positional encoding (LePE), each branch divided by sqrt(its heads), one CenterNorm per block after
+the MLP residual, alpha = 0.2, two conv shortcuts per block, spectral init, no final norm.
+"""
+import re
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+
+from ..layers import create_attention, pad_to_multiple, padding_key_mask, window_partition, window_reverse
+from ._base import LipsFormer, check_checkpoint_depths, default_cfg
+
+__all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin']
+
+
+class CrossStripeAttention(nn.Module):
+    """Cross-shaped window attention with LePE on NHWC maps.
+
+    With two branches, the first half of the channels (and heads) attends within vertical stripes (full height,
+    ``split_size`` wide) and the second half within horizontal stripes; with one branch all channels attend over the
+    whole map. Stripes cut by the map border are padded and the padded keys masked, so any size works.
+    """
+
+    two_branches: torch.jit.Final[bool]
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            split_size: int,
+            two_branches: bool,
+            make_attention: Callable[[int], nn.Module],
+            qkv_bias: bool = True,
+            proj_drop: float = 0.0,
+    ) -> None:
+        """
+        Args:
+            dim: Channels.
+            num_heads: Attention heads in all (split evenly between the branches).
+            split_size: Stripe width.
+            two_branches: Vertical + horizontal stripes; else one global branch.
+            make_attention: Builds the attention maths from the head dim.
+            qkv_bias: Bias in the qkv projection.
+            proj_drop: Dropout after the output projection.
+        """
+        super().__init__()
+        branches = 2 if two_branches else 1
+        if num_heads % branches or dim % num_heads:
+            raise ValueError(f'dim {dim} and num_heads {num_heads} must split evenly into {branches} branch(es)')
+        self.two_branches = two_branches
+        self.split_size = split_size
+        self.branch_heads = num_heads // branches
+        branch_dim = dim // branches
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.lepe = nn.ModuleList([
+            nn.Conv2d(branch_dim, branch_dim, 3, padding=1, groups=branch_dim) for _ in range(branches)])
+        self.kernel = make_attention(dim // num_heads)
+        self.head_scale = self.branch_heads ** -0.5
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _stripe_attention(self, qkv: torch.Tensor, lepe: nn.Module, stripe_h: int, stripe_w: int) -> torch.Tensor:
+        """Attention within stripe_h x stripe_w windows of a (B, H, W, 3 * C') map of stacked q, k, v."""
+        batch, height, width, _ = qkv.shape
+        windows = window_partition(pad_to_multiple(qkv, stripe_h, stripe_w), stripe_h, stripe_w)
+        num_windows, area = windows.shape[0], windows.shape[1]
+        q, k, v = windows.view(num_windows, area, 3, self.branch_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
+        # LePE: a depthwise 3x3 conv over v laid out as its stripe (channels-last, no copy).
+        v_map = v.permute(0, 1, 3, 2).reshape(num_windows, -1, stripe_h, stripe_w)
+        positional = lepe(v_map).reshape(num_windows, self.branch_heads, -1, area).transpose(-1, -2)
+        x = (self.kernel(q, k, v, mask) + positional) * self.head_scale
+        x = x.transpose(1, 2).reshape(num_windows, area, -1)
+        padded_h = height + (stripe_h - height % stripe_h) % stripe_h
+        padded_w = width + (stripe_w - width % stripe_w) % stripe_w
+        return window_reverse(x, stripe_h, stripe_w, padded_h, padded_w)[:, :height, :width]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, height, width, channels = x.shape
+        qkv = self.qkv(x)
+        if self.two_branches:
+            half = channels // 2
+            q, k, v = qkv.view(batch, height, width, 3, channels).unbind(3)
+            vertical = torch.cat([q[..., :half], k[..., :half], v[..., :half]], dim=-1)
+            horizontal = torch.cat([q[..., half:], k[..., half:], v[..., half:]], dim=-1)
+            x = torch.cat([
+                self._stripe_attention(vertical, self.lepe[0], height, self.split_size),
+                self._stripe_attention(horizontal, self.lepe[1], self.split_size, width),
+            ], dim=-1)
+        else:
+            x = self._stripe_attention(qkv, self.lepe[0], height, width)
+        return self.proj_drop(self.proj(x))
+
+
+class ConvMerge(nn.Module):
+    """CSwin's downsampling between stages: a 2x2 stride-2 conv, then a norm, on NHWC maps."""
+
+    def __init__(self, dim: int, out_dim: int, norm_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(dim, out_dim, 2, stride=2)
+        self.norm = norm_layer(out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
+
+
+class LipsFormerCSwin(LipsFormer):
+    """LipsFormer-CSwin: the LipsFormer trunk with cross-shaped stripe attention and conv merging."""
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            patch_size: int = 4,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            embed_dim: int = 64,
+            depths: Sequence[int] = (1, 2, 21, 1),
+            num_heads: Sequence[int] = (2, 4, 8, 16),
+            split_size: Sequence[int] = (1, 2, 7, 7),
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            attn_type: str = 'scsa',
+            tau: float = 12.0,
+            tau_learnable: bool = False,
+            v_norm: bool = False,
+            nu: float = 1.0,
+            alpha_init: Optional[float] = None,
+            conv_config: str = 'D',
+            norm_layer: Union[str, Callable[[int], nn.Module]] = 'center',
+            weight_init: str = 'spectral',
+            drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            attn_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.2,
+    ) -> None:
+        """
+        Args:
+            img_size: Default input size (any multiple of patch_size * 2 ** (stages - 1) works at run time).
+            patch_size: Stride of the patch-embedding conv.
+            in_chans: Input channels.
+            num_classes: Classes of the head (0 for none).
+            global_pool: Head pooling ('avg', 'max', ... or '' for none).
+            embed_dim: Channels of the first stage, doubled at every stage.
+            depths: Blocks per stage.
+            num_heads: Attention heads per stage (even where the stage has two branches).
+            split_size: Stripe width per stage. The last stage, and any stage whose map at ``img_size`` is
+                ``split_size`` square, attends over the whole map in one branch.
+            mlp_ratio: MLP hidden width over dim.
+            qkv_bias: Bias in the qkv projection.
+            attn_type: 'scsa' (scaled cosine similarity) or 'dot' (standard dot product).
+            tau: SCSA temperature (12, as the authors' code and the paper).
+            tau_learnable: Learn tau.
+            v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
+            nu: Output scale with ``v_norm``.
+            alpha_init: Initial weighted-residual alpha; None for the authors' 0.2.
+            conv_config: Conv shortcuts, Table 3's 'A' (none), 'B', 'C' or 'D' (authors').
+            norm_layer: 'center' (CenterNorm), 'layer' (LayerNorm), 'none', or a constructor taking the channels.
+            weight_init: 'spectral', 'xavier' or 'trunc_normal'.
+            drop_rate: Dropout before the classifier.
+            proj_drop_rate: Dropout after attention and MLP projections.
+            attn_drop_rate: Dropout on attention probabilities.
+            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
+        """
+        num_heads, split_size = tuple(num_heads), tuple(split_size)
+        if len(num_heads) != len(depths) or len(split_size) != len(depths):
+            raise ValueError(f'num_heads {num_heads} and split_size {split_size} need one entry per stage of '
+                             f'depths {tuple(depths)}')
+
+        def make_attention(head_dim: int) -> nn.Module:
+            return create_attention(
+                attn_type, head_dim, tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
+                attn_drop=attn_drop_rate)
+
+        def make_mixer(stage: int, block: int, dim: int, feat_size: Tuple[int, int]) -> nn.Module:
+            split = split_size[stage]
+            two_branches = stage < len(depths) - 1 and feat_size != (split, split)
+            return CrossStripeAttention(
+                dim, num_heads[stage], split, two_branches, make_attention, qkv_bias, proj_drop_rate)
+
+        super().__init__(
+            make_mixer=make_mixer,
+            make_downsample=ConvMerge,
+            post_attn_norm=False,
+            final_norm=False,
+            alpha_init=0.2 if alpha_init is None else alpha_init,
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
+            global_pool=global_pool, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
+            conv_config=conv_config, norm_layer=norm_layer, weight_init=weight_init, drop_rate=drop_rate,
+            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
+
+
+# The authors' names (commit 00acb80, models/cswin.py) and ours.
+_AUTHORS_KEYS = (
+    (r'^stage1_conv_embed\.0\.', 'patch_embed.proj.'),
+    (r'^stage1_conv_embed\.2\.', 'patch_embed.norm.'),
+    (r'^merge(\d)\.', lambda m: f'stages.{m.group(1)}.downsample.'),
+    (r'^stage(\d)\.(\d+)\.', lambda m: f'stages.{int(m.group(1)) - 1}.blocks.{m.group(2)}.'),
+    (r'\.dwconv_layers\.0\.', '.conv_shortcuts.0.dw.'),
+    (r'\.dwconv_layers\.1\.', '.conv_shortcuts.1.dw.'),
+    (r'\.nin\.', '.conv_shortcuts.0.pw.'),
+    (r'\.scale_layers\.(\d)\.scale$', r'.conv_shortcuts.\1.alpha.gamma'),
+    (r'\.alpha(\d)\.scale$', r'.alpha\1.gamma'),
+    (r'\.blocks\.(\d+)\.(qkv|proj)\.', r'.blocks.\1.attn.\2.'),
+    (r'\.attns\.(\d)\.get_v\.', r'.attn.lepe.\1.'),
+    (r'^head\.', 'head.fc.'),
+)
+
+
+def checkpoint_filter_fn(state_dict: dict[str, Any], model: LipsFormerCSwin) -> dict[str, torch.Tensor]:
+    """Map an authors' LipsFormer-CSwin checkpoint (the file's dict or its ``model`` entry) to this model's keys.
+
+    The authors' blocks carry a ``norm1`` they never use; it is dropped. Checkpoints already in this package's
+    layout pass through unchanged.
+
+    Raises:
+        CheckpointError: The checkpoint's blocks per stage differ from the model's.
+    """
+    state_dict = state_dict.get('model', state_dict.get('state_dict', state_dict))
+    if 'stage1_conv_embed.0.weight' not in state_dict:
+        return state_dict
+    check_checkpoint_depths(state_dict, r'^stage(\d+)\.(\d+)\.', model)
+    out = {}
+    for key, value in state_dict.items():
+        if re.match(r'^stage\d\.\d+\.norm1\.', key):
+            continue
+        for pattern, replacement in _AUTHORS_KEYS:
+            key = re.sub(pattern, replacement, key)
+        out[key] = value
+    return out
+
+
+def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
+    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (1, 2, 21, 1))))))
+    return build_model_with_cfg(
+        LipsFormerCSwin, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        **kwargs)
+
+
+default_cfgs = generate_default_cfgs({
+    'lipsformer_cswin_tiny': default_cfg(),
+    'lipsformer_cswin_small': default_cfg(),
+    'lipsformer_cswin_base': default_cfg(),
+    'lipsformer_cswin_base_384': default_cfg(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
+})
+
+
+def _model(variant: str, pretrained: bool, model_args: dict[str, Any], kwargs: dict[str, Any]) -> LipsFormerCSwin:
+    return _create_lipsformer_cswin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def lipsformer_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-T (paper: 83.5% top-1, 88.0% ReaL, 73.2% V2)."""
+    model_args = dict(embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7),
+                      drop_path_rate=0.2)
+    return _model('lipsformer_cswin_tiny', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_cswin_small(pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-S (paper: 83.8% top-1)."""
+    model_args = dict(embed_dim=64, depths=(2, 4, 32, 2), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7),
+                      drop_path_rate=0.4)
+    return _model('lipsformer_cswin_small', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_cswin_base(pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-B (paper: 84.6% top-1, 88.6% ReaL, 74.5% V2)."""
+    model_args = dict(embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32), split_size=(1, 2, 7, 7),
+                      drop_path_rate=0.5)
+    return _model('lipsformer_cswin_base', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
+    """LipsFormer-CSwin-B at 384x384 with stripes (1, 2, 12, 12)."""
+    model_args = dict(img_size=384, embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32),
+                      split_size=(1, 2, 12, 12), drop_path_rate=0.5)
+    return _model('lipsformer_cswin_base_384', pretrained, model_args, kwargs)

@@ -1,0 +1,307 @@
+"""LipsFormer-Swin.
+
+A timm implementation of LipsFormer-Swin from `LipsFormer: Introducing Lipschitz Continuity to Vision Transformers`
+(Qi et al., ICLR 2023) - https://arxiv.org/abs/2304.09856, following the authors' released code
+(https://github.com/IDEA-Research/LipsFormer, models/lipsformer_swin.py) so that their checkpoints load and reproduce
+their logits: Swin windows without shifting, scaled cosine attention with tau = 10 and the relative-position bias,
+CenterNorm after the attention and after the MLP residuals, alpha = 1 / sum(depths), two conv shortcuts per block,
+spectral init. The paper's variants (shifted windows, l2-normalised v with nu, other tau and alpha) are options.
+"""
+import re
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.layers import trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.swin_transformer import PatchMerging, get_relative_position_index
+
+from ..layers import create_attention, pad_to_multiple, window_partition, window_reverse
+from ._base import LipsFormer, check_checkpoint_depths, default_cfg
+
+__all__ = ['LipsFormerSwin', 'WindowAttention']
+
+
+class WindowAttention(nn.Module):
+    """Multi-head attention inside (optionally shifted) windows with Swin's relative-position bias, on NHWC maps.
+
+    Maps are zero-padded to a multiple of the window at the bottom and right, as timm's Swin does, so any input
+    size works with the window size the relative-position table was built for.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            window_size: Tuple[int, int],
+            shift_size: Tuple[int, int],
+            attention: nn.Module,
+            qkv_bias: bool = True,
+            proj_drop: float = 0.0,
+    ) -> None:
+        """
+        Args:
+            dim: Channels.
+            num_heads: Attention heads.
+            window_size: (height, width) of a window.
+            shift_size: Cyclic shift before partitioning (0, 0 for none).
+            attention: The attention maths (see ``lipsformer.layers.create_attention``).
+            qkv_bias: Bias in the qkv projection.
+            proj_drop: Dropout after the output projection.
+        """
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.shift_size = shift_size
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
+        trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.register_buffer(
+            'relative_position_index', get_relative_position_index(*window_size).view(-1), persistent=False)
+        self.kernel = attention
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def relative_position_bias(self) -> torch.Tensor:
+        """(1, heads, window area, window area) bias gathered from the table."""
+        area = self.window_size[0] * self.window_size[1]
+        bias = self.relative_position_bias_table[self.relative_position_index].view(area, area, -1)
+        return bias.permute(2, 0, 1).unsqueeze(0)
+
+    def shift_mask(self, height: int, width: int, device: torch.device) -> torch.Tensor:
+        """Swin's (num_windows, 1, area, area) mask (-100 between tokens from different regions of a shifted map)."""
+        region = torch.zeros(1, height, width, 1, device=device)
+        count = 0
+        for h0, h1 in ((0, height - self.window_size[0]), (height - self.window_size[0], height - self.shift_size[0]),
+                       (height - self.shift_size[0], height)):
+            for w0, w1 in ((0, width - self.window_size[1]), (width - self.window_size[1], width - self.shift_size[1]),
+                           (width - self.shift_size[1], width)):
+                region[:, h0:h1, w0:w1] = count
+                count += 1
+        region = window_partition(region, self.window_size[0], self.window_size[1]).squeeze(-1)
+        mask = region.unsqueeze(1) - region.unsqueeze(2)
+        return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, height, width, channels = x.shape
+        window_h, window_w = self.window_size
+        shifted = self.shift_size[0] > 0 or self.shift_size[1] > 0
+        if shifted:
+            x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2))
+        x = pad_to_multiple(x, window_h, window_w)
+        padded_h, padded_w = x.shape[1], x.shape[2]
+        windows = window_partition(x, window_h, window_w)
+        num_windows, area = windows.shape[0], windows.shape[1]
+        qkv = self.qkv(windows).reshape(num_windows, area, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn_bias = self.relative_position_bias()
+        if shifted:
+            mask = self.shift_mask(padded_h, padded_w, x.device).to(attn_bias.dtype)
+            attn_bias = (attn_bias.unsqueeze(0) + mask.unsqueeze(0)).expand(batch, -1, self.num_heads, -1, -1)
+            attn_bias = attn_bias.reshape(num_windows, self.num_heads, area, area)
+        x = self.kernel(q, k, v, attn_bias).transpose(1, 2).reshape(num_windows, area, channels)
+        x = window_reverse(x, window_h, window_w, padded_h, padded_w)[:, :height, :width]
+        if shifted:
+            x = torch.roll(x, shifts=(self.shift_size[0], self.shift_size[1]), dims=(1, 2))
+        return self.proj_drop(self.proj(x))
+
+
+class LipsFormerSwin(LipsFormer):
+    """LipsFormer-Swin: the LipsFormer trunk with (by default unshifted) window attention and patch merging."""
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            patch_size: int = 4,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            embed_dim: int = 96,
+            depths: Sequence[int] = (2, 2, 6, 2),
+            num_heads: Sequence[int] = (3, 6, 12, 24),
+            window_size: int = 7,
+            shift_windows: bool = False,
+            mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            attn_type: str = 'scsa',
+            tau: float = 10.0,
+            tau_learnable: bool = False,
+            v_norm: bool = False,
+            nu: float = 1.0,
+            alpha_init: Optional[float] = None,
+            conv_config: str = 'D',
+            norm_layer: Union[str, Callable[[int], nn.Module]] = 'center',
+            weight_init: str = 'spectral',
+            drop_rate: float = 0.0,
+            proj_drop_rate: float = 0.0,
+            attn_drop_rate: float = 0.0,
+            drop_path_rate: float = 0.2,
+    ) -> None:
+        """
+        Args:
+            img_size: Default input size (any multiple of patch_size * 2 ** (stages - 1) works at run time).
+            patch_size: Stride of the patch-embedding conv.
+            in_chans: Input channels.
+            num_classes: Classes of the head (0 for none).
+            global_pool: Head pooling ('avg', 'max', ... or '' for none).
+            embed_dim: Channels of the first stage, doubled at every stage.
+            depths: Blocks per stage.
+            num_heads: Attention heads per stage.
+            window_size: Window side; a stage smaller than the window at ``img_size`` uses its own size.
+            shift_windows: Shift every other block's windows by half a window (Swin v1). The authors never shift.
+            mlp_ratio: MLP hidden width over dim.
+            qkv_bias: Bias in the qkv projection.
+            attn_type: 'scsa' (scaled cosine similarity) or 'dot' (standard dot product).
+            tau: SCSA temperature (10 in the authors' Swin code; the paper says 12).
+            tau_learnable: Learn tau.
+            v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
+            nu: Output scale with ``v_norm``.
+            alpha_init: Initial weighted-residual alpha; None for the authors' 1 / sum(depths).
+            conv_config: Conv shortcuts, Table 3's 'A' (none), 'B', 'C' or 'D' (authors').
+            norm_layer: 'center' (CenterNorm), 'layer' (LayerNorm), 'none', or a constructor taking the channels.
+            weight_init: 'spectral', 'xavier' or 'trunc_normal'.
+            drop_rate: Dropout before the classifier.
+            proj_drop_rate: Dropout after attention and MLP projections.
+            attn_drop_rate: Dropout on attention probabilities.
+            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
+        """
+        num_heads = tuple(num_heads)
+        if len(num_heads) != len(depths):
+            raise ValueError(f'num_heads {num_heads} needs one entry per stage of depths {tuple(depths)}')
+
+        def make_mixer(stage: int, block: int, dim: int, feat_size: Tuple[int, int]) -> nn.Module:
+            window = tuple(min(window_size, r) for r in feat_size)
+            shifted = shift_windows and block % 2 == 1
+            shift = tuple(w // 2 if shifted and r > w else 0 for r, w in zip(feat_size, window))
+            attention = create_attention(
+                attn_type, dim // num_heads[stage], tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
+                attn_drop=attn_drop_rate)
+            return WindowAttention(dim, num_heads[stage], window, shift, attention, qkv_bias, proj_drop_rate)
+
+        super().__init__(
+            make_mixer=make_mixer,
+            make_downsample=lambda dim, out_dim, norm: PatchMerging(dim, out_dim, norm_layer=norm),
+            post_attn_norm=True,
+            final_norm=True,
+            alpha_init=1.0 / sum(depths) if alpha_init is None else alpha_init,
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
+            global_pool=global_pool, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
+            conv_config=conv_config, norm_layer=norm_layer, weight_init=weight_init, drop_rate=drop_rate,
+            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
+
+
+# The authors' block-level names (models/lipsformer_swin.py) and ours.
+_AUTHORS_BLOCK_KEYS = (
+    (r'dwconv_layers\.0\.', 'conv_shortcuts.0.dw.'),
+    (r'dwconv_layers\.1\.', 'conv_shortcuts.1.dw.'),
+    (r'nin\.', 'conv_shortcuts.0.pw.'),
+    (r'scale_layers\.(\d)\.scale', r'conv_shortcuts.\1.alpha.gamma'),
+    (r'alpha(\d)\.scale', r'alpha\1.gamma'),
+)
+
+
+def checkpoint_filter_fn(state_dict: dict[str, Any], model: LipsFormerSwin) -> dict[str, torch.Tensor]:
+    """Map an authors' LipsFormer-Swin checkpoint (the file's dict or its ``model`` entry) to this model's keys.
+
+    Checkpoints already in this package's layout pass through unchanged.
+
+    Raises:
+        CheckpointError: The checkpoint's blocks per stage differ from the model's.
+    """
+    state_dict = state_dict.get('model', state_dict.get('state_dict', state_dict))
+    if not any(k.startswith('layers.') for k in state_dict):
+        return state_dict
+    check_checkpoint_depths(state_dict, r'^layers\.(\d+)\.blocks\.(\d+)\.', model)
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(('relative_position_index', 'attn_mask')):
+            continue  # buffers the model recomputes
+        key = re.sub(r'^layers\.(\d+)\.downsample', lambda m: f'stages.{int(m.group(1)) + 1}.downsample', key)
+        key = re.sub(r'^layers\.', 'stages.', key)
+        if '.blocks.' in key:
+            for pattern, replacement in _AUTHORS_BLOCK_KEYS:
+                key = re.sub(pattern, replacement, key)
+        key = re.sub(r'^head\.', 'head.fc.', key)
+        out[key] = value
+    return out
+
+
+def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (2, 2, 6, 2))))))
+    return build_model_with_cfg(
+        LipsFormerSwin, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        **kwargs)
+
+
+default_cfgs = generate_default_cfgs({
+    'lipsformer_swin_tiny.in1k': default_cfg(
+        url='https://github.com/cyh1112/LipsFormer/releases/download/checkpoint/lipsformer-swin-tiny.pth'),
+    'lipsformer_swin_small': default_cfg(),
+    'lipsformer_swin_base': default_cfg(),
+    'lipsformer_swin_large': default_cfg(),
+    'lipsformer_swin_large_plus': default_cfg(),
+    'lipsformer_swin_base_384': default_cfg(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
+    'lipsformer_swin_large_384': default_cfg(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
+})
+
+
+def _model(variant: str, pretrained: bool, model_args: dict[str, Any], kwargs: dict[str, Any]) -> LipsFormerSwin:
+    return _create_lipsformer_swin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def lipsformer_swin_tiny(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-T (82.7% ImageNet-1k top-1 with the authors' released weights)."""
+    model_args = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.2)
+    return _model('lipsformer_swin_tiny', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_swin_small(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-S (paper: 83.5% top-1)."""
+    model_args = dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.3)
+    return _model('lipsformer_swin_small', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_swin_base(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-B (paper: 84.0% top-1)."""
+    model_args = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
+    return _model('lipsformer_swin_base', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_swin_large(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-L (paper: 83.5% top-1)."""
+    model_args = dict(embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), drop_path_rate=0.5)
+    return _model('lipsformer_swin_large', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_swin_large_plus(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-L++ (C 288; the authors trained it on ImageNet-22k with num_classes=21841)."""
+    model_args = dict(embed_dim=288, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), drop_path_rate=0.5)
+    return _model('lipsformer_swin_large_plus', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_swin_base_384(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-B at 384x384 with 12x12 windows."""
+    model_args = dict(
+        img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=12,
+        drop_path_rate=0.5)
+    return _model('lipsformer_swin_base_384', pretrained, model_args, kwargs)
+
+
+@register_model
+def lipsformer_swin_large_384(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
+    """LipsFormer-Swin-L at 384x384 with 12x12 windows."""
+    model_args = dict(
+        img_size=384, embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), window_size=12,
+        drop_path_rate=0.5)
+    return _model('lipsformer_swin_large_384', pretrained, model_args, kwargs)
