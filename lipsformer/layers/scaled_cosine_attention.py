@@ -54,10 +54,7 @@ class ScaledCosineAttention(nn.Module):
         self.nu = nu
         self.eps = eps
         self.tau_init = float(tau)
-        if tau_learnable:
-            self.tau = nn.Parameter(torch.tensor(float(tau)))
-        else:
-            self.register_buffer('tau', torch.tensor(float(tau)), persistent=False)
+        self.tau = nn.Parameter(torch.tensor(self.tau_init)) if tau_learnable else self.tau_init
         self.attn_drop = nn.Dropout(attn_drop)
 
     def forward(

@@ -17,7 +17,38 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from ..layers import create_attention, pad_to_multiple, padding_key_mask, window_partition, window_reverse
 from ._base import LipsFormer, check_checkpoint_depths, default_cfg
 
-__all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin']
+__all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
+
+
+class StripeAttention(nn.Module):
+    """One CSwin branch: attention within stripe_h x stripe_w windows plus LePE, divided by sqrt(heads).
+
+    Stripes cut by the map border are zero-padded and the padded keys masked, so any map size works and a cut
+    stripe behaves as a narrower one.
+    """
+
+    def __init__(self, dim: int, num_heads: int, attention: nn.Module) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.kernel = attention
+        self.head_scale = num_heads ** -0.5
+
+    def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
+        """(B, H, W, 3 * C) stacked q, k, v -> (B, H, W, C)."""
+        batch, height, width, _ = qkv.shape
+        windows = window_partition(pad_to_multiple(qkv, stripe_h, stripe_w), stripe_h, stripe_w)
+        num_windows, area = windows.shape[0], windows.shape[1]
+        q, k, v = windows.view(num_windows, area, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
+        # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
+        v_map = v.permute(0, 1, 3, 2).reshape(num_windows, -1, stripe_h, stripe_w)
+        positional = self.lepe(v_map).reshape(num_windows, self.num_heads, -1, area).transpose(-1, -2)
+        x = (self.kernel(q, k, v, mask) + positional) * self.head_scale
+        x = x.transpose(1, 2).reshape(num_windows, area, -1)
+        padded_h = height + (stripe_h - height % stripe_h) % stripe_h
+        padded_w = width + (stripe_w - width % stripe_w) % stripe_w
+        return window_reverse(x, stripe_h, stripe_w, padded_h, padded_w)[:, :height, :width]
 
 
 class CrossStripeAttention(nn.Module):
@@ -25,7 +56,7 @@ class CrossStripeAttention(nn.Module):
 
     With two branches, the first half of the channels (and heads) attends within vertical stripes (full height,
     ``split_size`` wide) and the second half within horizontal stripes; with one branch all channels attend over the
-    whole map. Stripes cut by the map border are padded and the padded keys masked, so any size works.
+    whole map.
     """
 
     two_branches: torch.jit.Final[bool]
@@ -56,31 +87,12 @@ class CrossStripeAttention(nn.Module):
             raise ValueError(f'dim {dim} and num_heads {num_heads} must split evenly into {branches} branch(es)')
         self.two_branches = two_branches
         self.split_size = split_size
-        self.branch_heads = num_heads // branches
-        branch_dim = dim // branches
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.lepe = nn.ModuleList([
-            nn.Conv2d(branch_dim, branch_dim, 3, padding=1, groups=branch_dim) for _ in range(branches)])
-        self.kernel = make_attention(dim // num_heads)
-        self.head_scale = self.branch_heads ** -0.5
+        self.branches = nn.ModuleList([
+            StripeAttention(dim // branches, num_heads // branches, make_attention(dim // num_heads))
+            for _ in range(branches)])
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-
-    def _stripe_attention(self, qkv: torch.Tensor, lepe: nn.Module, stripe_h: int, stripe_w: int) -> torch.Tensor:
-        """Attention within stripe_h x stripe_w windows of a (B, H, W, 3 * C') map of stacked q, k, v."""
-        batch, height, width, _ = qkv.shape
-        windows = window_partition(pad_to_multiple(qkv, stripe_h, stripe_w), stripe_h, stripe_w)
-        num_windows, area = windows.shape[0], windows.shape[1]
-        q, k, v = windows.view(num_windows, area, 3, self.branch_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
-        # LePE: a depthwise 3x3 conv over v laid out as its stripe (channels-last, no copy).
-        v_map = v.permute(0, 1, 3, 2).reshape(num_windows, -1, stripe_h, stripe_w)
-        positional = lepe(v_map).reshape(num_windows, self.branch_heads, -1, area).transpose(-1, -2)
-        x = (self.kernel(q, k, v, mask) + positional) * self.head_scale
-        x = x.transpose(1, 2).reshape(num_windows, area, -1)
-        padded_h = height + (stripe_h - height % stripe_h) % stripe_h
-        padded_w = width + (stripe_w - width % stripe_w) % stripe_w
-        return window_reverse(x, stripe_h, stripe_w, padded_h, padded_w)[:, :height, :width]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, height, width, channels = x.shape
@@ -91,11 +103,11 @@ class CrossStripeAttention(nn.Module):
             vertical = torch.cat([q[..., :half], k[..., :half], v[..., :half]], dim=-1)
             horizontal = torch.cat([q[..., half:], k[..., half:], v[..., half:]], dim=-1)
             x = torch.cat([
-                self._stripe_attention(vertical, self.lepe[0], height, self.split_size),
-                self._stripe_attention(horizontal, self.lepe[1], self.split_size, width),
+                self.branches[0](vertical, height, self.split_size),
+                self.branches[1](horizontal, self.split_size, width),
             ], dim=-1)
         else:
-            x = self._stripe_attention(qkv, self.lepe[0], height, width)
+            x = self.branches[0](qkv, height, width)
         return self.proj_drop(self.proj(x))
 
 
@@ -209,7 +221,7 @@ _AUTHORS_KEYS = (
     (r'\.scale_layers\.(\d)\.scale$', r'.conv_shortcuts.\1.alpha.gamma'),
     (r'\.alpha(\d)\.scale$', r'.alpha\1.gamma'),
     (r'\.blocks\.(\d+)\.(qkv|proj)\.', r'.blocks.\1.attn.\2.'),
-    (r'\.attns\.(\d)\.get_v\.', r'.attn.lepe.\1.'),
+    (r'\.attns\.(\d)\.get_v\.', r'.attn.branches.\1.lepe.'),
     (r'^head\.', 'head.fc.'),
 )
 
