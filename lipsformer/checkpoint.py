@@ -9,7 +9,7 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,10 +28,10 @@ _INERT_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode')]
 torch.serialization.add_safe_globals(_INERT_GLOBALS)
 
 
-def _unpickling_reason(error: Exception) -> str:
-    """The line of torch's weights-only error that names the offending global, without its advice to disable it."""
-    lines = [line for line in str(error).splitlines() if 'GLOBAL' in line or 'global' in line]
-    return lines[0].strip() if lines else type(error).__name__
+def _unpickling_reason(error: Exception) -> Optional[str]:
+    """The line of torch's weights-only error naming the global it refused, or None if it refused none."""
+    lines = [line.strip() for line in str(error).splitlines() if 'GLOBAL' in line]
+    return lines[0] if lines else None
 
 
 def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu') -> dict[str, Any]:
@@ -59,10 +59,13 @@ def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu')
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
+        reason = _unpickling_reason(e)
+        if reason is None:
+            raise CheckpointError(f'{path!r} is not a readable PyTorch checkpoint: {e}') from e
         raise CheckpointError(
             f'refusing to load {path!r}: its pickle references code that a weights-only load does not run '
-            f'({_unpickling_reason(e)}). Re-save the tensors alone (torch.save(model.state_dict(), ...) or '
-            f'safetensors) from a trusted environment.') from e
+            f'({reason}). Re-save the tensors alone (torch.save(model.state_dict(), ...) or safetensors) from a '
+            f'trusted environment.') from e
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f'{path!r} is not a readable PyTorch checkpoint: {e}') from e
     if not isinstance(checkpoint, dict):

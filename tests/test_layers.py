@@ -1,0 +1,148 @@
+"""The Lipschitz building blocks against first principles and the paper's formulas (paper.md sections 5, 6)."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.autograd.functional import jacobian
+
+from lipsformer.layers import (
+    CenterNorm, ConvShortcut, DotProductAttention, ScaledCosineAttention, ScaleLayer, create_conv_shortcuts,
+    get_norm_layer, init_weights_, pad_to_multiple, padding_key_mask, spectral_normalize_, window_partition,
+    window_reverse)
+
+
+def _sigma_max(matrix: torch.Tensor) -> float:
+    return torch.linalg.matrix_norm(matrix, ord=2).item()
+
+
+@pytest.mark.parametrize('dim', [4, 64])
+def test_center_norm_jacobian_norm_is_d_over_d_minus_1(dim):
+    norm = CenterNorm(dim).double()
+    for scale in (1e-6, 1.0, 1e3):
+        x = torch.randn(dim, dtype=torch.float64) * scale
+        assert _sigma_max(jacobian(norm, x)) == pytest.approx(dim / (dim - 1), rel=1e-12)
+    assert norm.lipschitz_constant() == pytest.approx(dim / (dim - 1))
+    if dim == 64:
+        assert dim / (dim - 1) == pytest.approx(1.0159, abs=1e-4)
+
+
+def test_center_norm_matches_formula_and_ignores_constant_shift():
+    norm = CenterNorm(8)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    x = torch.randn(3, 5, 8)
+    expected = norm.weight * 8 / 7 * (x - x.mean(-1, keepdim=True)) + norm.bias
+    torch.testing.assert_close(norm(x), expected)
+    torch.testing.assert_close(norm(x + 3.7), norm(x), atol=1e-5, rtol=0)
+
+
+def test_layer_norm_blows_up_near_constant_input_where_center_norm_does_not():
+    dim = 16
+    x = torch.ones(dim, dtype=torch.float64) + 1e-9 * torch.randn(dim, dtype=torch.float64)
+    layer_norm = nn.LayerNorm(dim, eps=1e-5).double()
+    assert _sigma_max(jacobian(layer_norm, x)) == pytest.approx(1e-5 ** -0.5, rel=1e-3)  # ~316
+    assert _sigma_max(jacobian(CenterNorm(dim).double(), x)) == pytest.approx(dim / (dim - 1))
+
+
+def test_norm_factory():
+    assert isinstance(get_norm_layer('center')(8), CenterNorm)
+    assert isinstance(get_norm_layer('layer')(8), nn.LayerNorm)
+    assert isinstance(get_norm_layer('none')(8), nn.Identity)
+    with pytest.raises(ValueError, match='batch'):
+        get_norm_layer('batch')
+
+
+def test_weighted_residual_lipschitz_bound():
+    dim = 6
+    alpha = ScaleLayer(dim, 0.3)
+    nn.init.uniform_(alpha.gamma, -0.5, 0.5)
+    linear = nn.Linear(dim, dim).double()
+    spectral_normalize_(linear.weight.data)  # a 1-Lipschitz branch
+    alpha = alpha.double()
+    block = lambda x: x + alpha(linear(x))  # noqa: E731
+    x = torch.randn(dim, dtype=torch.float64)
+    assert _sigma_max(jacobian(block, x)) <= 1 + alpha.gamma.abs().max().item() + 1e-12
+    fixed = ScaleLayer(dim, 1.0, learnable=False)
+    assert not list(fixed.parameters()) and 'gamma' in fixed.state_dict()
+
+
+def test_spectral_init_gives_unit_spectral_norm_to_every_linear_and_conv():
+    layers = [nn.Linear(96, 288), nn.Conv2d(24, 24, 7, groups=24), nn.Conv2d(3, 24, 4, stride=4), nn.Conv2d(8, 8, 1)]
+    for layer in layers:
+        init_weights_(layer, 'spectral')
+        assert _sigma_max(layer.weight.reshape(layer.weight.shape[0], -1)) == pytest.approx(1.0, rel=1e-5)
+    assert torch.all(layers[0].bias == 0)
+    init_weights_(layers[0], 'trunc_normal')
+    assert layers[0].weight.std().item() == pytest.approx(0.02, rel=0.15)
+    with pytest.raises(ValueError, match='orthogonal'):
+        init_weights_(layers[0], 'orthogonal')
+
+
+def _random_qkv(batch=2, heads=3, tokens=10, head_dim=8, scale=1.0):
+    return [torch.randn(batch, heads, tokens, head_dim, dtype=torch.float64) * scale for _ in range(3)]
+
+
+@pytest.mark.parametrize('tau_learnable', [False, True])
+@pytest.mark.parametrize('v_norm', [False, True])
+def test_scsa_fused_equals_explicit_path(tau_learnable, v_norm):
+    attn = ScaledCosineAttention(tau=10.0, tau_learnable=tau_learnable, v_norm=v_norm, nu=0.7).double()
+    q, k, v = _random_qkv()
+    bias = torch.randn(1, 3, 10, 10, dtype=torch.float64)
+    attn.fused_attn = True
+    fused = attn(q, k, v, bias)
+    attn.fused_attn = False
+    explicit = attn(q, k, v, bias)
+    torch.testing.assert_close(fused, explicit, atol=1e-10, rtol=0)
+    qn, kn = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
+    vv = nn.functional.normalize(v, dim=-1) if v_norm else v
+    reference = torch.softmax(10.0 * qn @ kn.transpose(-1, -2) + bias, -1) @ vv * (0.7 if v_norm else 1.0)
+    torch.testing.assert_close(explicit, reference)
+
+
+def test_scsa_logits_are_bounded_whatever_the_input_scale():
+    attn = ScaledCosineAttention(tau=12.0, v_norm=True, nu=1.0).double()
+    for scale in (1e-3, 1.0, 1e4):
+        q, k, v = _random_qkv(scale=scale)
+        out = attn(q, k, v)
+        assert out.norm(dim=-1).max() <= 1.0 + 1e-12  # rows are convex combinations of unit vectors, times nu
+
+
+def test_dot_product_attention_matches_definition():
+    attn = DotProductAttention(head_dim=8).double()
+    q, k, v = _random_qkv()
+    reference = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v
+    for fused in (True, False):
+        attn.fused_attn = fused
+        torch.testing.assert_close(attn(q, k, v), reference)
+
+
+def test_conv_shortcut_configurations():
+    assert [len(create_conv_shortcuts(8, c, 0.1, 0.0)) for c in 'ABCD'] == [0, 1, 1, 2]
+    assert [s.pw is not None for s in create_conv_shortcuts(8, 'D', 0.1, 0.0)] == [True, False]
+    with pytest.raises(ValueError, match='conv_config'):
+        create_conv_shortcuts(8, 'E', 0.1, 0.0)
+    shortcut = ConvShortcut(8, pointwise=True, alpha_init=0.2)
+    x = torch.randn(2, 5, 6, 8)
+    nchw = x.permute(0, 3, 1, 2)
+    branch = shortcut.act2(shortcut.pw(shortcut.act1(shortcut.dw(nchw)))).permute(0, 2, 3, 1)
+    torch.testing.assert_close(shortcut(x), x + 0.2 * branch)
+
+
+def test_window_partition_round_trip_and_padding():
+    x = torch.randn(2, 10, 13, 4)
+    padded = pad_to_multiple(x, 4, 5)
+    assert padded.shape == (2, 12, 15, 4)
+    torch.testing.assert_close(padded[:, :10, :13], x)
+    assert padded[:, 10:].abs().sum() == 0 and padded[:, :, 13:].abs().sum() == 0
+    windows = window_partition(padded, 4, 5)
+    assert windows.shape == (2 * 3 * 3, 20, 4)
+    torch.testing.assert_close(windows[1].view(4, 5, 4), padded[0, 0:4, 5:10])
+    torch.testing.assert_close(window_reverse(windows, 4, 5, 12, 15), padded)
+
+
+def test_padding_key_mask_hides_exactly_the_padded_tokens():
+    assert padding_key_mask(8, 8, 4, 4, 2, torch.device('cpu'), torch.float32) is None
+    mask = padding_key_mask(5, 3, 5, 2, 2, torch.device('cpu'), torch.float32)  # windows 5x2 over a 5x4 map
+    assert mask.shape == (2 * 2, 1, 1, 10)
+    masked = torch.isinf(mask[1, 0, 0]).view(5, 2)  # the second window holds column 2 and padded column 3
+    assert masked[:, 1].all() and not masked[:, 0].any()
+    assert not torch.isinf(mask[0]).any()
