@@ -14,12 +14,11 @@ import sys
 import pytest
 import timm
 import torch
+from conftest import FIXTURES, TINY_SWIN
+from synthetic_weights import synthetic_input, synthetic_state_dict
 
 from lipsformer.checkpoint import CheckpointError, load_file, load_model_weights
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
-from synthetic_weights import synthetic_input, synthetic_state_dict
-
-from conftest import FIXTURES, TINY_SWIN
 
 AUTHORS = FIXTURES / 'authors'
 FAMILIES = {'swin': lipsformer_swin, 'cswin': lipsformer_cswin}

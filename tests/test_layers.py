@@ -5,9 +5,20 @@ import torch.nn as nn
 from torch.autograd.functional import jacobian
 
 from lipsformer.layers import (
-    CenterNorm, ConvShortcut, DotProductAttention, ScaledCosineAttention, ScaleLayer, create_conv_shortcuts,
-    get_norm_layer, init_weights_, pad_to_multiple, padding_key_mask, spectral_normalize_, window_partition,
-    window_reverse)
+    CenterNorm,
+    ConvShortcut,
+    DotProductAttention,
+    ScaledCosineAttention,
+    ScaleLayer,
+    create_conv_shortcuts,
+    get_norm_layer,
+    init_weights_,
+    pad_to_multiple,
+    padding_key_mask,
+    spectral_normalize_,
+    window_partition,
+    window_reverse,
+)
 
 
 def _sigma_max(matrix: torch.Tensor) -> float:

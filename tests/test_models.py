@@ -4,13 +4,12 @@ import math
 import pytest
 import timm
 import torch
+from conftest import TINY_MODELS
 from timm.layers import set_fused_attn
 from timm.optim import create_optimizer_v2
 
 from lipsformer import LipsFormerCSwin, LipsFormerSwin
 from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer
-
-from conftest import TINY_CSWIN, TINY_MODELS, TINY_SWIN
 
 ALL_MODELS = timm.list_models('lipsformer*')
 
@@ -235,6 +234,10 @@ def test_paper_options_and_swappable_components():
         _tiny('lipsformer_swin_tiny', attn_type='linear')
 
 
+def _kernels(model):
+    return [m for m in model.modules() if isinstance(m, ScaledCosineAttention)]
+
+
 @pytest.mark.parametrize('name', TINY_MODELS)
 def test_fused_attention_equals_explicit_path(name):
     x = torch.randn(2, 3, 64, 96)
@@ -246,8 +249,8 @@ def test_fused_attention_equals_explicit_path(name):
             set_fused_attn(True)
         fused_model = _tiny(name).eval()
         fused_model.load_state_dict(explicit_model.state_dict())
-        kernels = lambda model: [m for m in model.modules() if isinstance(m, ScaledCosineAttention)]  # noqa: E731
-        assert all(k.fused_attn for k in kernels(fused_model)) and not any(k.fused_attn for k in kernels(explicit_model))
+        assert all(k.fused_attn for k in _kernels(fused_model))
+        assert not any(k.fused_attn for k in _kernels(explicit_model))
         torch.testing.assert_close(fused_model(x), explicit_model(x), atol=1e-5, rtol=0)
 
 

@@ -3,7 +3,8 @@
     Attn(X) = softmax(Q K^T / sqrt(d) + B) V
 
 Dot-product self-attention is not Lipschitz (Kim et al., ICML 2021, Theorem 3.1): with one token at 0 and the others
-scaled by s, its Jacobian grows like s^2. It is here so that LipsFormer's SCSA can be swapped for it (``attn_type='dot'``).
+scaled by s, its Jacobian grows like s^2. It is here so that LipsFormer's SCSA can be swapped for it
+(``attn_type='dot'``).
 """
 from typing import Optional
 
