@@ -135,3 +135,18 @@ def test_unreadable_files_give_clear_errors(tmp_path):
     garbage.write_bytes(b'not a checkpoint')
     with pytest.raises(CheckpointError, match='not a readable PyTorch checkpoint'):
         load_file(garbage)
+
+
+def test_bias_tables_are_resized_for_another_window():
+    """Fine-tuning at another window size (as 224 -> 384 with window 7 -> 12) interpolates the bias tables."""
+    fixture = torch.load(AUTHORS / 'swin_small.pt', weights_only=True)
+    model = _small_model('swin', window_size=3)
+    state_dict = lipsformer_swin.checkpoint_filter_fn(fixture['state_dict'], model)
+    assert state_dict['stages.0.blocks.0.attn.relative_position_bias_table'].shape == (25, 1)
+    model.load_state_dict(state_dict, strict=True)
+    same_window = _small_model('swin')
+    same_window.load_state_dict(lipsformer_swin.checkpoint_filter_fn(fixture['state_dict'], same_window))
+    torch.testing.assert_close(  # the 2x2 last stage keeps its table untouched
+        model.stages[3].blocks[0].attn.relative_position_bias_table,
+        same_window.stages[3].blocks[0].attn.relative_position_bias_table)
+    assert torch.isfinite(model(fixture['input'])).all()

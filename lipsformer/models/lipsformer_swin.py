@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from timm.layers import trunc_normal_
+from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
@@ -204,29 +204,42 @@ _AUTHORS_BLOCK_KEYS = (
 
 
 def checkpoint_filter_fn(state_dict: dict[str, Any], model: LipsFormerSwin) -> dict[str, torch.Tensor]:
-    """Map an authors' LipsFormer-Swin checkpoint (the file's dict or its ``model`` entry) to this model's keys.
-
-    Checkpoints already in this package's layout pass through unchanged.
+    """Map a LipsFormer-Swin checkpoint to this model: the authors' layout (the file's dict or its ``model`` entry)
+    or this package's, with relative-position tables resized to the model's windows (e.g. 7 -> 12 for 384 models).
 
     Raises:
         CheckpointError: The checkpoint's blocks per stage differ from the model's.
     """
     state_dict = state_dict.get('model', state_dict.get('state_dict', state_dict))
-    if not any(k.startswith('layers.') for k in state_dict):
-        return state_dict
-    check_checkpoint_depths(state_dict, r'^layers\.(\d+)\.blocks\.(\d+)\.', model)
-    out = {}
-    for key, value in state_dict.items():
-        if key.endswith(('relative_position_index', 'attn_mask')):
-            continue  # buffers the model recomputes
-        key = re.sub(r'^layers\.(\d+)\.downsample', lambda m: f'stages.{int(m.group(1)) + 1}.downsample', key)
-        key = re.sub(r'^layers\.', 'stages.', key)
-        if '.blocks.' in key:
-            for pattern, replacement in _AUTHORS_BLOCK_KEYS:
-                key = re.sub(pattern, replacement, key)
-        key = re.sub(r'^head\.', 'head.fc.', key)
-        out[key] = value
-    return out
+    if any(k.startswith('layers.') for k in state_dict):
+        check_checkpoint_depths(state_dict, r'^layers\.(\d+)\.blocks\.(\d+)\.', model)
+        state_dict = {_authors_key(k): v for k, v in state_dict.items()
+                      if not k.endswith(('relative_position_index', 'attn_mask'))}
+    return {k: _fit_bias_table(k, v, model) for k, v in state_dict.items()}
+
+
+def _authors_key(key: str) -> str:
+    key = re.sub(r'^layers\.(\d+)\.downsample', lambda m: f'stages.{int(m.group(1)) + 1}.downsample', key)
+    key = re.sub(r'^layers\.', 'stages.', key)
+    if '.blocks.' in key:
+        for pattern, replacement in _AUTHORS_BLOCK_KEYS:
+            key = re.sub(pattern, replacement, key)
+    return re.sub(r'^head\.', 'head.fc.', key)
+
+
+def _fit_bias_table(key: str, value: torch.Tensor, model: LipsFormerSwin) -> torch.Tensor:
+    """Interpolate a relative-position bias table saved for another window size to the model's window."""
+    suffix = '.relative_position_bias_table'
+    if not key.endswith(suffix):
+        return value
+    try:
+        attn = model.get_submodule(key[:-len(suffix)])
+    except AttributeError:
+        return value  # not in this model: reported as unexpected by the strict load
+    target = attn.relative_position_bias_table.shape
+    if value.shape == target or value.shape[1] != target[1]:
+        return value
+    return resize_rel_pos_bias_table(value, new_window_size=attn.window_size, new_bias_shape=target)
 
 
 def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
