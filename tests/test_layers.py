@@ -15,6 +15,7 @@ from lipsformer.layers import (
     init_weights_,
     pad_to_multiple,
     padding_key_mask,
+    spectral_norm,
     spectral_normalize_,
     window_partition,
     window_reverse,
@@ -74,6 +75,13 @@ def test_weighted_residual_lipschitz_bound():
     assert _sigma_max(jacobian(block, x)) <= 1 + alpha.gamma.abs().max().item() + 1e-12
     fixed = ScaleLayer(dim, 1.0, learnable=False)
     assert not list(fixed.parameters()) and 'gamma' in fixed.state_dict()
+
+
+def test_spectral_norm_equals_the_largest_singular_value():
+    for shape in [(7, 30), (30, 7), (24, 1, 7, 7), (5, 5)]:
+        weight = torch.randn(shape, dtype=torch.float64)
+        expected = torch.linalg.svdvals(weight.reshape(shape[0], -1))[0]
+        assert spectral_norm(weight).item() == pytest.approx(expected.item(), rel=1e-12)
 
 
 def test_spectral_init_gives_unit_spectral_norm_to_every_linear_and_conv():

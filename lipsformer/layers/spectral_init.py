@@ -12,16 +12,28 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
-__all__ = ['WEIGHT_INITS', 'spectral_normalize_', 'init_weights_']
+__all__ = ['WEIGHT_INITS', 'init_weights_', 'spectral_norm', 'spectral_normalize_']
 
 WEIGHT_INITS = ('spectral', 'xavier', 'trunc_normal')
 
 
 @torch.no_grad()
+def spectral_norm(weight: torch.Tensor) -> torch.Tensor:
+    """Largest singular value of ``weight`` reshaped to (out, -1), exactly.
+
+    Computed as the square root of the top eigenvalue of the smaller float64 Gram matrix, which equals the SVD's
+    sigma_max (to float64 precision) at a fraction of its cost: a full SVD of Swin-L's MLP weights takes seconds each.
+    """
+    matrix = weight.reshape(weight.shape[0], -1).double()
+    if matrix.shape[0] > matrix.shape[1]:
+        matrix = matrix.T
+    return torch.linalg.eigvalsh(matrix @ matrix.T)[-1].clamp_min(0).sqrt()
+
+
+@torch.no_grad()
 def spectral_normalize_(weight: torch.Tensor) -> torch.Tensor:
-    """Divide ``weight`` in place by the largest singular value of its (out, -1) reshape (exact SVD)."""
-    sigma_max = torch.linalg.matrix_norm(weight.reshape(weight.shape[0], -1).float(), ord=2)
-    return weight.div_(sigma_max.to(weight.dtype))
+    """Divide ``weight`` in place by the largest singular value of its (out, -1) reshape."""
+    return weight.div_(spectral_norm(weight).to(weight.dtype))
 
 
 def init_weights_(module: nn.Module, mode: str = 'spectral') -> None:
