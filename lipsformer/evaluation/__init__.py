@@ -1,0 +1,23 @@
+"""Evaluation on ImageNet val, ImageNet-ReaL and ImageNet-V2 (the paper's Table 8), behind validate.py.
+
+- :mod:`.layouts`: image lists and labels of each data set layout, checked before scoring;
+- :mod:`.real`: ReaL label sets matched by file name, so any subset of val can be scored;
+- :mod:`.models`: which weights a checkpoint argument means and the model that fits them;
+- :mod:`.predict` / :mod:`.metrics` / :mod:`.run`: predictions in data set order on one or many processes, and
+  their scores;
+- :mod:`.results`: the table, JSON and CSV; :mod:`.cli`: the command line.
+"""
+from .errors import EvaluationError
+from .layouts import ImageList, imagenet_synsets, list_image_folder, list_imagenet_v2, list_imagenet_val
+from .metrics import Score, score_label_sets, score_labels
+from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
+from .predict import Predictions, predict
+from .real import load_real_labels, real_labels_for
+from .run import DataRequest, DatasetResult, evaluate, plan_datasets
+
+__all__ = [
+    'EvaluationError', 'ImageList', 'imagenet_synsets', 'list_image_folder', 'list_imagenet_v2',
+    'list_imagenet_val', 'Score', 'score_label_sets', 'score_labels', 'ResolvedCheckpoint', 'create_eval_model',
+    'expand_model_names', 'resolve_checkpoint', 'Predictions', 'predict', 'load_real_labels', 'real_labels_for',
+    'DataRequest', 'DatasetResult', 'evaluate', 'plan_datasets',
+]

@@ -1,0 +1,169 @@
+"""Command line of validate.py: ImageNet val, ImageNet-ReaL and ImageNet-V2 in one run, for any timm model.
+
+Example::
+
+    python validate.py --model lipsformer_cswin_tiny --checkpoint runs/cswin_tiny --use-ema \\
+        --data-dir /data/imagenet/val --real-labels --v2-dir /data/imagenetv2-matched-frequency-format-val \\
+        --results-file out.json
+
+Runs on one process, or sharded over devices with ``accelerate launch validate.py ...`` (same numbers).
+"""
+import argparse
+import logging
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from timm.data import resolve_input_data_config
+from timm.utils import ParseKwargs
+
+from ..checkpoint import CheckpointError
+from .errors import EvaluationError
+from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
+from .real import load_real_labels
+from .results import format_table, model_record, write_results
+from .run import DataRequest, PlannedPass, evaluate, plan_datasets
+
+__all__ = ['build_parser', 'run', 'main']
+
+_logger = logging.getLogger('lipsformer.evaluation')
+_BUNDLED_REAL_LABELS = 'bundled'
+_DATA_CONFIG_KEYS = ('img_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog='validate.py',
+        description='Evaluate a timm or LipsFormer model on ImageNet val, ImageNet-ReaL and ImageNet-V2 in one run. '
+                    'Runs on one process, or sharded with accelerate launch (same numbers).')
+    model = parser.add_argument_group('model')
+    model.add_argument('--model', '-m', help='model name, comma list or wildcard (lipsformer_cswin_*); optional '
+                                             'when --checkpoint has a config.json / run config.yaml')
+    model.add_argument('--checkpoint', help='weights file (.safetensors, .pth.tar, authors\' .pth), a folder with '
+                                            'model.safetensors, or a training run folder (export/best, export/last, '
+                                            'else newest checkpoints/*); without it, timm pretrained weights')
+    model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
+    model.add_argument('--num-classes', type=int, help='classifier size, if not the model default')
+    model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                       help='extra model constructor arguments')
+    data = parser.add_argument_group('data')
+    data.add_argument('--data-dir', help='ImageNet val in 1000 synset folders (any subset of the images)')
+    data.add_argument('--data-layout', choices=('imagenet', 'imagefolder'), default='imagenet',
+                      help='imagefolder: any class-folder data set, classes in natural sort order')
+    data.add_argument('--real-labels', nargs='?', const=_BUNDLED_REAL_LABELS, metavar='FILE',
+                      help='also score --data-dir with ImageNet-ReaL labels (timm\'s bundled copy, or FILE)')
+    data.add_argument('--v2-dir', nargs='+', action='extend', default=[], metavar='DIR',
+                      help='ImageNet-V2 variant folders (0..999 or synset layout); repeatable')
+    settings = parser.add_argument_group('evaluation settings (default: the model\'s pretrained cfg)')
+    settings.add_argument('--img-size', type=int, help='input resolution')
+    settings.add_argument('--crop-pct', type=float, help='centre crop fraction')
+    settings.add_argument('--crop-mode', choices=('center', 'squash', 'border'), help='crop mode')
+    settings.add_argument('--interpolation', help='resize interpolation (bicubic, bilinear, ...)')
+    settings.add_argument('--mean', type=float, nargs='+', help='normalisation mean')
+    settings.add_argument('--std', type=float, nargs='+', help='normalisation std')
+    settings.add_argument('--batch-size', '-b', type=int, default=256, help='images per batch and process (256)')
+    settings.add_argument('--workers', '-j', type=int, default=4, help='data loading workers per process (4)')
+    settings.add_argument('--amp', choices=('bf16', 'fp16'), help='mixed precision (fp16 needs a GPU)')
+    settings.add_argument('--channels-last', action='store_true', help='NHWC memory layout')
+    settings.add_argument('--cpu', action='store_true', help='run on CPU even if a GPU is available')
+    settings.add_argument('--log-every', type=int, default=50, help='progress log every N batches (50; 0: off)')
+    output = parser.add_argument_group('output')
+    output.add_argument('--results-file', help='write the results here')
+    output.add_argument('--results-format', choices=('json', 'csv'), default='json', help='results file format (json)')
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.batch_size < 1 or args.workers < 0:
+        raise EvaluationError('--batch-size must be at least 1 and --workers at least 0')
+    if args.use_ema and not args.checkpoint:
+        raise EvaluationError('--use-ema needs --checkpoint')
+    if args.model is None and not args.checkpoint:
+        raise EvaluationError('give --model, --checkpoint, or both')
+
+
+def _make_accelerator(args: argparse.Namespace) -> Accelerator:
+    # A CPU-only machine launched with several processes (accelerate launch --multi_gpu, torchrun) must use gloo.
+    launched = int(os.environ.get('WORLD_SIZE', '1')) > 1
+    accelerator = Accelerator(cpu=args.cpu or (launched and not torch.cuda.is_available()),
+                              mixed_precision=args.amp or 'no')
+    if args.amp == 'fp16' and accelerator.device.type == 'cpu':
+        raise EvaluationError('--amp fp16 runs only on a GPU (on CPU it would silently stay fp32); use --amp bf16')
+    if not accelerator.is_main_process:
+        _logger.setLevel(logging.WARNING)
+    return accelerator
+
+
+def _data_config(model: torch.nn.Module, args: argparse.Namespace) -> dict:
+    overrides = {key: getattr(args, key) for key in _DATA_CONFIG_KEYS if getattr(args, key) is not None}
+    try:
+        return resolve_input_data_config(model, args=overrides, use_test_size=True)
+    except ValueError as e:
+        raise EvaluationError(f'evaluation settings do not fit the model: {e}') from e
+
+
+def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | None, args: argparse.Namespace,
+                    passes: list[PlannedPass], accelerator: Accelerator) -> dict:
+    """Build one model, run every planned pass and return its results record."""
+    model_kwargs = dict(args.model_kwargs, **({'num_classes': args.num_classes} if args.num_classes else {}))
+    try:
+        model, model_name = create_eval_model(
+            model_name, checkpoint, pretrained=checkpoint is None, model_kwargs=model_kwargs, img_size=args.img_size)
+    except RuntimeError as e:
+        if checkpoint is None and 'No pretrained weights exist' in str(e):
+            raise EvaluationError(f'{model_name} has no pretrained weights registered with timm; pass --checkpoint '
+                                  f'with the weights to evaluate') from e
+        raise
+    data_config = _data_config(model, args)
+    model = model.to(accelerator.device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    _logger.info('%s: %.2fM params, data config %s', model_name, sum(p.numel() for p in model.parameters()) / 1e6,
+                 data_config)
+    results = evaluate(model, passes, data_config, accelerator, args.batch_size, args.workers,
+                       channels_last=args.channels_last, log_every=args.log_every)
+    settings = dict(data_config, batch_size=args.batch_size, amp=args.amp, channels_last=args.channels_last,
+                    use_ema=args.use_ema, num_processes=accelerator.num_processes, device=str(accelerator.device))
+    return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results)
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
+    """Evaluate every requested model on every requested data set, writing the results file after each model (so a
+    failure in a later model keeps the finished ones).
+
+    Returns:
+        One results record per model, and the accelerator (which process is the main one).
+    """
+    _check_args(args)
+    model_names = expand_model_names(args.model, with_weights=not args.checkpoint) if args.model else [None]
+    if args.checkpoint and len(model_names) > 1:
+        raise EvaluationError(f'--checkpoint holds one model\'s weights but --model names {len(model_names)} models')
+    real_labels = None
+    if args.real_labels is not None:
+        real_labels = load_real_labels(None if args.real_labels == _BUNDLED_REAL_LABELS else args.real_labels)
+    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir)))
+    checkpoint = resolve_checkpoint(args.checkpoint, args.use_ema) if args.checkpoint else None
+    accelerator = _make_accelerator(args)
+    records = []
+    for name in model_names:
+        records.append(_evaluate_model(name, checkpoint, args, passes, accelerator))
+        if args.results_file and accelerator.is_main_process:
+            write_results(args.results_file, records, args.results_format)
+    return records, accelerator
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit status (2 for bad input, with the reason on stderr)."""
+    logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
+    args = build_parser().parse_args(argv)
+    try:
+        records, accelerator = run(args)
+    except (EvaluationError, CheckpointError) as e:
+        print(f'validate.py: error: {e}', file=sys.stderr)
+        return 2
+    if accelerator.is_main_process:
+        print(format_table(records))
+        if args.results_file:
+            _logger.info('results written to %s', args.results_file)
+    return 0

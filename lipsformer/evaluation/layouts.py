@@ -1,0 +1,173 @@
+"""Image lists with labels for ImageNet val, ImageNet-V2 and plain class-folder data sets.
+
+Each reader checks the class folders against the layout it expects before anything is scored, because a layout
+read the wrong way does not crash: it silently scores at chance. The known traps:
+
+- ImageNet val must be in 1000 folders named by WordNet synset; class index = position in the sorted synset list
+  (timm's ``imagenet_synsets.txt``). Folders named 1..1000 are ILSVRC2012 devkit IDs, whose order differs.
+- ImageNet-V2 releases use folders ``0``..``999`` that are class indices. A string sort (``0, 1, 10, 100, ...``),
+  which torchvision's ImageFolder does, scrambles 990 of the 1000 labels; here each folder maps by integer value.
+"""
+import functools
+import os
+from dataclasses import dataclass
+
+from timm.data import ImageNetInfo
+from timm.data.readers.img_extensions import get_img_extensions
+from timm.utils.misc import natural_key
+
+from .errors import EvaluationError
+
+__all__ = ['ImageList', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2', 'list_image_folder']
+
+IMAGENET_NUM_CLASSES = 1000
+
+
+@dataclass(frozen=True)
+class ImageList:
+    """Image files of one data set in evaluation order, with their class indices.
+
+    Attributes:
+        root: The data set folder.
+        paths: Image files, naturally sorted by their path relative to ``root``.
+        targets: Class index of each file.
+        layout: How class folders were read (``synset``, ``v2-numeric`` or ``imagefolder``).
+        num_classes: Number of classes the layout defines.
+    """
+    root: str
+    paths: list[str]
+    targets: list[int]
+    layout: str
+    num_classes: int
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_synsets() -> tuple[str, ...]:
+    return tuple(ImageNetInfo('imagenet-1k').label_names())
+
+
+def imagenet_synsets() -> list[str]:
+    """The 1000 ImageNet-1k synsets in class-index order (sorted), as bundled with timm."""
+    return list(_bundled_synsets())
+
+
+def _examples(names: list[str] | set[str], limit: int = 5) -> str:
+    names = sorted(names, key=natural_key)
+    return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '')
+
+
+def _class_folders(root: str | os.PathLike, what: str) -> tuple[str, list[str]]:
+    """The class folder names under ``root``; errors for a missing or empty folder, or loose images in it."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root):
+        raise EvaluationError(f'{what} folder {root!r} does not exist or is not a folder')
+    extensions = get_img_extensions(as_set=True)
+    with os.scandir(root) as entries:
+        entries = list(entries)
+    folders = [e.name for e in entries if e.is_dir() and not e.name.startswith('.')]
+    loose_images = [e.name for e in entries if e.is_file() and os.path.splitext(e.name)[1].lower() in extensions]
+    if loose_images:
+        raise EvaluationError(
+            f'{what} folder {root!r} has {len(loose_images)} images directly inside it ({_examples(loose_images)}); '
+            f'images must be sorted into one sub-folder per class (for ImageNet val, the 1000 synset folders that '
+            f'the usual valprep.sh script creates)')
+    if not folders:
+        raise EvaluationError(f'{what} folder {root!r} has no class sub-folders')
+    return root, folders
+
+
+def _collect(root: str, class_to_idx: dict[str, int], layout: str, num_classes: int, what: str) -> ImageList:
+    """List the image files of every class folder, naturally sorted by relative path."""
+    extensions = get_img_extensions(as_set=True)
+    samples = []
+    for folder, target in class_to_idx.items():
+        with os.scandir(os.path.join(root, folder)) as entries:
+            samples.extend(
+                (os.path.join(folder, e.name), target) for e in entries
+                if e.is_file() and os.path.splitext(e.name)[1].lower() in extensions)
+    if not samples:
+        raise EvaluationError(
+            f'{what} folder {root!r} has its {len(class_to_idx)} class folders but no images in them '
+            f'(looked for {", ".join(sorted(extensions))})')
+    samples.sort(key=lambda sample: natural_key(sample[0]))
+    return ImageList(
+        root=root,
+        paths=[os.path.join(root, relative) for relative, _ in samples],
+        targets=[target for _, target in samples],
+        layout=layout,
+        num_classes=num_classes,
+    )
+
+
+def _explain_wrong_folders(root: str, folders: list[str], synsets: list[str], what: str) -> EvaluationError:
+    """An error saying what the class folders look like instead of ImageNet-1k synsets, and what to do."""
+    found = set(folders)
+    numeric = all(name.isdigit() for name in folders)
+    if numeric and found == {str(i) for i in range(1, IMAGENET_NUM_CLASSES + 1)}:
+        reason = ('its folders are named 1..1000, the ILSVRC2012 devkit class IDs, whose order is not the sorted '
+                  'synset order models are trained with. Rename each folder to its synset (the devkit meta.mat '
+                  'maps ILSVRC2012_ID to WNID)')
+    elif numeric and found == {str(i) for i in range(IMAGENET_NUM_CLASSES)}:
+        reason = 'its folders are named 0..999, the ImageNet-V2 layout: pass this folder with --v2-dir instead'
+    elif numeric:
+        reason = f'its {len(found)} folders have numeric names ({_examples(found)}), not ImageNet synsets'
+    else:
+        missing, unexpected = set(synsets) - found, found - set(synsets)
+        parts = [f'it has {len(found)} class folders where ImageNet-1k has {IMAGENET_NUM_CLASSES} synset folders']
+        if missing:
+            parts.append(f'missing: {_examples(missing)}')
+        if unexpected:
+            parts.append(f'not ImageNet-1k synsets: {_examples(unexpected)}')
+        reason = '; '.join(parts) + (
+            '. To evaluate a subset of ImageNet val, keep all 1000 synset folders (empty ones are fine); for a '
+            'data set with its own classes use --data-layout imagefolder')
+    return EvaluationError(f'{what} folder {root!r} is not in the ImageNet layout: {reason}')
+
+
+def list_imagenet_val(root: str | os.PathLike) -> ImageList:
+    """ImageNet val (or any subset of it) in 1000 synset folders; class index = sorted synset position.
+
+    Raises:
+        EvaluationError: The folder is missing, has no images, or its folders are not the 1000 synsets.
+    """
+    root, folders = _class_folders(root, 'ImageNet val')
+    synsets = imagenet_synsets()
+    if set(folders) != set(synsets):
+        raise _explain_wrong_folders(root, folders, synsets, 'ImageNet val')
+    class_to_idx = {synset: index for index, synset in enumerate(synsets)}
+    return _collect(root, class_to_idx, 'synset', IMAGENET_NUM_CLASSES, 'ImageNet val')
+
+
+def list_imagenet_v2(root: str | os.PathLike) -> ImageList:
+    """An ImageNet-V2 variant: folders ``0``..``999`` mapped by integer value, or the older synset-named layout.
+
+    Raises:
+        EvaluationError: The folder is missing, has no images, or its folders are neither layout.
+    """
+    root, folders = _class_folders(root, 'ImageNet-V2')
+    if set(folders) == {str(i) for i in range(IMAGENET_NUM_CLASSES)}:
+        class_to_idx = {name: int(name) for name in folders}
+        return _collect(root, class_to_idx, 'v2-numeric', IMAGENET_NUM_CLASSES, 'ImageNet-V2')
+    synsets = imagenet_synsets()
+    if set(folders) == set(synsets):
+        class_to_idx = {synset: index for index, synset in enumerate(synsets)}
+        return _collect(root, class_to_idx, 'synset', IMAGENET_NUM_CLASSES, 'ImageNet-V2')
+    if all(name.isdigit() for name in folders):
+        expected = {str(i) for i in range(IMAGENET_NUM_CLASSES)}
+        found = set(folders)
+        raise EvaluationError(
+            f'ImageNet-V2 folder {root!r} must have the 1000 class folders 0..999; missing: '
+            f'{_examples(expected - found) or "none"}; unexpected: {_examples(found - expected) or "none"}')
+    raise _explain_wrong_folders(root, folders, synsets, 'ImageNet-V2')
+
+
+def list_image_folder(root: str | os.PathLike) -> ImageList:
+    """Any class-folder data set; class index = position of the folder name in natural sort order, as timm's
+    ImageFolder reader (and so train.py) assigns it.
+
+    Raises:
+        EvaluationError: The folder is missing, has no class folders or no images.
+    """
+    root, folders = _class_folders(root, 'image')
+    class_to_idx = {name: index for index, name in enumerate(sorted(folders, key=natural_key))}
+    return _collect(root, class_to_idx, 'imagefolder', len(class_to_idx), 'image')

@@ -1,0 +1,243 @@
+"""Which weights file a ``--checkpoint`` means, and the model that fits it.
+
+Accepted checkpoints: a weights file (``.safetensors``, timm ``.pth.tar``, the authors' ``.pth``); a folder holding
+``model.safetensors`` (an export or one saved checkpoint); or a training run folder, from which ``export/best``,
+else ``export/last``, else the newest ``checkpoints/*`` is taken. With EMA requested, a folder's
+``model_ema.safetensors`` / ``ema.safetensors`` is used, and a torch file's EMA entry.
+
+The model is rebuilt from timm's ``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the
+run's ``config.yaml``, else from ``--model``; all weights then go through :func:`lipsformer.checkpoint.
+load_model_weights`, which never executes pickled code and names every mismatched key.
+"""
+import logging
+import os
+from dataclasses import dataclass, field
+
+import timm
+import torch
+import yaml
+from timm.models import resolve_model_input_args, split_model_name_tag
+from timm.models._hub import load_model_config_from_path
+
+from ..checkpoint import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
+from .errors import EvaluationError
+
+__all__ = ['ResolvedCheckpoint', 'ModelSpec', 'resolve_checkpoint', 'expand_model_names', 'create_eval_model']
+
+_logger = logging.getLogger(__name__)
+
+_WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin')
+_EMA_FILES = ('model_ema.safetensors', 'ema.safetensors')
+_RUN_EXPORTS = ('export/best', 'export/last')
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model name, its constructor arguments and the preprocessing saved with it.
+
+    Attributes:
+        name: Registered model name.
+        kwargs: Constructor arguments.
+        pretrained_cfg: A complete pretrained cfg (from an export's ``config.json``), replacing the model's.
+        cfg_overlay: Entries replacing those of the model's default pretrained cfg (from a run's ``config.yaml``).
+    """
+    name: str
+    kwargs: dict = field(default_factory=dict)
+    pretrained_cfg: dict | None = None
+    cfg_overlay: dict | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedCheckpoint:
+    """The file to load and what was found next to it.
+
+    Attributes:
+        weights: File to load.
+        ema_entry: Take the EMA entry inside ``weights`` (a torch file holding both), rather than its raw weights.
+        spec: The model described by the checkpoint's ``config.json`` or run ``config.yaml``, if any.
+    """
+    weights: str
+    ema_entry: bool
+    spec: ModelSpec | None
+
+
+def _weights_in(folder: str) -> str | None:
+    return next((os.path.join(folder, n) for n in _WEIGHT_FILES if os.path.isfile(os.path.join(folder, n))), None)
+
+
+def _newest_checkpoint(run_dir: str) -> str | None:
+    """The ``checkpoints/*`` folder whose weights were written last (hidden ``.tmp-*`` folders are saves in
+    progress)."""
+    root = os.path.join(run_dir, 'checkpoints')
+    if not os.path.isdir(root):
+        return None
+    candidates = [os.path.join(root, n) for n in os.listdir(root)
+                  if not n.startswith('.') and _weights_in(os.path.join(root, n))]
+    return max(candidates, key=lambda folder: (os.path.getmtime(_weights_in(folder)), folder), default=None)
+
+
+def _weights_folder(path: str) -> str:
+    """The folder holding the weights a folder argument stands for (itself, or the chosen one of a run)."""
+    if _weights_in(path):
+        return path
+    for export in _RUN_EXPORTS:
+        if _weights_in(os.path.join(path, export)):
+            return os.path.join(path, export)
+    newest = _newest_checkpoint(path)
+    if newest:
+        return newest
+    raise EvaluationError(
+        f'{path!r} holds no weights: expected {" or ".join(_WEIGHT_FILES)} in it, or a training run folder with '
+        f'{", ".join(_RUN_EXPORTS)} or checkpoints/<name>/model.safetensors')
+
+
+def _spec_from_run_yaml(path: str) -> ModelSpec | None:
+    """The model and evaluation preprocessing of a training run's resolved ``config.yaml``.
+
+    Reads ``model.name``, ``model.kwargs``, ``model.img_size`` / ``in_chans`` / ``num_classes`` and the ``data``
+    section's ``mean``, ``std``, ``interpolation`` and ``crop_pct`` (unset values keep the model's defaults).
+    """
+    try:
+        with open(path, encoding='utf-8') as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise EvaluationError(f'cannot read the run config {path!r}: {e}') from e
+    model = config.get('model') if isinstance(config, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get('name'), str):
+        return None
+    kwargs = dict(model.get('kwargs') or {})
+    kwargs.update({key: model[key] for key in ('img_size', 'in_chans', 'num_classes') if model.get(key) is not None})
+    data = config.get('data') if isinstance(config.get('data'), dict) else {}
+    overlay = {key: data[key] for key in ('mean', 'std', 'interpolation', 'crop_pct') if data.get(key) is not None}
+    if model.get('img_size'):
+        overlay['input_size'] = (model.get('in_chans') or 3, model['img_size'], model['img_size'])
+    return ModelSpec(model['name'], kwargs, cfg_overlay=overlay or None)
+
+
+def _spec_near(folder: str) -> ModelSpec | None:
+    """The model described next to weights in ``folder``: its ``config.json``, or the run's ``config.yaml``
+    (in the folder or up to two levels above, as in ``RUN/checkpoints/NAME`` and ``RUN/export/best``)."""
+    if os.path.isfile(os.path.join(folder, 'config.json')):
+        pretrained_cfg, name, model_args = load_model_config_from_path(folder)
+        pretrained_cfg = {k: v for k, v in pretrained_cfg.items() if k not in ('file', 'source')}
+        return ModelSpec(name, dict(model_args), pretrained_cfg)
+    for levels in range(3):
+        candidate = os.path.join(folder, *(['..'] * levels), 'config.yaml')
+        if os.path.isfile(candidate):
+            return _spec_from_run_yaml(os.path.normpath(candidate))
+    return None
+
+
+def _ema_in(folder: str) -> str | None:
+    return next((os.path.join(folder, n) for n in _EMA_FILES if os.path.isfile(os.path.join(folder, n))), None)
+
+
+def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> ResolvedCheckpoint:
+    """Find the weights file (and model description) that ``--checkpoint PATH [--use-ema]`` means.
+
+    Raises:
+        EvaluationError: Nothing to load at ``path``, or EMA weights requested from a folder that has none.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(path):
+        folder = os.path.dirname(path)
+        if use_ema and os.path.basename(path) in _WEIGHT_FILES and _ema_in(folder):
+            path = _ema_in(folder)  # the EMA twin of an export's or a checkpoint's weights
+        ema_entry = use_ema and os.path.basename(path) not in _EMA_FILES
+        return ResolvedCheckpoint(path, ema_entry=ema_entry, spec=_spec_near(folder))
+    if not os.path.isdir(path):
+        raise EvaluationError(f'checkpoint {path!r} does not exist')
+    folder = _weights_folder(path)
+    weights = _weights_in(folder)
+    if use_ema:
+        weights = _ema_in(folder)
+        if weights is None:
+            raise EvaluationError(
+                f'--use-ema: {folder!r} has no EMA weights (looked for {", ".join(_EMA_FILES)}); the run was '
+                f'probably trained without EMA, so drop --use-ema')
+    return ResolvedCheckpoint(weights, ema_entry=False, spec=_spec_near(folder))
+
+
+def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
+    """Model names from a name, a comma list, or wildcards (``lipsformer_cswin_*``) over registered models.
+
+    Args:
+        spec: The ``--model`` argument.
+        with_weights: Wildcards match only models with pretrained weights (tagged names, as timm lists them).
+    """
+    names = []
+    for part in (p.strip() for p in spec.split(',') if p.strip()):
+        if any(c in part for c in '*?['):
+            matches = timm.list_models(part, pretrained=with_weights)
+            if not matches:
+                found = timm.list_models(part)
+                raise EvaluationError(
+                    f'--model {part!r} matches {len(found)} registered models, none with pretrained weights; '
+                    f'evaluate one of them with --checkpoint' if found else
+                    f'--model {part!r} matches no registered model')
+            names.extend(matches)
+        elif timm.is_model(split_model_name_tag(part)[0]):
+            names.append(part)
+        else:
+            raise EvaluationError(
+                f'unknown model {part!r}; timm.list_models() lists the registered ones (LipsFormer models are '
+                f'registered by importing lipsformer)')
+    return list(dict.fromkeys(names))
+
+
+def _choose_spec(model_name: str | None, checkpoint: ResolvedCheckpoint | None) -> ModelSpec:
+    saved = checkpoint.spec if checkpoint else None
+    if model_name is None:
+        if saved is None:
+            raise EvaluationError(f'--model is required: {checkpoint.weights!r} has no config.json or run config.yaml '
+                                  f'next to it to rebuild the model from')
+        return saved
+    if saved is not None and split_model_name_tag(model_name)[0] != split_model_name_tag(saved.name)[0]:
+        raise EvaluationError(
+            f'--model {model_name} does not match the checkpoint, whose config says it is {saved.name}; '
+            f'drop --model to use the saved one')
+    return saved if saved is not None else ModelSpec(model_name)
+
+
+def create_eval_model(
+        model_name: str | None,
+        checkpoint: ResolvedCheckpoint | None,
+        pretrained: bool = False,
+        model_kwargs: dict | None = None,
+        img_size: int | None = None,
+) -> tuple[torch.nn.Module, str]:
+    """Build the model (in eval mode, on CPU) and load its weights.
+
+    Args:
+        model_name: Registered model name; ``None`` to take it from the checkpoint's saved config.
+        checkpoint: Weights to load; ``None`` for none.
+        pretrained: Load timm's pretrained weights for the model (used when no checkpoint is given).
+        model_kwargs: Constructor arguments, overriding saved ones (``num_classes`` too).
+        img_size: Evaluation size, passed to the constructor of models built for a fixed input size.
+
+    Returns:
+        The model and its name.
+    """
+    spec = _choose_spec(model_name, checkpoint)
+    kwargs = {**spec.kwargs, **(model_kwargs or {})}
+    create_args = resolve_model_input_args(
+        spec.name, args={'img_size': img_size}, pretrained_cfg=spec.pretrained_cfg,
+        pretrained_cfg_overlay=spec.cfg_overlay, **kwargs)
+    model = timm.create_model(pretrained=pretrained and checkpoint is None, **create_args)
+    if checkpoint is not None:
+        _logger.info('loading %s%s', checkpoint.weights, ' (EMA entry)' if checkpoint.ema_entry else '')
+        _load_weights(model, checkpoint)
+    return model.eval(), model_name or spec.name
+
+
+def _load_weights(model: torch.nn.Module, checkpoint: ResolvedCheckpoint) -> None:
+    """Load strictly; a model's ``checkpoint_filter_fn`` that trips over another architecture's keys (timm's
+    ConvNeXt raises KeyError) is reported like any other mismatch, by the keys that do not fit."""
+    try:
+        load_model_weights(model, checkpoint.weights, use_ema=checkpoint.ema_entry)
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, ValueError, RuntimeError) as e:
+        state_dict = extract_state_dict(load_file(checkpoint.weights), use_ema=checkpoint.ema_entry)
+        check_state_dict(model, state_dict, source=checkpoint.weights)
+        raise CheckpointError(f'{checkpoint.weights} does not fit {type(model).__name__}: {e!r}') from e

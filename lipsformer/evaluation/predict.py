@@ -1,0 +1,118 @@
+"""Top-k predictions for a list of image files, on one process or sharded across processes with Accelerate.
+
+Every sample carries its index through the loader, and the gathered predictions are placed by that index, so the
+result is in data set order whatever the sharding, and the duplicates Accelerate pads the last batches with only
+overwrite an entry with the same values. Unreadable images are not fatal: they are marked and left out of scoring.
+"""
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from PIL import Image
+from timm.data import create_transform
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ['EvalImageDataset', 'Predictions', 'predict']
+
+_logger = logging.getLogger(__name__)
+
+# What PIL raises for a file that is not a decodable image (UnidentifiedImageError and truncation are OSErrors).
+_UNREADABLE_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+class EvalImageDataset(Dataset):
+    """Image files transformed for evaluation; yields ``(image, index, readable)``.
+
+    A file PIL cannot decode gives a zero image with ``readable`` False and a logged warning, so one bad file in
+    50,000 neither stops the run nor shifts the labels of the others.
+    """
+
+    def __init__(self, paths: list[str], data_config: dict):
+        self.paths = paths
+        self.input_size = tuple(data_config['input_size'])
+        self.mode = 'RGB' if self.input_size[0] == 3 else 'L'
+        self.transform = create_transform(**data_config, is_training=False)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, bool]:
+        try:
+            with Image.open(self.paths[index]) as image:
+                image = image.convert(self.mode)
+            return self.transform(image), index, True
+        except _UNREADABLE_IMAGE_ERRORS as e:
+            _logger.warning('skipping unreadable image %s: %s', self.paths[index], e)
+            return torch.zeros(self.input_size), index, False
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Per-image results in data set order.
+
+    Attributes:
+        topk: ``(N, k)`` predicted class indices, best first (k = min(5, number of classes)).
+        readable: ``(N,)`` bool, False where the image could not be decoded.
+        seconds: Wall time of the pass (after a warm-up batch), for images/s.
+    """
+    topk: torch.Tensor
+    readable: torch.Tensor
+    seconds: float
+
+
+def predict(
+        model: torch.nn.Module,
+        paths: list[str],
+        data_config: dict,
+        accelerator: Accelerator,
+        batch_size: int,
+        workers: int,
+        channels_last: bool = False,
+        log_every: int = 50,
+        name: str = '',
+) -> Predictions:
+    """Run ``model`` (in eval mode, on ``accelerator.device``) over ``paths``.
+
+    Args:
+        model: The classifier.
+        paths: Image files; their order is the order of the result.
+        data_config: timm data config (input_size, interpolation, mean, std, crop_pct, crop_mode).
+        accelerator: Decides devices, sharding and mixed precision.
+        batch_size: Images per batch on each process.
+        workers: DataLoader worker processes on each process.
+        channels_last: Feed NHWC tensors (the model should be channels-last too).
+        log_every: Log progress every this many batches (main process).
+        name: Data set name for the progress log.
+    """
+    dataset = EvalImageDataset(paths, data_config)
+    loader = accelerator.prepare_data_loader(DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+        pin_memory=accelerator.device.type == 'cuda'))
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    readable = torch.zeros(len(dataset), dtype=torch.bool)
+    filled = torch.zeros(len(dataset), dtype=torch.bool)
+    with torch.inference_mode():
+        warmup = torch.zeros((min(batch_size, len(dataset)), *dataset.input_size), device=accelerator.device)
+        with accelerator.autocast():
+            k = min(5, model(warmup.contiguous(memory_format=memory_format)).shape[1])
+        topk = torch.full((len(dataset), k), -1, dtype=torch.long)
+        start = time.perf_counter()
+        for batch_index, (images, indices, ok) in enumerate(loader):
+            with accelerator.autocast():
+                logits = model(images.contiguous(memory_format=memory_format))
+            batch_topk = logits.float().topk(k, dim=1).indices
+            indices, batch_topk, ok = accelerator.gather_for_metrics((indices, batch_topk, ok.to(torch.uint8)))
+            indices = indices.cpu()
+            topk[indices] = batch_topk.cpu()
+            readable[indices] = ok.cpu().bool()
+            filled[indices] = True
+            if accelerator.is_main_process and log_every and (batch_index + 1) % log_every == 0:
+                done = int(filled.sum())
+                _logger.info('%s: %d/%d images, %.1f images/s', name, done, len(dataset),
+                             done / (time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+    if not filled.all():
+        raise RuntimeError(f'{int((~filled).sum())} images got no prediction; the data loader lost samples')
+    return Predictions(topk=topk, readable=readable, seconds=seconds)

@@ -1,0 +1,390 @@
+"""validate.py end to end on small real-image trees laid out like ImageNet val, ImageNet-V2 and ImageNet-ReaL.
+
+Every number is compared for exact equality with an independent computation (validate_reference.py): the same
+weights run on one batch of all images through timm's eval transform, top-k taken from the logits, labels from where
+the test filed each image, accuracy as 100 * hits / count. Images are filed relative to the model's own predictions
+(its top-1 class, its 5th class, or a class outside its top 5), so the expected accuracies are also known from first
+principles.
+"""
+import copy
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+import yaml
+from accelerate.state import AcceleratorState
+from imagenet_trees import build_tree, val_file_name, write_jpegs
+from timm.models import save_for_hf
+from timm.models._registry import _model_pretrained_cfgs
+from validate_reference import file_by_prediction, reference_accuracy, reference_topk
+
+from lipsformer.checkpoint import load_model_weights
+from lipsformer.evaluation import imagenet_synsets, load_real_labels
+from lipsformer.evaluation.cli import main
+
+NUM_IMAGES = 24
+# test_vit's pretrained cfg at --img-size 32: what validate.py must default to.
+VIT_DATA_CONFIG = dict(input_size=(3, 32, 32), interpolation='bicubic', mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+                       crop_pct=0.95, crop_mode='center')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared CPU their spin-waits cost up to 30x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_main(argv: list[str]) -> int:
+    """validate.py's main in this process, with a fresh Accelerator state as a new process would have."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return main(argv)
+
+
+def run_validate(argv: list[str], tmp_path, capsys) -> dict:
+    """Run validate.py, check its printed table against its JSON, and return the JSON."""
+    results_file = str(tmp_path / 'results.json')
+    assert run_main([*argv, '--batch-size', '10', '--workers', '0', '--results-file', results_file]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    with open(results_file) as f:
+        record = json.load(f)
+    assert header.split()[:4] == ['model', 'dataset', 'name', 'images']
+    assert [row.split()[:7] for row in rows] == [
+        [record['model'], r['dataset'], r['name'], str(r['images']), str(r['count']), str(len(r['skipped'])),
+         f'{r["top1"]:.3f}'] for r in record['results']]
+    return record
+
+
+def by_dataset(record: dict) -> dict:
+    return {(r['dataset'], r['name']): r for r in record['results']}
+
+
+@dataclasses.dataclass(frozen=True)
+class VitSetup:
+    """A seeded test_vit, its checkpoint, real val-named JPEGs, their reference top-5 and a val tree filed by it."""
+    model: torch.nn.Module
+    checkpoint: str
+    photos: list[str]
+    topk: torch.Tensor
+    classes: list[int]
+    val: str
+
+    @property
+    def args(self) -> list[str]:
+        return ['--model', 'test_vit', '--checkpoint', self.checkpoint, '--img-size', '32']
+
+
+@pytest.fixture(scope='module')
+def vit(tmp_path_factory) -> VitSetup:
+    folder = tmp_path_factory.mktemp('vit')
+    torch.manual_seed(0)
+    model = timm.create_model('test_vit', img_size=32).eval()
+    checkpoint = str(folder / 'vit.safetensors')
+    safetensors.torch.save_file(model.state_dict(), checkpoint)
+    photos = write_jpegs(str(folder / 'photos'), [val_file_name(i) for i in range(1, NUM_IMAGES + 1)])
+    topk = reference_topk(model, photos, VIT_DATA_CONFIG)
+    classes = file_by_prediction(topk)
+    val = build_tree(str(folder / 'val'), dict(zip(photos, classes)))
+    return VitSetup(model, checkpoint, photos, topk, classes, val)
+
+
+def test_val_real_and_v2_in_one_run(vit, tmp_path, capsys):
+    v2_numeric = build_tree(str(tmp_path / 'matched-frequency'), dict(zip(vit.photos, vit.classes)), layout='numeric')
+    v2_synsets = build_tree(str(tmp_path / 'threshold0.7'), dict(zip(vit.photos, vit.classes)))
+    record = run_validate([*vit.args, '--data-dir', vit.val, '--real-labels', '--v2-dir', v2_numeric, v2_synsets],
+                          tmp_path, capsys)
+
+    assert record['model'] == 'test_vit' and record['checkpoint'] == vit.checkpoint
+    settings = record['settings']
+    assert {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in VIT_DATA_CONFIG} \
+        == VIT_DATA_CONFIG
+    assert settings['num_processes'] == 1 and settings['batch_size'] == 10
+    assert record['versions']['timm'] == timm.__version__ and record['versions']['torch']
+    results = by_dataset(record)
+    assert set(results) == {('imagenet', 'val'), ('imagenet-real', 'val'), ('imagenet-v2', 'matched-frequency'),
+                            ('imagenet-v2', 'threshold0.7')}
+
+    expected = reference_accuracy(vit.topk, [[c] for c in vit.classes])
+    # First principles: a third of the images are filed under their top-1 class, two thirds within their top 5.
+    assert expected == {'count': NUM_IMAGES, 'top1': 100.0 / 3, 'top5': 200.0 / 3}
+    for key in [('imagenet', 'val'), ('imagenet-v2', 'matched-frequency'), ('imagenet-v2', 'threshold0.7')]:
+        result = results[key]
+        assert {k: result[k] for k in expected} == expected, key
+        assert result['images'] == NUM_IMAGES and result['skipped'] == [] and result['images_per_s'] > 0
+    assert results[('imagenet-v2', 'matched-frequency')]['path'] == v2_numeric
+
+    real = load_real_labels()
+    expected_real = reference_accuracy(vit.topk, [real[os.path.basename(p)] for p in vit.photos])
+    assert expected_real['count'] == NUM_IMAGES - 2  # val images 1 and 22 have empty ReaL label sets
+    assert {k: results[('imagenet-real', 'val')][k] for k in expected_real} == expected_real
+
+
+def test_v2_numeric_folders_are_not_string_sorted(vit, tmp_path, capsys):
+    top1 = vit.topk[:, 0].tolist()
+    string_sorted = sorted(str(i) for i in range(1000))
+    # The trap is live: under a string sort most of these folders would stand for other classes.
+    assert sum(string_sorted[c] != str(c) for c in top1) >= NUM_IMAGES - 2
+    v2 = build_tree(str(tmp_path / 'top-images'), dict(zip(vit.photos, top1)), layout='numeric')
+    (result,) = run_validate([*vit.args, '--v2-dir', v2], tmp_path, capsys)['results']
+    assert result['dataset'] == 'imagenet-v2' and result['top1'] == 100.0 and result['top5'] == 100.0
+
+
+def test_real_labels_file(vit, tmp_path, capsys):
+    real = json.loads(json.dumps(load_real_labels()))
+    # ReaL sets holding the top-1 class, the 3rd, nothing the model ranks in its top 5, or nothing at all.
+    designs = []
+    for i, (photo, row) in enumerate(zip(vit.photos, vit.topk.tolist())):
+        outside = next(c for c in range(1000) if c not in row)
+        designs.append([[row[0], outside], [row[2]], [outside], []][i % 4])
+        real[os.path.basename(photo)] = designs[-1]
+    real_file = tmp_path / 'real.json'
+    real_file.write_text(json.dumps([real[val_file_name(i)] for i in range(1, 50_001)]))  # published list format
+    record = run_validate([*vit.args, '--data-dir', vit.val, '--real-labels', str(real_file)], tmp_path, capsys)
+    expected = reference_accuracy(vit.topk, designs)
+    # 24 images, 6 of each design: 18 counted, 6 right at top 1, 12 within the top 5.
+    assert expected == {'count': 18, 'top1': 100.0 / 3, 'top5': 200.0 / 3}
+    result = by_dataset(record)[('imagenet-real', 'val')]
+    assert {k: result[k] for k in expected} == expected
+
+
+def test_corrupt_images_are_skipped_and_reported(vit, tmp_path, capsys):
+    val = build_tree(str(tmp_path / 'val'), dict(zip(vit.photos[:12], vit.classes[:12])))
+    synset = imagenet_synsets()[vit.classes[0]]
+    junk = os.path.join(val, synset, val_file_name(901))
+    with open(junk, 'wb') as f:
+        f.write(b'not a JPEG at all')
+    truncated = os.path.join(val, synset, val_file_name(902))
+    with open(vit.photos[0], 'rb') as f:
+        data = f.read()
+    with open(truncated, 'wb') as f:
+        f.write(data[:len(data) // 2])
+    record = run_validate([*vit.args, '--data-dir', val, '--real-labels'], tmp_path, capsys)
+    results = by_dataset(record)
+    val_result = results[('imagenet', 'val')]
+    assert val_result['images'] == 14 and val_result['skipped'] == [junk, truncated]
+    expected = reference_accuracy(vit.topk[:12], [[c] for c in vit.classes[:12]])
+    assert {k: val_result[k] for k in expected} == expected
+    assert results[('imagenet-real', 'val')]['skipped'] == [junk, truncated]
+
+
+def test_settings_override_the_pretrained_cfg(vit, tmp_path, capsys):
+    data_config = dict(VIT_DATA_CONFIG, input_size=(3, 48, 48), crop_pct=1.0, interpolation='bilinear')
+    expected = reference_accuracy(reference_topk(vit.model, vit.photos, data_config), [[c] for c in vit.classes])
+    record = run_validate(['--model', 'test_vit', '--checkpoint', vit.checkpoint, '--img-size', '48',
+                           '--crop-pct', '1', '--interpolation', 'bilinear', '--data-dir', vit.val], tmp_path, capsys)
+    settings = record['settings']
+    assert (settings['input_size'], settings['crop_pct'], settings['interpolation']) == ([3, 48, 48], 1.0, 'bilinear')
+    (result,) = record['results']
+    assert {k: result[k] for k in expected} == expected
+
+
+def test_csv_results(vit, tmp_path):
+    csv_file = tmp_path / 'results.csv'
+    assert run_main([*vit.args, '--data-dir', vit.val, '--real-labels', '--workers', '0',
+                     '--results-file', str(csv_file), '--results-format', 'csv']) == 0
+    header, *rows = [line.split(',') for line in csv_file.read_text().splitlines()]
+    assert header[:10] == ['model', 'checkpoint', 'use_ema', 'dataset', 'name', 'path', 'images', 'count', 'top1',
+                           'top5']
+    assert [row[3] for row in rows] == ['imagenet', 'imagenet-real']
+    assert rows[0][6:10] == [str(NUM_IMAGES), str(NUM_IMAGES), str(100.0 / 3), str(200.0 / 3)]
+
+
+def _export(model: torch.nn.Module, folder: str, ema: torch.nn.Module | None = None) -> None:
+    """A run export as train.py writes it: timm's save_for_hf files plus the EMA weights."""
+    save_for_hf(model, folder, safe_serialization=True, data_config={'img_size': 32})
+    if ema is not None:
+        safetensors.torch.save_file(ema.state_dict(), os.path.join(folder, 'model_ema.safetensors'))
+
+
+def _tiny_lipsformer() -> torch.nn.Module:
+    return timm.create_model('lipsformer_swin_tiny', img_size=32, embed_dim=16, depths=(1, 1, 1, 1),
+                             num_heads=(1, 2, 2, 4)).eval()
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy whose classifier moved, as EMA or later weights of the same run would have."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = other.get_classifier()
+        head.weight.add_(torch.randn(head.weight.shape, generator=generator) * head.weight.std())
+    return other
+
+
+def test_run_folder_best_and_ema_weights(vit, tmp_path, capsys):
+    raw = _tiny_lipsformer()
+    ema, last = _perturbed(raw, 1), _perturbed(raw, 2)
+    run = tmp_path / 'run'
+    _export(raw, str(run / 'export' / 'best'), ema=ema)
+    _export(last, str(run / 'export' / 'last'))
+    photos = vit.photos[:12]
+    data_config = dict(VIT_DATA_CONFIG, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.875)
+    raw_topk, ema_topk = reference_topk(raw, photos, data_config), reference_topk(ema, photos, data_config)
+    classes = file_by_prediction(raw_topk)
+    val = build_tree(str(tmp_path / 'val'), dict(zip(photos, classes)))
+    expected_raw = reference_accuracy(raw_topk, [[c] for c in classes])
+    expected_ema = reference_accuracy(ema_topk, [[c] for c in classes])
+    assert expected_raw == {'count': 12, 'top1': 100.0 / 3, 'top5': 200.0 / 3} and expected_ema != expected_raw
+
+    # No --model: the export's config.json rebuilds the tiny architecture and its 32px preprocessing.
+    record = run_validate(['--checkpoint', str(run), '--data-dir', val], tmp_path, capsys)
+    assert record['model'] == 'lipsformer_swin_tiny'
+    assert record['checkpoint'] == str(run / 'export' / 'best' / 'model.safetensors')
+    assert record['settings']['input_size'] == [3, 32, 32]
+    assert {k: record['results'][0][k] for k in expected_raw} == expected_raw
+
+    record = run_validate(['--model', 'lipsformer_swin_tiny', '--checkpoint', str(run), '--use-ema',
+                           '--data-dir', val], tmp_path, capsys)
+    assert record['checkpoint'] == str(run / 'export' / 'best' / 'model_ema.safetensors')
+    assert record['settings']['use_ema'] is True
+    assert {k: record['results'][0][k] for k in expected_ema} == expected_ema
+
+    # A run with resumable checkpoints only: the newest one, rebuilt from the run's resolved config.yaml.
+    checkpoints_run = tmp_path / 'checkpoints_run'
+    saved = checkpoints_run / 'checkpoints'
+    for name, weights in (('step_200', raw), ('step_100', last)):
+        os.makedirs(saved / name)
+        safetensors.torch.save_file(weights.state_dict(), str(saved / name / 'model.safetensors'))
+    safetensors.torch.save_file(ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
+    os.utime(saved / 'step_100' / 'model.safetensors', (1_000_000, 1_000_000))
+    (checkpoints_run / 'config.yaml').write_text(yaml.safe_dump({
+        'model': {'name': 'lipsformer_swin_tiny', 'kwargs': {'embed_dim': 16, 'depths': [1, 1, 1, 1],
+                                                             'num_heads': [1, 2, 2, 4]},
+                  'img_size': 32, 'in_chans': 3, 'num_classes': None},
+        'data': {'mean': None, 'std': None, 'interpolation': 'bicubic', 'crop_pct': None}}))
+    record = run_validate(['--checkpoint', str(checkpoints_run), '--use-ema', '--data-dir', val], tmp_path, capsys)
+    assert record['checkpoint'] == str(saved / 'step_200' / 'ema.safetensors')
+    assert record['settings']['input_size'] == [3, 32, 32]
+    assert {k: record['results'][0][k] for k in expected_ema} == expected_ema
+
+
+def test_training_checkpoint_with_ema_entry(vit, tmp_path, capsys):
+    """A timm-style .pth.tar holding state_dict and state_dict_ema; --use-ema takes the EMA entry."""
+    torch.manual_seed(5)
+    other = timm.create_model('test_vit', img_size=32).eval()
+    checkpoint = tmp_path / 'checkpoint.pth.tar'
+    torch.save({'state_dict': other.state_dict(), 'state_dict_ema': vit.model.state_dict(), 'epoch': 3}, checkpoint)
+    labels = [[c] for c in vit.classes]
+    expected_ema = reference_accuracy(vit.topk, labels)
+    expected_raw = reference_accuracy(reference_topk(other, vit.photos, VIT_DATA_CONFIG), labels)
+    assert expected_raw != expected_ema
+    args = ['--model', 'test_vit', '--checkpoint', str(checkpoint), '--img-size', '32', '--data-dir', vit.val]
+    (result,) = run_validate([*args, '--use-ema'], tmp_path, capsys)['results']
+    assert {k: result[k] for k in expected_ema} == expected_ema
+    (result,) = run_validate(args, tmp_path, capsys)['results']
+    assert {k: result[k] for k in expected_raw} == expected_raw
+
+
+def _fails(argv: list[str], capsys) -> str:
+    assert run_main([*argv, '--workers', '0']) == 2
+    return capsys.readouterr().err
+
+
+def test_wrong_architecture_or_class_count_is_a_clear_error(vit, tmp_path, capsys):
+    checkpoint, val = vit.checkpoint, vit.val
+    err = _fails(['--model', 'test_convnext', '--checkpoint', checkpoint, '--data-dir', val], capsys)
+    assert 'does not fit ConvNeXt' in err and 'missing: stem.0.weight' in err and 'unexpected: blocks.0.attn' in err
+
+    ten_classes = tmp_path / 'ten.safetensors'
+    safetensors.torch.save_file(timm.create_model('test_vit', num_classes=10).state_dict(), str(ten_classes))
+    err = _fails(['--model', 'test_vit', '--checkpoint', str(ten_classes), '--data-dir', val], capsys)
+    assert 'shape mismatch: head.bias' in err and 'head.weight: checkpoint (10, 64) vs model (1000, 64)' in err
+
+    export = tmp_path / 'export10'
+    save_for_hf(timm.create_model('test_vit', num_classes=10), str(export), safe_serialization=True)
+    err = _fails(['--checkpoint', str(export), '--data-dir', val], capsys)
+    assert 'the model has 10 outputs but imagenet' in err and '1000 classes' in err
+
+    err = _fails(['--model', 'resnet10t', '--checkpoint', str(export), '--data-dir', val], capsys)
+    assert '--model resnet10t does not match the checkpoint' in err and 'test_vit' in err
+
+
+def test_bad_data_arguments_fail_before_inference(vit, tmp_path, capsys):
+    photos = vit.photos
+    base = ['--model', 'test_vit', '--checkpoint', vit.checkpoint]
+    assert 'does not exist' in _fails([*base, '--data-dir', str(tmp_path / 'missing')], capsys)
+    assert 'no images' in _fails([*base, '--data-dir', build_tree(str(tmp_path / 'empty'), {})], capsys)
+    assert 'nothing to evaluate' in _fails(base, capsys)
+    renamed = build_tree(str(tmp_path / 'renamed'), {photos[0]: 3})
+    shutil.move(os.path.join(renamed, imagenet_synsets()[3], os.path.basename(photos[0])),
+                os.path.join(renamed, imagenet_synsets()[3], 'tench.jpg'))
+    assert 'ILSVRC2012_val_%08d.JPEG' in _fails([*base, '--data-dir', renamed, '--real-labels'], capsys)
+    assert '--use-ema needs --checkpoint' in _fails(['--model', 'test_vit', '--use-ema', '--v2-dir', renamed], capsys)
+    assert 'one model' in _fails(['--model', 'test_vit,resnet10t', *base[2:], '--data-dir', renamed], capsys)
+    assert 'test_vit4 has no pretrained weights registered with timm; pass --checkpoint' in _fails(
+        ['--model', 'test_vit4', '--data-dir', renamed], capsys)
+    assert '--amp fp16 runs only on a GPU' in _fails([*base, '--data-dir', renamed, '--amp', 'fp16', '--cpu'], capsys)
+
+
+def test_authors_pth_on_a_class_folder_data_set(tmp_path, capsys):
+    """The authors' .pth (with its pickled yacs config) scored on a 10-class folder tree (--data-layout imagefolder)."""
+    path = os.path.join(os.path.dirname(__file__), 'fixtures', 'authors', 'authors_checkpoint_swin_small.pth')
+    kwargs = dict(embed_dim=12, depths=(1, 1, 2, 1), num_heads=(1, 2, 3, 6), window_size=4, img_size=64)
+    model = timm.create_model('lipsformer_swin_tiny', num_classes=10, **kwargs).eval()
+    load_model_weights(model, path)
+    photos = write_jpegs(str(tmp_path / 'photos'), [f'item{i}.jpg' for i in range(12)])
+    data_config = dict(VIT_DATA_CONFIG, input_size=(3, 64, 64), mean=(0.485, 0.456, 0.406),
+                       std=(0.229, 0.224, 0.225), crop_pct=0.875)
+    with torch.no_grad():
+        topk = reference_topk(model, photos, data_config)
+    classes = file_by_prediction(topk)
+    for i in range(10):
+        os.makedirs(tmp_path / 'data' / f'class{i}')
+    for photo, c in zip(photos, classes):
+        shutil.copyfile(photo, tmp_path / 'data' / f'class{c}' / os.path.basename(photo))
+    model_kwargs = [f'{k}={v}'.replace(' ', '') for k, v in kwargs.items()]
+    record = run_validate(['--model', 'lipsformer_swin_tiny', '--checkpoint', path, '--num-classes', '10',
+                           '--model-kwargs', *model_kwargs, '--img-size', '64', '--data-layout', 'imagefolder',
+                           '--data-dir', str(tmp_path / 'data')], tmp_path, capsys)
+    (result,) = record['results']
+    assert result['dataset'] == 'imagefolder'
+    assert {k: result[k] for k in ('count', 'top1', 'top5')} == {'count': 12, 'top1': 100.0 / 3, 'top5': 200.0 / 3}
+
+
+def test_several_models_with_pretrained_weights(vit, tmp_path, capsys, monkeypatch):
+    """A comma list of models, each with its timm pretrained weights (pointed at local files here)."""
+    torch.manual_seed(1)
+    convnext = timm.create_model('test_convnext').eval()
+    convnext_file = str(tmp_path / 'convnext.safetensors')
+    safetensors.torch.save_file(convnext.state_dict(), convnext_file)
+    for name, file in (('test_vit.r160_in1k', vit.checkpoint), ('test_convnext.r160_in1k', convnext_file)):
+        cfg = _model_pretrained_cfgs[name]
+        monkeypatch.setitem(_model_pretrained_cfgs, name, dataclasses.replace(cfg, file=file, hf_hub_id=None, url=None))
+    cfg = _model_pretrained_cfgs['test_convnext.r160_in1k']
+    convnext_config = dict(input_size=(3, 32, 32), interpolation=cfg.interpolation, mean=cfg.mean, std=cfg.std,
+                           crop_pct=cfg.crop_pct, crop_mode=cfg.crop_mode)
+    labels = [[c] for c in vit.classes]
+    expected = {'test_vit.r160_in1k': reference_accuracy(vit.topk, labels),
+                'test_convnext.r160_in1k': reference_accuracy(
+                    reference_topk(convnext, vit.photos, convnext_config), labels)}
+    results_file = tmp_path / 'results.json'
+    assert run_main(['--model', 'test_vit.r160_in1k,test_convnext.r160_in1k', '--img-size', '32',
+                     '--data-dir', vit.val, '--workers', '0', '--results-file', str(results_file)]) == 0
+    records = json.loads(results_file.read_text())
+    assert [r['model'] for r in records] == ['test_vit.r160_in1k', 'test_convnext.r160_in1k']
+    for record in records:
+        assert record['checkpoint'] is None
+        (result,) = record['results']
+        assert {k: result[k] for k in ('count', 'top1', 'top5')} == expected[record['model']]
+    assert len(capsys.readouterr().out.splitlines()) == 3  # header and one row per model
+
+
+def test_bf16_and_channels_last(vit, tmp_path, capsys):
+    """Mixed precision on CPU: the numbers of the same bf16 autocast computation on one batch."""
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        topk = reference_topk(vit.model, vit.photos, VIT_DATA_CONFIG, min_margin=None)
+    expected = reference_accuracy(topk, [[c] for c in vit.classes])
+    results_file = tmp_path / 'results.json'
+    assert run_main([*vit.args, '--data-dir', vit.val, '--amp', 'bf16', '--channels-last', '--batch-size', '24',
+                     '--workers', '0', '--results-file', str(results_file)]) == 0
+    record = json.loads(results_file.read_text())
+    assert record['settings']['amp'] == 'bf16' and record['settings']['channels_last'] is True
+    (result,) = record['results']
+    assert {k: result[k] for k in expected} == expected

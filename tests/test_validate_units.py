@@ -1,0 +1,235 @@
+"""Unit tests of lipsformer.evaluation: layouts and label mapping, ReaL matching and scoring, checkpoint resolution."""
+import json
+import os
+
+import pytest
+import safetensors.torch
+import timm
+import torch
+from imagenet_trees import build_tree, val_file_name, write_jpegs
+
+from lipsformer.evaluation import (
+    EvaluationError,
+    ResolvedCheckpoint,
+    expand_model_names,
+    imagenet_synsets,
+    list_image_folder,
+    list_imagenet_v2,
+    list_imagenet_val,
+    load_real_labels,
+    real_labels_for,
+    resolve_checkpoint,
+    score_label_sets,
+    score_labels,
+)
+from lipsformer.evaluation.results import write_results
+
+
+@pytest.fixture(scope='module')
+def photos(tmp_path_factory):
+    """Six real JPEGs with official val names."""
+    return write_jpegs(str(tmp_path_factory.mktemp('photos')), [val_file_name(i) for i in range(1, 7)])
+
+
+def test_synset_order_is_sorted_and_complete():
+    synsets = imagenet_synsets()
+    assert len(synsets) == 1000 and synsets == sorted(synsets)
+    assert synsets[0] == 'n01440764' and synsets[-1] == 'n15075141'  # tench, toilet tissue
+
+
+def test_val_layout_maps_synsets_to_sorted_index(tmp_path, photos):
+    placements = {photos[0]: 0, photos[1]: 417, photos[2]: 999}
+    images = list_imagenet_val(build_tree(str(tmp_path / 'val'), placements))
+    assert images.layout == 'synset' and images.num_classes == 1000
+    assert [os.path.basename(p) for p in images.paths] == [os.path.basename(p) for p in photos[:3]]
+    assert images.targets == [0, 417, 999]
+    assert os.path.basename(os.path.dirname(images.paths[1])) == imagenet_synsets()[417]
+
+
+def test_v2_numeric_folders_map_by_integer_not_string_sort(tmp_path, photos):
+    # Folders 2, 10, 100 and 999: a string sort of 0..999 puts them at 112, 2, 3 and 999.
+    classes = [2, 10, 100, 999]
+    root = build_tree(str(tmp_path / 'v2'), dict(zip(photos, classes)), layout='numeric')
+    images = list_imagenet_v2(root)
+    assert images.layout == 'v2-numeric'
+    assert images.targets == classes
+    string_sorted = sorted(str(i) for i in range(1000))
+    assert [string_sorted.index(str(c)) for c in classes] == [112, 2, 3, 999]  # the trap this test guards
+    assert [int(os.path.basename(os.path.dirname(p))) for p in images.paths] == classes
+
+
+def test_v2_synset_layout_is_read_like_val(tmp_path, photos):
+    images = list_imagenet_v2(build_tree(str(tmp_path / 'v2'), {photos[0]: 5, photos[1]: 500}))
+    assert images.layout == 'synset' and images.targets == [5, 500]
+
+
+def test_missing_folder_is_an_error(tmp_path):
+    with pytest.raises(EvaluationError, match='does not exist'):
+        list_imagenet_val(tmp_path / 'nowhere')
+    with pytest.raises(EvaluationError, match='does not exist'):
+        list_imagenet_v2(tmp_path / 'nowhere')
+
+
+def test_empty_folders_are_errors(tmp_path):
+    with pytest.raises(EvaluationError, match='no class sub-folders'):
+        list_imagenet_val(tmp_path)
+    with pytest.raises(EvaluationError, match='no class sub-folders'):
+        list_imagenet_v2(tmp_path)
+    with pytest.raises(EvaluationError, match='no images'):
+        list_imagenet_val(build_tree(str(tmp_path / 'val'), {}))
+    with pytest.raises(EvaluationError, match='no images'):
+        list_imagenet_v2(build_tree(str(tmp_path / 'v2'), {}, layout='numeric'))
+
+
+def test_devkit_numeric_ids_are_rejected(tmp_path):
+    for i in range(1, 1001):
+        os.makedirs(tmp_path / str(i))
+    with pytest.raises(EvaluationError, match='devkit'):
+        list_imagenet_val(tmp_path)
+    with pytest.raises(EvaluationError, match='0..999'):
+        list_imagenet_v2(tmp_path)
+
+
+def test_v2_layout_passed_as_val_points_to_v2_dir(tmp_path, photos):
+    root = build_tree(str(tmp_path / 'v2'), {photos[0]: 3}, layout='numeric')
+    with pytest.raises(EvaluationError, match='--v2-dir'):
+        list_imagenet_val(root)
+
+
+def test_other_class_count_is_rejected(tmp_path, photos):
+    for synset in imagenet_synsets()[:10]:
+        os.makedirs(tmp_path / synset)
+    with pytest.raises(EvaluationError, match=r'10 class folders where ImageNet-1k has 1000.*missing: n01530575'):
+        list_imagenet_val(tmp_path)
+    os.makedirs(tmp_path / 'not_a_synset')
+    with pytest.raises(EvaluationError, match='not ImageNet-1k synsets: not_a_synset'):
+        list_imagenet_val(tmp_path)
+
+
+def test_loose_images_are_rejected(tmp_path, photos):
+    os.link(photos[0], tmp_path / os.path.basename(photos[0]))
+    with pytest.raises(EvaluationError, match='directly inside'):
+        list_imagenet_val(tmp_path)
+
+
+def test_image_folder_uses_natural_class_order(tmp_path, photos):
+    for name, photo in zip(['class10', 'class2', 'class1'], photos):
+        os.makedirs(tmp_path / name)
+        os.link(photo, tmp_path / name / os.path.basename(photo))
+    images = list_image_folder(tmp_path)
+    assert images.num_classes == 3
+    by_folder = {os.path.basename(os.path.dirname(p)): t for p, t in zip(images.paths, images.targets)}
+    assert by_folder == {'class1': 0, 'class2': 1, 'class10': 2}
+
+
+def test_bundled_real_labels_match_official_names():
+    labels = load_real_labels()
+    assert len(labels) == 50_000
+    assert labels[val_file_name(1)] == [] and labels[val_file_name(2)] == [970, 795]
+
+
+def test_real_label_file_formats_and_errors(tmp_path):
+    as_dict = tmp_path / 'real.json'
+    as_dict.write_text(json.dumps({val_file_name(7): [3, 4], 'renamed.jpg': []}))
+    assert load_real_labels(as_dict) == {val_file_name(7): [3, 4], 'renamed.jpg': []}
+    short_list = tmp_path / 'short.json'
+    short_list.write_text(json.dumps([[1], [2]]))
+    with pytest.raises(EvaluationError, match='2 entries'):
+        load_real_labels(short_list)
+    bad_label = tmp_path / 'bad.json'
+    bad_label.write_text(json.dumps({val_file_name(1): [1000]}))
+    with pytest.raises(EvaluationError, match='0..999'):
+        load_real_labels(bad_label)
+    with pytest.raises(EvaluationError, match='cannot read'):
+        load_real_labels(tmp_path / 'missing.json')
+
+
+def test_real_labels_need_official_file_names():
+    labels = load_real_labels()
+    assert real_labels_for(['/x/' + val_file_name(3)], labels) == [[230, 231]]
+    with pytest.raises(EvaluationError, match='1 of 2 images have no ReaL labels.*ILSVRC2012_val_%08d.JPEG'):
+        real_labels_for(['/x/' + val_file_name(3), '/x/tench_001.jpg'], labels)
+
+
+def test_label_scores_count_exactly():
+    topk = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]])
+    targets = torch.tensor([1, 6, 0, 1])
+    readable = torch.tensor([True, True, True, False])
+    score = score_labels(topk, targets, readable)
+    assert (score.count, score.correct_top1, score.correct_topk) == (3, 1, 2)
+    assert score.top1 == 100 / 3 and score.topk == 200 / 3
+
+
+def test_real_scores_leave_out_empty_label_sets_and_unreadable_images():
+    topk = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]])
+    label_sets = [[1], [], [6, 50], [7], [9]]
+    readable = torch.tensor([True, True, True, True, False])
+    score = score_label_sets(topk, label_sets, readable)
+    # counted: images 0, 2, 3; top-1 right: 0 and 3; top-2 right: 0, 2 and 3
+    assert (score.count, score.correct_top1, score.correct_topk) == (3, 2, 3)
+    assert score.top1 == 200 / 3 and score.topk == 100.0
+    assert score_label_sets(topk[:2], [[], []], readable[:2]).top1 is None
+
+
+def _save(model: torch.nn.Module, path) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    safetensors.torch.save_file(model.state_dict(), str(path))
+    return str(path)
+
+
+def test_run_folder_prefers_export_best_then_last_then_newest_checkpoint(tmp_path):
+    model = timm.create_model('test_vit')
+    old = _save(model, tmp_path / 'checkpoints' / 'epoch_2' / 'model.safetensors')
+    new = _save(model, tmp_path / 'checkpoints' / 'epoch_10' / 'model.safetensors')
+    os.utime(old, (1_000_000, 1_000_000))
+    _save(model, tmp_path / 'checkpoints' / '.tmp-epoch_11' / 'model.safetensors')  # a save in progress
+    assert resolve_checkpoint(tmp_path).weights == new
+    last = _save(model, tmp_path / 'export' / 'last' / 'model.safetensors')
+    assert resolve_checkpoint(tmp_path).weights == last
+    best = _save(model, tmp_path / 'export' / 'best' / 'model.safetensors')
+    assert resolve_checkpoint(tmp_path).weights == best
+    with pytest.raises(EvaluationError, match='no EMA weights'):
+        resolve_checkpoint(tmp_path, use_ema=True)
+    best_ema = _save(model, tmp_path / 'export' / 'best' / 'model_ema.safetensors')
+    assert resolve_checkpoint(tmp_path, use_ema=True).weights == best_ema
+    assert resolve_checkpoint(best, use_ema=True).weights == best_ema  # the EMA twin of an export file
+    assert not resolve_checkpoint(best_ema, use_ema=True).ema_entry  # the EMA file itself holds plain weights
+    torch_file = tmp_path / 'last.pth.tar'
+    torch.save({'state_dict': model.state_dict(), 'state_dict_ema': model.state_dict()}, torch_file)
+    assert resolve_checkpoint(torch_file, use_ema=True) == ResolvedCheckpoint(str(torch_file), True, None)
+    with pytest.raises(EvaluationError, match='holds no weights'):
+        resolve_checkpoint(tmp_path / 'checkpoints')
+
+
+def test_run_config_yaml_describes_the_model(tmp_path):
+    (tmp_path / 'config.yaml').write_text(
+        'model:\n  name: test_vit\n  kwargs: {depth: 2}\n  img_size: 64\n  num_classes: 10\n'
+        'data:\n  mean: [0.2, 0.2, 0.2]\n  crop_pct: 1.0\n  std: null\n')
+    _save(timm.create_model('test_vit'), tmp_path / 'checkpoints' / 'step_5' / 'model.safetensors')
+    spec = resolve_checkpoint(tmp_path).spec
+    assert spec.name == 'test_vit'
+    assert spec.kwargs == {'depth': 2, 'img_size': 64, 'num_classes': 10}
+    assert spec.cfg_overlay == {'mean': [0.2, 0.2, 0.2], 'crop_pct': 1.0, 'input_size': (3, 64, 64)}
+
+
+def test_model_names_from_lists_and_wildcards():
+    assert expand_model_names('test_vit, resnet10t') == ['test_vit', 'resnet10t']
+    assert set(expand_model_names('test_vit*')) == set(timm.list_models('test_vit*')) >= {'test_vit', 'test_vit2'}
+    assert set(expand_model_names('test_vit*', with_weights=True)) == {
+        'test_vit.r160_in1k', 'test_vit2.r160_in1k', 'test_vit3.r160_in1k'}
+    with pytest.raises(EvaluationError, match='unknown model'):
+        expand_model_names('no_such_model')
+    with pytest.raises(EvaluationError, match='matches no registered model'):
+        expand_model_names('no_such_*')
+    with pytest.raises(EvaluationError, match='none with pretrained weights'):
+        expand_model_names('lipsformer_cswin_*', with_weights=True)
+
+
+def test_results_file_replaced_atomically(tmp_path):
+    path = tmp_path / 'out' / 'results.json'
+    record = {'model': 'm', 'checkpoint': None, 'settings': {}, 'versions': {}, 'results': []}
+    write_results(path, [record])
+    assert json.loads(path.read_text()) == record
+    write_results(path, [record, record])
+    assert json.loads(path.read_text()) == [record, record]
+    assert os.listdir(path.parent) == ['results.json']  # no temporary file left behind
