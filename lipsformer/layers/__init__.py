@@ -7,7 +7,7 @@ from .center_norm import CenterNorm
 from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
 from .scaled_cosine_attention import ScaledCosineAttention
-from .spectral_init import WEIGHT_INITS, init_weights_, spectral_normalize_
+from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
 from .weighted_residual import ScaleLayer
 from .windows import pad_to_multiple, padding_key_mask, window_partition, window_reverse
 
@@ -47,6 +47,6 @@ def create_attention(
 __all__ = [
     'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'NORM_LAYERS', 'ScaleLayer',
     'ScaledCosineAttention', 'WEIGHT_INITS', 'create_attention', 'create_conv_shortcuts', 'get_norm_layer',
-    'init_weights_', 'pad_to_multiple', 'padding_key_mask', 'spectral_normalize_', 'window_partition',
+    'init_weights_', 'pad_to_multiple', 'padding_key_mask', 'spectral_norm', 'spectral_normalize_', 'window_partition',
     'window_reverse',
 ]
