@@ -1,11 +1,13 @@
 """LipsFormer's Lipschitz building blocks, and factories that let models swap each one by name."""
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.nn as nn
 
 from .center_norm import CenterNorm
 from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
+from .l2_attention import L2Attention
+from .lipschitz_norm_attention import LipschitzNormAttention
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
 from .weighted_residual import ScaleLayer
@@ -14,7 +16,7 @@ from .windows import pad_to_multiple, padding_key_mask, window_partition, window
 NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
     'center': CenterNorm,
     'layer': nn.LayerNorm,
-    'none': lambda dim: nn.Identity(),
+    'none': lambda dim, **kwargs: nn.Identity(),  # takes the device / dtype that timm's PatchEmbed passes
 }
 
 
@@ -27,6 +29,9 @@ def get_norm_layer(norm_layer: str | Callable[[int], nn.Module]) -> Callable[[in
     return NORM_LAYERS[norm_layer]
 
 
+ATTENTION_TYPES = ('scsa', 'dot', 'l2', 'lipnorm')
+
+
 def create_attention(
         attn_type: str,
         head_dim: int,
@@ -35,18 +40,35 @@ def create_attention(
         v_norm: bool = False,
         nu: float = 1.0,
         attn_drop: float = 0.0,
+        num_heads: Optional[int] = None,
 ) -> nn.Module:
-    """The attention maths (q, k, v, bias -> out) for ``attn_type``: 'scsa' (LipsFormer) or 'dot' (standard)."""
+    """The attention maths (q, k, v, bias -> out) for ``attn_type``.
+
+    Args:
+        attn_type: 'scsa' (LipsFormer's scaled cosine similarity), 'dot' (standard scaled dot product), 'l2' (Kim et
+            al.'s L2 attention; the mixer then ties queries, keys and values to one projection) or 'lipnorm'
+            (Dasoulas et al.'s LipschitzNorm scores).
+        head_dim: Width of each head.
+        tau, tau_learnable, v_norm, nu: SCSA's temperature and value normalisation ('scsa' only).
+        attn_drop: Dropout on the attention probabilities.
+        num_heads: Heads the kernel serves; required by 'l2', which has a value map per head.
+    """
     if attn_type == 'scsa':
         return ScaledCosineAttention(tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu, attn_drop=attn_drop)
     if attn_type == 'dot':
         return DotProductAttention(head_dim, attn_drop=attn_drop)
-    raise ValueError(f"unknown attn_type {attn_type!r}; expected 'scsa' or 'dot'")
+    if attn_type == 'l2':
+        if num_heads is None:
+            raise ValueError("attn_type 'l2' needs num_heads (it learns one value map per head)")
+        return L2Attention(head_dim, num_heads, attn_drop=attn_drop)
+    if attn_type == 'lipnorm':
+        return LipschitzNormAttention(attn_drop=attn_drop)
+    raise ValueError(f'unknown attn_type {attn_type!r}; expected one of {ATTENTION_TYPES}')
 
 
 __all__ = [
-    'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'NORM_LAYERS', 'ScaleLayer',
-    'ScaledCosineAttention', 'WEIGHT_INITS', 'create_attention', 'create_conv_shortcuts', 'get_norm_layer',
-    'init_weights_', 'pad_to_multiple', 'padding_key_mask', 'spectral_norm', 'spectral_normalize_', 'window_partition',
-    'window_reverse',
+    'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
+    'LipschitzNormAttention', 'NORM_LAYERS', 'ScaleLayer', 'ScaledCosineAttention', 'WEIGHT_INITS',
+    'create_attention', 'create_conv_shortcuts', 'get_norm_layer', 'init_weights_', 'pad_to_multiple',
+    'padding_key_mask', 'spectral_norm', 'spectral_normalize_', 'window_partition', 'window_reverse',
 ]

@@ -24,22 +24,33 @@ class StripeAttention(nn.Module):
     """One CSwin branch: attention within stripe_h x stripe_w windows plus LePE, divided by sqrt(heads).
 
     Stripes cut by the map border are zero-padded and the padded keys masked, so any map size works and a cut
-    stripe behaves as a narrower one.
+    stripe behaves as a narrower one. With a ``tied_qkv`` kernel (Kim et al.'s L2 attention) the input holds one
+    projection, used as queries, keys and values (and by LePE).
     """
+
+    tied_qkv: torch.jit.Final[bool]
+    num_projections: torch.jit.Final[int]
 
     def __init__(self, dim: int, num_heads: int, attention: nn.Module) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.tied_qkv = bool(getattr(attention, 'tied_qkv', False))
+        self.num_projections = 1 if self.tied_qkv else 3
         self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.kernel = attention
         self.head_scale = num_heads ** -0.5
 
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
-        """(B, H, W, 3 * C) stacked q, k, v -> (B, H, W, C)."""
+        """(B, H, W, 3 * C) stacked q, k, v (or (B, H, W, C) with ``tied_qkv``) -> (B, H, W, C)."""
         batch, height, width, _ = qkv.shape
         windows = window_partition(pad_to_multiple(qkv, stripe_h, stripe_w), stripe_h, stripe_w)
         num_windows, area = windows.shape[0], windows.shape[1]
-        q, k, v = windows.view(num_windows, area, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        projections = windows.view(num_windows, area, self.num_projections, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        if self.tied_qkv:
+            q = projections[0]
+            k = v = q
+        else:
+            q, k, v = projections.unbind(0)
         mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
         # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
         v_map = v.permute(0, 1, 3, 2).reshape(num_windows, -1, stripe_h, stripe_w)
@@ -60,6 +71,7 @@ class CrossStripeAttention(nn.Module):
     """
 
     two_branches: torch.jit.Final[bool]
+    tied_qkv: torch.jit.Final[bool]
 
     def __init__(
             self,
@@ -67,7 +79,7 @@ class CrossStripeAttention(nn.Module):
             num_heads: int,
             split_size: int,
             two_branches: bool,
-            make_attention: Callable[[int], nn.Module],
+            make_attention: Callable[[int, int], nn.Module],
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
     ) -> None:
@@ -77,7 +89,7 @@ class CrossStripeAttention(nn.Module):
             num_heads: Attention heads in all (split evenly between the branches).
             split_size: Stripe width.
             two_branches: Vertical + horizontal stripes; else one global branch.
-            make_attention: Builds the attention maths from the head dim.
+            make_attention: Builds the attention maths from the head dim and the heads of a branch.
             qkv_bias: Bias in the qkv projection.
             proj_drop: Dropout after the output projection.
         """
@@ -87,10 +99,11 @@ class CrossStripeAttention(nn.Module):
             raise ValueError(f'dim {dim} and num_heads {num_heads} must split evenly into {branches} branch(es)')
         self.two_branches = two_branches
         self.split_size = split_size
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        kernels = [make_attention(dim // num_heads, num_heads // branches) for _ in range(branches)]
+        self.tied_qkv = bool(getattr(kernels[0], 'tied_qkv', False))
+        self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
         self.branches = nn.ModuleList([
-            StripeAttention(dim // branches, num_heads // branches, make_attention(dim // num_heads))
-            for _ in range(branches)])
+            StripeAttention(dim // branches, num_heads // branches, kernel) for kernel in kernels])
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
@@ -99,9 +112,12 @@ class CrossStripeAttention(nn.Module):
         qkv = self.qkv(x)
         if self.two_branches:
             half = channels // 2
-            q, k, v = qkv.view(batch, height, width, 3, channels).unbind(3)
-            vertical = torch.cat([q[..., :half], k[..., :half], v[..., :half]], dim=-1)
-            horizontal = torch.cat([q[..., half:], k[..., half:], v[..., half:]], dim=-1)
+            if self.tied_qkv:
+                vertical, horizontal = qkv[..., :half], qkv[..., half:]
+            else:
+                q, k, v = qkv.view(batch, height, width, 3, channels).unbind(3)
+                vertical = torch.cat([q[..., :half], k[..., :half], v[..., :half]], dim=-1)
+                horizontal = torch.cat([q[..., half:], k[..., half:], v[..., half:]], dim=-1)
             x = torch.cat([
                 self.branches[0](vertical, height, self.split_size),
                 self.branches[1](horizontal, self.split_size, width),
@@ -167,7 +183,8 @@ class LipsFormerCSwin(LipsFormer):
                 ``split_size`` square, attends over the whole map in one branch.
             mlp_ratio: MLP hidden width over dim.
             qkv_bias: Bias in the qkv projection.
-            attn_type: 'scsa' (scaled cosine similarity) or 'dot' (standard dot product).
+            attn_type: 'scsa' (scaled cosine similarity), 'dot' (standard dot product), 'l2' (Kim et al.'s L2
+                attention, tied queries and keys) or 'lipnorm' (Dasoulas et al.'s LipschitzNorm scores).
             tau: SCSA temperature (12, as the authors' code and the paper).
             tau_learnable: Learn tau.
             v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
@@ -186,10 +203,10 @@ class LipsFormerCSwin(LipsFormer):
             raise ValueError(f'num_heads {num_heads} and split_size {split_size} need one entry per stage of '
                              f'depths {tuple(depths)}')
 
-        def make_attention(head_dim: int) -> nn.Module:
+        def make_attention(head_dim: int, heads: int) -> nn.Module:
             return create_attention(
                 attn_type, head_dim, tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
-                attn_drop=attn_drop_rate)
+                attn_drop=attn_drop_rate, num_heads=heads)
 
         def make_mixer(stage: int, block: int, dim: int, feat_size: Tuple[int, int]) -> nn.Module:
             split = split_size[stage]

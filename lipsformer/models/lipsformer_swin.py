@@ -26,8 +26,11 @@ class WindowAttention(nn.Module):
     """Multi-head attention inside (optionally shifted) windows with Swin's relative-position bias, on NHWC maps.
 
     Maps are zero-padded to a multiple of the window at the bottom and right, as timm's Swin does, so any input
-    size works with the window size the relative-position table was built for.
+    size works with the window size the relative-position table was built for. A kernel with ``tied_qkv`` (Kim et
+    al.'s L2 attention) gets one projection as its queries, keys and values.
     """
+
+    tied_qkv: torch.jit.Final[bool]
 
     def __init__(
             self,
@@ -55,7 +58,8 @@ class WindowAttention(nn.Module):
         self.num_heads = num_heads
         self.window_size = window_size
         self.shift_size = shift_size
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.tied_qkv = bool(getattr(attention, 'tied_qkv', False))
+        self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
         self.relative_position_bias_table = nn.Parameter(
             torch.zeros((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
         trunc_normal_(self.relative_position_bias_table, std=0.02)
@@ -95,8 +99,12 @@ class WindowAttention(nn.Module):
         padded_h, padded_w = x.shape[1], x.shape[2]
         windows = window_partition(x, window_h, window_w)
         num_windows, area = windows.shape[0], windows.shape[1]
-        qkv = self.qkv(windows).reshape(num_windows, area, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        if self.tied_qkv:
+            q = self.qkv(windows).reshape(num_windows, area, self.num_heads, -1).transpose(1, 2)
+            k = v = q
+        else:
+            qkv = self.qkv(windows).reshape(num_windows, area, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
         attn_bias = self.relative_position_bias()
         if shifted:
             mask = self.shift_mask(padded_h, padded_w, x.device).to(attn_bias.dtype)
@@ -154,7 +162,8 @@ class LipsFormerSwin(LipsFormer):
             shift_windows: Shift every other block's windows by half a window (Swin v1). The authors never shift.
             mlp_ratio: MLP hidden width over dim.
             qkv_bias: Bias in the qkv projection.
-            attn_type: 'scsa' (scaled cosine similarity) or 'dot' (standard dot product).
+            attn_type: 'scsa' (scaled cosine similarity), 'dot' (standard dot product), 'l2' (Kim et al.'s L2
+                attention, tied queries and keys) or 'lipnorm' (Dasoulas et al.'s LipschitzNorm scores).
             tau: SCSA temperature (10 in the authors' Swin code; the paper says 12).
             tau_learnable: Learn tau.
             v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
@@ -178,7 +187,7 @@ class LipsFormerSwin(LipsFormer):
             shift = tuple(w // 2 if shifted and r > w else 0 for r, w in zip(feat_size, window))
             attention = create_attention(
                 attn_type, dim // num_heads[stage], tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
-                attn_drop=attn_drop_rate)
+                attn_drop=attn_drop_rate, num_heads=num_heads[stage])
             return WindowAttention(dim, num_heads[stage], window, shift, attention, qkv_bias, proj_drop_rate)
 
         super().__init__(

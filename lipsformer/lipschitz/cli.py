@@ -1,0 +1,143 @@
+"""Command line: ``python -m lipsformer.lipschitz --model NAME [--checkpoint PATH] [--img-size N] [--json OUT]``.
+
+Prints each weighted-residual branch's alpha, its Lipschitz bound (true conv operator norms, and the paper's reshaped
+ones), the theorem behind it and an empirical local estimate, then the network's Theorem 2 bound, its exp(kappa)
+form, its drop-path expectation and empirical estimates; ``--json`` writes the same as JSON, infinite bounds as the
+string "unbounded".
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import timm
+import torch
+import yaml
+
+from ..checkpoint import CheckpointError, load_model_weights
+from .analysis import analyze
+
+__all__ = ['build_parser', 'format_report', 'main', 'to_json']
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog='python -m lipsformer.lipschitz', description=__doc__.split('\n\n')[1],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny')
+    parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.checkpoint reads); default: '
+                                             'the model at initialisation')
+    parser.add_argument('--use-ema', action='store_true', help='take the EMA weights from the checkpoint')
+    parser.add_argument('--img-size', type=int, help='input size (a multiple of 32); default: the model\'s')
+    parser.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE',
+                        help='architecture arguments for timm.create_model, values parsed as YAML '
+                             '(attn_type=l2 norm_layer=layer num_classes=10 ...)')
+    parser.add_argument('--json', metavar='OUT', help='also write the report to this JSON file')
+    parser.add_argument('--iterations', type=int, default=10, help='power iterations on the network Jacobian')
+    parser.add_argument('--ascent-steps', type=int, default=10, help='Adam steps of the gradient ascent (0: skip)')
+    parser.add_argument('--branch-iterations', type=int, default=5, help='power iterations per branch')
+    parser.add_argument('--no-empirical', action='store_true', help='bounds only (no Jacobian measurements)')
+    parser.add_argument('--seed', type=int, default=0, help='seed of the random input and starting vectors')
+    parser.add_argument('--threads', type=int, help='CPU threads (torch.set_num_threads); on a busy machine 1 can be '
+                                                    'several times faster than the default')
+    return parser
+
+
+def _model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition('=')
+        if not sep or not key:
+            raise ValueError(f'--model-kwargs {item!r} is not KEY=VALUE (e.g. attn_type=l2)')
+        kwargs[key] = yaml.safe_load(value)
+    return kwargs
+
+
+def _number(value: Union[float, str, None], digits: int = 4) -> str:
+    if value is None or isinstance(value, str):
+        return value or '-'
+    return 'unbounded' if math.isinf(value) else f'{value:.{digits}g}'
+
+
+def format_report(report: Dict[str, Any]) -> str:
+    """The report as a table of branches and a summary of the network."""
+    lines = [f'Lipschitz analysis of {report["model"]} at {report["img_size"][0]}x{report["img_size"][1]}'
+             + (f' ({report["checkpoint"]})' if report.get('checkpoint') else ' (at initialisation)'), '',
+             f'{"branch":42} {"alpha":>7} {"bound":>10} {"reshaped":>10} {"empirical":>10} {"factor":>10}  why']
+    for row in report['branches']:
+        lines.append(f'{row["name"]:42} {_number(row["alpha"], 3):>7} {_number(row["lipschitz_bound"]):>10} '
+                     f'{_number(row["lipschitz_bound_reshaped"]):>10} {_number(row.get("empirical")):>10} '
+                     f'{_number(row["factor"]):>10}  {row["reason"]}')
+    plain = [row for row in report['plain_layers'] if row['lipschitz_bound'] != 1.0]
+    lines += ['', 'layers outside the residuals (bound): ' + ', '.join(
+        f'{row["name"]} {_number(row["lipschitz_bound"])}' for row in plain[:6]) + (', ...' if len(plain) > 6 else '')]
+    lines += [
+        '',
+        f'Theorem 2 product bound:            {_number(report["product_bound"])}'
+        f'   (log10 {_number(report["log10_product_bound"])})',
+        f'  with the paper\'s reshaped norms:  {_number(report["reshaped"]["product_bound"])}',
+        f'exp(kappa * sum alpha) form:        {_number(report["exp_kappa_bound"])}'
+        f'   (kappa {_number(report["kappa"])}, sum alpha {_number(report["sum_alpha"])})',
+        f'drop-path expectation (Appendix J): {_number(report["drop_path_expected_bound"]["paper"])}'
+        f'   (timm\'s rescaled DropPath: {_number(report["drop_path_expected_bound"]["timm_rescaled"])})',
+    ]
+    if report['unbounded']:
+        lines.append(f'unbounded parts: {len(report["unbounded"])}, e.g. {report["unbounded"][0]}; the product of '
+                     f'the others: {_number(report["bounded_parts_product"])} (reshaped norms: '
+                     f'{_number(report["reshaped"]["bounded_parts_product"])})')
+    if report['not_proven']:
+        lines.append(f'bounds used outside their theorem: {len(report["not_proven"])}, e.g. '
+                     f'{report["not_proven"][0]}')
+    empirical = report.get('empirical_lipschitz')
+    if empirical:
+        lines.append(f'empirical Lipschitz estimate:       {_number(empirical["power_iteration"])} (power iteration '
+                     f'on J^T J), {_number(empirical["gradient_ascent"])} (gradient ascent); {empirical["input"]}')
+    lines.append(f'time: {sum(report["seconds"].values()):.1f} s')
+    return '\n'.join(lines)
+
+
+def to_json(value: Any) -> Any:
+    """Plain JSON data: infinite floats become "unbounded", NaN null."""
+    if isinstance(value, float):
+        if math.isinf(value):
+            return 'unbounded'
+        return None if math.isnan(value) else value
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def _write_json(report: Dict[str, Any], path: str) -> None:
+    tmp_path = f'{path}.tmp-{os.getpid()}'
+    with open(tmp_path, 'w') as f:
+        json.dump(to_json(report), f, indent=2)
+    os.replace(tmp_path, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        kwargs = _model_kwargs(args.model_kwargs)
+        if args.img_size is not None:
+            kwargs['img_size'] = args.img_size
+        if not timm.is_model(args.model):
+            names = ', '.join(timm.list_models('lipsformer*'))
+            raise ValueError(f'unknown model {args.model!r}; LipsFormer models: {names}')
+        model = timm.create_model(args.model, **kwargs)
+        if args.checkpoint:
+            load_model_weights(model, args.checkpoint, use_ema=args.use_ema)
+        report = analyze(model, args.img_size, empirical=not args.no_empirical, iterations=args.iterations,
+                         ascent_steps=args.ascent_steps, branch_iterations=args.branch_iterations, seed=args.seed)
+    except (ValueError, TypeError, CheckpointError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    report['checkpoint'] = args.checkpoint
+    print(format_report(report))
+    if args.json:
+        _write_json(report, args.json)
+    return 0
