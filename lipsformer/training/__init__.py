@@ -1,0 +1,13 @@
+"""Training LipsFormer (and any timm model) with the paper's no-warmup recipe on Accelerate.
+
+``python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x`` is the
+command-line front; :func:`train` with a :class:`Config` from :func:`load_config` is the same from Python.
+"""
+from .checkpoints import latest_checkpoint
+from .config import ConfigError, config_to_dict, load_config
+from .config_schema import Config
+from .loop import NonFiniteLossError
+from .trainer import train
+
+__all__ = ['Config', 'ConfigError', 'NonFiniteLossError', 'config_to_dict', 'latest_checkpoint', 'load_config',
+           'train']

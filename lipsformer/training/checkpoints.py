@@ -1,0 +1,239 @@
+"""Resumable training checkpoints in ``<run>/checkpoints/<name>/``, written atomically.
+
+A checkpoint folder holds ``model.safetensors`` (and ``ema.safetensors``): plain state dicts any tool can read;
+``optimizer.pt`` and ``trainer_state.pt`` (optimizer keyed by parameter name, scheduler, loss scaler, only tensors
+and plain data so they load with ``weights_only=True``); ``rng_state_<rank>.pt`` per process; and ``meta.json`` with
+the position in training (epoch, micro-batch within it, optimizer update), the best metric so far, the metrics history
+and the resolved config.
+
+Everything is first written into ``checkpoints/.tmp-<name>``, each file flushed to disk, and the folder is then
+renamed into place, so a process killed at any moment leaves every earlier checkpoint complete. ``best.json`` names
+the best checkpoint, which pruning never deletes.
+"""
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointError, load_file
+from .atomic import fsync_dir, replace_dir, save_safetensors, save_torch, write_json
+from .distributed_state import model_state_dict, optimizer_state_dict, set_model_state, set_optimizer_state
+
+_logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = 'checkpoints'
+BEST_POINTER = 'best.json'
+META_FILE = 'meta.json'
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in ``meta.json``.
+
+    Attributes:
+        epoch: Epochs completed; also the index of the epoch in progress.
+        batch_in_epoch: Micro-batches of that epoch already used by each process.
+        step: Optimizer updates so far, skipped non-finite ones included (the schedule's clock).
+        best_value: Best value of the selection metric so far.
+        best_epoch: Epoch (completed count) that reached it.
+        best_checkpoint: Name of the checkpoint holding it.
+        nonfinite_total: Updates skipped because the loss was not finite.
+        history: The metrics line of every finished epoch.
+    """
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    step: int = 0
+    best_value: float | None = None
+    best_epoch: int | None = None
+    best_checkpoint: str | None = None
+    nonfinite_total: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint saves and restores; ``model`` and ``optimizer`` as returned by ``accelerator.prepare``."""
+    accelerator: Any
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    ema: Any | None = None
+    extra_states: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoints_root(run_dir: str) -> str:
+    return os.path.join(run_dir, CHECKPOINTS_DIR)
+
+
+def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress: Progress,
+                    meta_extra: dict[str, Any]) -> str:
+    """Write a checkpoint atomically (call on every process: gathering sharded states is collective).
+
+    Args:
+        run_dir: The run folder.
+        name: Folder name inside ``checkpoints/``.
+        objects: What to save.
+        progress: The position in training.
+        meta_extra: More JSON data for ``meta.json`` (config, batch geometry).
+
+    Returns:
+        The checkpoint folder.
+    """
+    accelerator = objects.accelerator
+    root = checkpoints_root(run_dir)
+    final_dir = os.path.join(root, name)
+    tmp_dir = os.path.join(root, f'.tmp-{name}')
+    if accelerator.is_main_process:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a process killed while saving
+        os.makedirs(tmp_dir)
+    accelerator.wait_for_everyone()
+    from .rng import capture_rng_state
+    save_torch(capture_rng_state(), os.path.join(tmp_dir, f'rng_state_{accelerator.process_index}.pt'))
+    model_state = model_state_dict(accelerator, objects.model)
+    optimizer_state = optimizer_state_dict(accelerator, objects.model, objects.optimizer)
+    if accelerator.is_main_process:
+        save_safetensors(model_state, os.path.join(tmp_dir, 'model.safetensors'))
+        if objects.ema is not None:
+            save_safetensors(objects.ema.module.state_dict(), os.path.join(tmp_dir, 'ema.safetensors'))
+        save_torch(optimizer_state, os.path.join(tmp_dir, 'optimizer.pt'))
+        save_torch(_trainer_state(objects), os.path.join(tmp_dir, 'trainer_state.pt'))
+        meta = dict(format=FORMAT_VERSION, name=name, world_size=accelerator.num_processes,
+                    progress=dataclasses.asdict(progress), **meta_extra)
+        write_json(os.path.join(tmp_dir, META_FILE), meta)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        fsync_dir(tmp_dir)
+        replace_dir(tmp_dir, final_dir)
+        fsync_dir(root)
+    accelerator.wait_for_everyone()
+    return final_dir
+
+
+def load_checkpoint(checkpoint_dir: str, objects: TrainingObjects) -> tuple[Progress, dict[str, Any]]:
+    """Restore a checkpoint into the prepared objects and this process's RNG state.
+
+    Returns:
+        The saved progress and the whole ``meta.json``.
+
+    Raises:
+        CheckpointError: Missing or unreadable files, or a checkpoint that does not fit the model.
+    """
+    meta = read_meta(checkpoint_dir)
+    accelerator = objects.accelerator
+    rank_file = os.path.join(checkpoint_dir, f'rng_state_{accelerator.process_index}.pt')
+    set_model_state(accelerator, objects.model, load_file(os.path.join(checkpoint_dir, 'model.safetensors')))
+    optimizer_state = load_file(os.path.join(checkpoint_dir, 'optimizer.pt'))
+    set_optimizer_state(accelerator, objects.model, objects.optimizer, optimizer_state)
+    trainer_state = load_file(os.path.join(checkpoint_dir, 'trainer_state.pt'))
+    _load_scheduler_state(objects.scheduler, trainer_state['scheduler'])
+    if accelerator.scaler is not None and trainer_state.get('scaler'):
+        accelerator.scaler.load_state_dict(trainer_state['scaler'])
+    for key, target in objects.extra_states.items():
+        if key in trainer_state.get('extra', {}):
+            target.load_state_dict(trainer_state['extra'][key])
+    if objects.ema is not None:
+        ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
+        if os.path.isfile(ema_path):
+            objects.ema.module.load_state_dict(load_file(ema_path))
+        else:
+            _logger.warning('%s has no EMA weights; the EMA restarts from the current weights', checkpoint_dir)
+            objects.ema.module.load_state_dict(accelerator.unwrap_model(objects.model).state_dict())
+    if os.path.isfile(rank_file):
+        from .rng import restore_rng_state
+        restore_rng_state(load_file(rank_file))
+    else:
+        _logger.warning('%s has no RNG state for process %d (saved with %d processes); random streams restart',
+                        checkpoint_dir, accelerator.process_index, meta.get('world_size', 0))
+    return Progress(**meta['progress']), meta
+
+
+def read_meta(checkpoint_dir: str) -> dict[str, Any]:
+    """The ``meta.json`` of a checkpoint folder, or a :class:`CheckpointError` saying what is wrong."""
+    path = os.path.join(checkpoint_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f'{checkpoint_dir!r} is not a training checkpoint of this package (no {META_FILE}); '
+                              f'to start from weights alone use model.init_checkpoint')
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f'cannot read {path!r}: {e}') from e
+    if meta.get('format') != FORMAT_VERSION or 'progress' not in meta:
+        raise CheckpointError(f'{path!r} has an unknown checkpoint format {meta.get("format")!r}')
+    return meta
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[tuple[int, int, int], str]]:
+    """Complete checkpoints of a run, oldest first, as ((step, epoch, batch_in_epoch), folder)."""
+    root = checkpoints_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        if name.startswith('.') or not os.path.isdir(folder):
+            continue
+        try:
+            progress = read_meta(folder)['progress']
+        except CheckpointError:
+            continue
+        found.append(((progress['step'], progress['epoch'], progress['batch_in_epoch']), folder))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The most advanced complete checkpoint of a run, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def mark_best(run_dir: str, name: str, metric: str, value: float, epoch: int) -> None:
+    """Record which checkpoint is the best (an atomic pointer file; the folder itself is not copied)."""
+    write_json(os.path.join(checkpoints_root(run_dir), BEST_POINTER),
+                dict(name=name, metric=metric, value=value, epoch=epoch))
+
+
+def best_checkpoint(run_dir: str) -> str | None:
+    """The folder ``best.json`` points to, if it exists."""
+    path = os.path.join(checkpoints_root(run_dir), BEST_POINTER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        folder = os.path.join(checkpoints_root(run_dir), json.load(f)['name'])
+    return folder if os.path.isdir(folder) else None
+
+
+def prune_checkpoints(run_dir: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints, never the best one."""
+    best = best_checkpoint(run_dir)
+    folders = [folder for _, folder in list_checkpoints(run_dir)]
+    for folder in folders[:-keep_last]:
+        if best is None or not os.path.samefile(folder, best):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_scheduler_state(scheduler: Any, saved: dict[str, Any]) -> None:
+    """Restore the schedule unless the config now asks for another one (say, more epochs), which then wins.
+
+    A timm schedule is a function of the update count and its settings; the loop sets the count after loading.
+    """
+    current = scheduler.state_dict()
+    changed = sorted(k for k in current.keys() & saved.keys() if saved[k] != current[k])
+    if changed:
+        _logger.warning('the learning-rate schedule differs from the checkpoint\'s (%s); following the config',
+                        ', '.join(changed))
+        return
+    scheduler.load_state_dict(saved)
+
+
+def _trainer_state(objects: TrainingObjects) -> dict[str, Any]:
+    scaler = objects.accelerator.scaler
+    return dict(scheduler=objects.scheduler.state_dict(), scaler=scaler.state_dict() if scaler is not None else None,
+                extra={key: target.state_dict() for key, target in objects.extra_states.items()})

@@ -1,0 +1,260 @@
+"""Training and evaluation data: timm datasets and transforms, reproducible sharding, device prefetch.
+
+Images leave the workers as uint8 and are normalised (and randomly erased) on the device by timm's
+``PrefetchLoader``; mixup is applied later in the step, once the batch is on the device.
+"""
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+from timm.data import create_dataset, create_transform, resolve_data_config
+from timm.data.loader import PrefetchLoader, fast_collate
+from timm.models import get_pretrained_cfg
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .config_schema import Config
+from .samplers import PAD_INDEX, ShardedEvalSampler, ShardedTrainSampler
+from .sources import prepare_dataset
+
+_logger = logging.getLogger(__name__)
+
+# How many following images to try in place of an unreadable one before giving up.
+_MAX_CONSECUTIVE_BAD_IMAGES = 50
+
+
+@dataclass
+class InputSpec:
+    """The resolved input pipeline settings (what timm calls the data config)."""
+    input_size: tuple[int, int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    interpolation: str
+    crop_pct: float
+    crop_mode: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(input_size=self.input_size, mean=self.mean, std=self.std, interpolation=self.interpolation,
+                    crop_pct=self.crop_pct, crop_mode=self.crop_mode)
+
+
+def resolve_input_spec(config: Config) -> InputSpec:
+    """The model's default pretrained data config (looked up by name) overridden by whatever the config sets."""
+    pretrained_cfg = get_pretrained_cfg(config.model.name)
+    args = dict(in_chans=config.model.in_chans, img_size=config.model.img_size, mean=config.data.mean,
+                std=config.data.std, crop_pct=config.data.crop_pct, interpolation=config.data.interpolation)
+    resolved = resolve_data_config(args=args, pretrained_cfg=pretrained_cfg.to_dict() if pretrained_cfg else None)
+    return InputSpec(input_size=tuple(resolved['input_size']), mean=tuple(resolved['mean']),
+                     std=tuple(resolved['std']), interpolation=resolved['interpolation'],
+                     crop_pct=resolved['crop_pct'], crop_mode=resolved['crop_mode'])
+
+
+class ImageMode:
+    """Convert a PIL image to a colour mode (torchvision datasets hand out Fashion-MNIST as 'L')."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        return image if image.mode == self.mode else image.convert(self.mode)
+
+
+class RobustDataset(Dataset):
+    """Wraps a map-style dataset: padding indices and unreadable images never crash a run.
+
+    An unreadable image is logged with its file name and replaced by the next readable one; during evaluation the
+    replacement is labelled -1 so the metrics skip it instead of counting an image twice. :data:`PAD_INDEX` (from
+    the evaluation sampler) gives a sample labelled -1 as well.
+    """
+
+    def __init__(self, dataset: Dataset, is_training: bool):
+        self.dataset = dataset
+        self.is_training = is_training
+        if hasattr(dataset, '_max_retries'):
+            dataset._max_retries = 1  # report each bad image here, with its file name, instead of inside timm
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        if index == PAD_INDEX:
+            image, _ = self._first_readable(0)
+            return image, -1
+        image, target = self._first_readable(index)
+        return image, target
+
+    def _first_readable(self, index: int) -> tuple[Any, int]:
+        for attempt in range(_MAX_CONSECUTIVE_BAD_IMAGES):
+            candidate = (index + attempt) % len(self.dataset)
+            try:
+                image, target = self.dataset[candidate][:2]
+            except Exception as error:  # any decode / IO / transform failure of one file must not end the run
+                _logger.warning('skipping unreadable image %s (index %d): %s', self._describe(candidate),
+                                candidate, error)
+                continue
+            if attempt and not self.is_training:
+                target = -1
+            return image, target
+        raise RuntimeError(f'{_MAX_CONSECUTIVE_BAD_IMAGES} consecutive images from index {index} are unreadable; '
+                           f'check the dataset files')
+
+    def _describe(self, index: int) -> str:
+        try:
+            return repr(self.dataset.filename(index))
+        except Exception:
+            return '(file name unknown)'
+
+
+def num_classes_of(dataset: Dataset) -> int | None:
+    """The number of classes a dataset knows about, or None when it cannot tell."""
+    dataset = getattr(dataset, 'dataset', dataset)  # through RobustDataset
+    reader = getattr(dataset, 'reader', None)
+    class_to_idx = getattr(reader, 'class_to_idx', None)
+    if class_to_idx:
+        return len(class_to_idx)
+    classes = getattr(dataset, 'classes', None)
+    return len(classes) if classes else None
+
+
+def class_names_of(dataset: Dataset) -> list[str] | None:
+    """Class names in index order when the dataset has them (written into the export's config.json)."""
+    dataset = getattr(dataset, 'dataset', dataset)  # through RobustDataset
+    reader = getattr(dataset, 'reader', None)
+    class_to_idx = getattr(reader, 'class_to_idx', None)
+    if class_to_idx:
+        return [name for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
+    classes = getattr(dataset, 'classes', None)
+    return [str(c) for c in classes] if classes else None
+
+
+def create_split(config: Config, spec: InputSpec, is_training: bool) -> Dataset:
+    """A timm dataset for the training or validation split with its transform attached."""
+    data = config.data
+    if data.data_dir is None and not data.dataset.lower().startswith(('hfds/', 'hfids/')):
+        raise FileNotFoundError('data.data_dir is not set: give the dataset folder with --data-dir PATH (or '
+                                'data.data_dir=PATH)')
+    if data.data_dir is not None and not os.path.exists(data.data_dir) and not data.download:
+        raise FileNotFoundError(f'data.data_dir {data.data_dir!r} does not exist')
+    prepare_dataset(data.dataset, data.data_dir, data.download)
+    split = data.train_split if is_training else data.val_split
+    img_mode = 'L' if spec.input_size[0] == 1 else 'RGB'
+    num_samples = data.train_num_samples if is_training else data.val_num_samples
+    try:
+        dataset = create_dataset(
+            data.dataset, root=data.data_dir, split=split, is_training=is_training, class_map=data.class_map or '',
+            download=data.download, batch_size=config.train.batch_size, num_samples=num_samples,
+            seed=config.train.seed, input_img_mode=img_mode)
+    except (FileNotFoundError, RuntimeError, AssertionError) as e:
+        raise FileNotFoundError(f'cannot open the {split!r} split of dataset {data.dataset or "(image folder)"!r} '
+                                f'under {data.data_dir!r}: {e or type(e).__name__}') from e
+    transform = create_train_transform(config, spec) if is_training else create_eval_transform(spec)
+    if data.dataset.lower().startswith('torch/'):
+        transform = _compose(ImageMode(img_mode), transform)
+    dataset.transform = transform
+    if isinstance(dataset, IterableDataset):
+        dataset.set_loader_cfg(num_workers=data.num_workers)
+        return dataset
+    if len(dataset) == 0:
+        raise FileNotFoundError(f'the {split!r} split under {data.data_dir!r} holds no images')
+    return RobustDataset(dataset, is_training=is_training)
+
+
+def create_train_transform(config: Config, spec: InputSpec) -> Any:
+    augment = config.augment
+    return create_transform(
+        spec.input_size, is_training=True, scale=tuple(augment.scale), ratio=tuple(augment.ratio),
+        hflip=augment.hflip, vflip=augment.vflip, color_jitter=augment.color_jitter,
+        auto_augment=augment.auto_augment, interpolation=config.data.interpolation, mean=spec.mean, std=spec.std,
+        use_prefetcher=True)
+
+
+def create_eval_transform(spec: InputSpec) -> Any:
+    interpolation = 'bicubic' if spec.interpolation == 'random' else spec.interpolation
+    return create_transform(spec.input_size, is_training=False, interpolation=interpolation, mean=spec.mean,
+                            std=spec.std, crop_pct=spec.crop_pct, crop_mode=spec.crop_mode, use_prefetcher=True)
+
+
+def _compose(first: Any, rest: Any) -> Any:
+    from torchvision import transforms
+    return transforms.Compose([first, *getattr(rest, 'transforms', [rest])])
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave SIGTERM / SIGINT to the main process, which saves a checkpoint before stopping them.
+
+    A cluster preempting a job signals every process in it; a worker that died of it would end the run before the
+    checkpoint is written.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class TrainBatches:
+    """The training batches of each epoch, on the device and normalised, optionally starting part-way.
+
+    Args:
+        dataset: From :func:`create_split`.
+        config: The run's config.
+        spec: Input settings (mean / std for the on-device normalisation).
+        device: Where batches go.
+        num_replicas: Number of processes.
+        rank: This process's index.
+    """
+
+    def __init__(self, dataset: Dataset, config: Config, spec: InputSpec, device: torch.device, num_replicas: int,
+                 rank: int):
+        self.dataset = dataset
+        self.batch_size = config.train.batch_size
+        self.seed = config.train.seed
+        self.rank = rank
+        self.iterable = isinstance(dataset, IterableDataset)
+        self.sampler = None if self.iterable else ShardedTrainSampler(len(dataset), num_replicas, rank, self.seed)
+        self.generator = torch.Generator()
+        self.loader = DataLoader(
+            dataset, batch_size=self.batch_size, sampler=self.sampler, num_workers=config.data.num_workers,
+            collate_fn=fast_collate, pin_memory=config.data.pin_memory and device.type == 'cuda', drop_last=True,
+            generator=self.generator, persistent_workers=False, worker_init_fn=ignore_stop_signals)
+        augment = config.augment
+        self.prefetcher = PrefetchLoader(self.loader, mean=spec.mean, std=spec.std, channels=spec.input_size[0],
+                                         device=device, re_prob=augment.reprob, re_mode=augment.remode,
+                                         re_count=augment.recount)
+
+    def __len__(self) -> int:
+        """Micro-batches in a full epoch on this process."""
+        if self.iterable:
+            return len(self.loader)
+        return len(self.dataset) // self.sampler.num_replicas // self.batch_size
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of ``epoch`` from micro-batch ``start_batch`` on.
+
+        Worker seeds come from a generator seeded by (seed, epoch, rank), so augmentation in workers is the same
+        whenever an epoch is started from its beginning, regardless of what ran before.
+        """
+        self.generator.manual_seed((self.seed * 1_000_003 + epoch) * 1009 + self.rank)
+        if self.iterable:
+            self.dataset.set_epoch(epoch)
+            if start_batch and self.loader.num_workers == 0:
+                _logger.warning('resuming a stream mid-epoch without loader workers: timm seeds a stream\'s shuffle '
+                                'per worker, so the rest of this epoch may not be the images not yet seen')
+            iterator = iter(self.prefetcher)
+            for _ in range(start_batch):  # a stream cannot seek: read past what this epoch already used
+                next(iterator)
+            return iterator
+        self.sampler.set_epoch(epoch, start=start_batch * self.batch_size)
+        return iter(self.prefetcher)
+
+
+def create_eval_loader(dataset: Dataset, config: Config, spec: InputSpec, device: torch.device,
+                       num_replicas: int, rank: int) -> PrefetchLoader:
+    """Evaluation batches covering every image once over all processes (targets -1 mark padding)."""
+    batch_size = config.data.val_batch_size or 2 * config.train.batch_size
+    sampler = None if isinstance(dataset, IterableDataset) else ShardedEvalSampler(len(dataset), num_replicas, rank)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=config.data.num_workers,
+                        collate_fn=fast_collate, pin_memory=config.data.pin_memory and device.type == 'cuda',
+                        drop_last=False, persistent_workers=False, worker_init_fn=ignore_stop_signals)
+    return PrefetchLoader(loader, mean=spec.mean, std=spec.std, channels=spec.input_size[0], device=device)

@@ -1,0 +1,225 @@
+"""One training epoch and one evaluation pass.
+
+Accumulation is explicit: gradients are synchronised only on the last micro-batch of each window
+(``accelerator.no_sync`` before it), epochs hold whole windows, and checkpoints fall on window boundaries, so a
+resumed run splits its batches into the same windows. The host synchronises once per update, to agree across
+processes on a non-finite loss or a stop signal; the running loss stays on the device between log lines.
+"""
+import logging
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from timm.utils import accuracy
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .session import Session
+from .signals import StopSignal
+
+_logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive updates had a non-finite loss; the message names the step and the last checkpoint."""
+
+
+@dataclass
+class EpochResult:
+    """What one call of :func:`train_epoch` did."""
+    loss: float
+    images: int
+    seconds: float
+    stopped: bool
+
+
+@dataclass
+class _Tally:
+    """Running totals of an epoch, kept on the device so that logging does not synchronise every step."""
+    loss_sum: torch.Tensor
+    loss_count: torch.Tensor
+    window_bad: torch.Tensor
+    start_time: float
+    images: int = 0
+    consecutive_bad: int = 0
+
+    @classmethod
+    def start(cls, device: torch.device) -> '_Tally':
+        zero = torch.zeros((), device=device)
+        return cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), time.perf_counter())
+
+    def mean_loss(self) -> torch.Tensor:
+        return self.loss_sum / self.loss_count.clamp(min=1)
+
+
+def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], None]) -> EpochResult:
+    """Train the rest of ``session.progress.epoch``, from ``progress.batch_in_epoch``.
+
+    Args:
+        session: The run.
+        stop: Polled after each update; when set (on any process) the epoch ends early.
+        on_update: Called after every update (periodic checkpoints).
+
+    Raises:
+        NonFiniteLossError: ``train.max_nonfinite_steps`` consecutive updates had a non-finite loss.
+    """
+    accelerator = session.accelerator
+    tally = _Tally.start(accelerator.device)
+    session.model.train()
+    bar = _progress_bar(session)
+    with logging_redirect_tqdm(loggers=[logging.getLogger('lipsformer')]) if bar is not None else nullcontext():
+        stopped = _train_batches(session, stop, on_update, tally, bar)
+    if bar is not None:
+        bar.close()
+    totals = accelerator.reduce(torch.stack([tally.loss_sum, tally.loss_count]), reduction='sum')
+    mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
+    return EpochResult(loss=mean_loss, images=tally.images, seconds=time.perf_counter() - tally.start_time,
+                       stopped=stopped)
+
+
+def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], None], tally: _Tally,
+                   bar: tqdm | None) -> bool:
+    """The micro-batch loop of :func:`train_epoch`; returns whether a stop was requested."""
+    progress, accum = session.progress, session.config.train.grad_accum_steps
+    batches = session.train_batches.epoch(progress.epoch, start_batch=progress.batch_in_epoch)
+    for batch_index in range(progress.batch_in_epoch, session.updates_per_epoch * accum):
+        images, targets = next(batches)
+        loss = _forward_backward(session, images, targets, last_in_window=(batch_index + 1) % accum == 0)
+        finite = torch.isfinite(loss)
+        tally.window_bad |= ~finite
+        tally.loss_sum += torch.where(finite, loss, 0.0)
+        tally.loss_count += finite.float()
+        tally.images += images.shape[0] * session.accelerator.num_processes
+        progress.batch_in_epoch = batch_index + 1
+        if progress.batch_in_epoch % accum:
+            continue
+        bad, stopped = _agree(session.accelerator, tally.window_bad, stop)
+        if bad:
+            tally.consecutive_bad = _skip_update(session, tally.consecutive_bad + 1)
+        else:
+            tally.consecutive_bad = 0
+            _apply_update(session)
+        tally.window_bad.zero_()
+        progress.step += 1
+        session.scheduler.step_update(num_updates=progress.step)
+        _report(session, bar, tally)
+        on_update()
+        if stopped:
+            return True
+    return False
+
+
+def _forward_backward(session: Session, images: torch.Tensor, targets: torch.Tensor,
+                      last_in_window: bool) -> torch.Tensor:
+    """Loss of one micro-batch, back-propagated (gradients synchronised only on a window's last micro-batch)."""
+    accelerator = session.accelerator
+    if session.mixup is not None:
+        images, targets = session.mixup(images, targets)
+    if session.config.model.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    with nullcontext() if last_in_window else accelerator.no_sync(session.model):
+        with accelerator.autocast():
+            loss = session.train_loss(session.model(images), targets)
+        accelerator.backward(loss / session.config.train.grad_accum_steps)
+    return loss.detach().float()
+
+
+def _agree(accelerator, window_bad: torch.Tensor, stop: StopSignal) -> tuple[bool, bool]:
+    """Whether any process saw a non-finite loss in this window, and whether any process was asked to stop."""
+    flags = torch.stack([window_bad.float(), torch.tensor(float(stop.requested), device=window_bad.device)])
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags, reduction='max')
+    bad, stopped = flags.tolist()
+    return bool(bad), bool(stopped)
+
+
+def _apply_update(session: Session) -> None:
+    accelerator, clip = session.accelerator, session.config.optimizer.clip_grad
+    if clip:
+        if session.config.optimizer.clip_mode == 'norm':
+            accelerator.clip_grad_norm_(session.model.parameters(), clip)
+        else:
+            accelerator.clip_grad_value_(session.model.parameters(), clip)
+    session.optimizer.step()
+    session.optimizer.zero_grad(set_to_none=True)
+    if accelerator.optimizer_step_was_skipped:  # fp16 loss scaler found inf gradients and lowered its scale
+        return
+    if session.ema is not None:
+        session.ema.update(session.unwrapped_model, step=session.progress.step)
+    if session.lipschitz is not None:
+        session.lipschitz()
+
+
+def _skip_update(session: Session, consecutive: int) -> int:
+    """Drop the window's gradients; stop the run after too many consecutive non-finite windows."""
+    session.optimizer.zero_grad(set_to_none=True)
+    progress, limit = session.progress, session.config.train.max_nonfinite_steps
+    progress.nonfinite_total += 1
+    step, epoch = progress.step + 1, progress.epoch + 1  # the update being skipped, counted from 1 as in the logs
+    _logger.warning('non-finite loss at step %d (epoch %d): update skipped (%d in a row, %d in all)',
+                    step, epoch, consecutive, progress.nonfinite_total)
+    if consecutive >= limit:
+        last = session.last_checkpoint or 'none (no checkpoint was saved before this)'
+        raise NonFiniteLossError(
+            f'the loss was not finite for {consecutive} consecutive updates, the last at step {step} '
+            f'(epoch {epoch}); stopping. The last good checkpoint is {last}. Lower optimizer.lr, enable '
+            f'optimizer.clip_grad or check the data, then resume from it with --resume.')
+    return consecutive
+
+
+def _progress_bar(session: Session) -> tqdm | None:
+    """A tqdm bar on the main process when its stderr is a terminal (log files get the log lines only)."""
+    if not (session.config.train.progress_bar and session.accelerator.is_main_process and sys.stderr.isatty()):
+        return None
+    total = session.updates_per_epoch * session.config.train.grad_accum_steps
+    return tqdm(total=total, initial=session.progress.batch_in_epoch, desc=f'epoch {session.progress.epoch + 1}',
+                unit='batch', dynamic_ncols=True, leave=False)
+
+
+def _report(session: Session, bar: tqdm | None, tally: _Tally) -> None:
+    if bar is not None:
+        bar.update(session.config.train.grad_accum_steps)
+    step = session.progress.step
+    if step % session.config.train.log_interval:
+        return
+    loss = tally.mean_loss().item()
+    lr = session.optimizer.param_groups[0]['lr']
+    speed = tally.images / max(time.perf_counter() - tally.start_time, 1e-9)
+    if bar is not None:
+        bar.set_postfix(loss=f'{loss:.4f}', lr=f'{lr:.3g}', img_s=f'{speed:.0f}')
+    if session.accelerator.is_main_process:
+        _logger.info('epoch %d step %d: loss %.4f lr %.4g %.0f img/s', session.progress.epoch + 1, step, loss, lr,
+                     speed)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, accelerator) -> dict[str, float]:
+    """Top-1 / top-5 accuracy (percent) and mean loss over the whole validation set, all processes together.
+
+    Targets of -1 (padding, unreadable images) are left out; ``val_samples`` is the number of images counted.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device  # an EMA kept on the CPU (ema.cpu) is evaluated there
+    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # top-1 hits, top-5 hits, loss, count
+    for images, targets in loader:
+        with accelerator.autocast():
+            logits = model(images.to(device)).float().to(targets.device)
+        keep = targets >= 0
+        logits, targets = logits[keep], targets[keep]
+        count = targets.numel()
+        if count == 0:
+            continue
+        top1, top5 = accuracy(logits, targets, topk=(1, min(5, logits.shape[1])))
+        loss = torch.nn.functional.cross_entropy(logits, targets, reduction='sum')
+        sums += torch.stack([top1 * count / 100, top5 * count / 100, loss, torch.tensor(count, device=sums.device)]
+                            ).to(sums)
+    sums = accelerator.reduce(sums, reduction='sum') if accelerator.num_processes > 1 else sums
+    top1_hits, top5_hits, loss_sum, count = sums.tolist()
+    model.train(was_training)
+    denominator = max(count, 1)
+    return dict(top1=100 * top1_hits / denominator, top5=100 * top5_hits / denominator, loss=loss_sum / denominator,
+                samples=int(count))

@@ -1,0 +1,202 @@
+"""Everything a training run holds, built in the order the timm + Accelerate pitfalls require.
+
+The model is created with the same seed on every process, moved to the device, copied into the EMA (which stays
+out of ``accelerator.prepare``), given to the optimizer, and only then prepared. Data loaders are not prepared:
+their sharding is done by this package's samplers so that resuming is exact. The scheduler is stepped by hand after
+every update and saved with the checkpoints.
+"""
+import logging
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import timm
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, set_seed
+from timm.utils import ModelEmaV3
+
+from ..checkpoint import check_state_dict, extract_state_dict, load_file
+from .checkpoints import Progress, TrainingObjects
+from .config import ConfigError
+from .config_schema import Config
+from .data import (
+    InputSpec,
+    TrainBatches,
+    class_names_of,
+    create_eval_loader,
+    create_split,
+    num_classes_of,
+    resolve_input_spec,
+)
+from .distributed_state import is_sharded
+from .lipschitz_hook import create_lipschitz_constraint
+from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """The objects of one training run (see :func:`create_session`)."""
+    config: Config
+    run_dir: str
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    ema: ModelEmaV3 | None
+    train_loss: torch.nn.Module
+    mixup: Any
+    train_batches: TrainBatches
+    val_loader: Any
+    spec: InputSpec
+    model_kwargs: dict[str, Any]
+    class_names: list[str] | None
+    global_batch: int
+    updates_per_epoch: int
+    lipschitz: Any | None = None
+    progress: Progress = field(default_factory=Progress)
+    last_checkpoint: str | None = None
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
+    def training_objects(self) -> TrainingObjects:
+        extra = {'lipschitz': self.lipschitz} if hasattr(self.lipschitz, 'state_dict') else {}
+        return TrainingObjects(self.accelerator, self.model, self.optimizer, self.scheduler, self.ema, extra)
+
+    def geometry(self) -> dict[str, int]:
+        """The batch layout a checkpoint must share with the run that resumes it."""
+        return dict(world_size=self.accelerator.num_processes, batch_size=self.config.train.batch_size,
+                    grad_accum_steps=self.config.train.grad_accum_steps, global_batch_size=self.global_batch,
+                    updates_per_epoch=self.updates_per_epoch)
+
+
+def create_accelerator(config: Config, run_dir: str) -> Accelerator:
+    """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop."""
+    if config.train.cpu_threads is not None:
+        torch.set_num_threads(config.train.cpu_threads)
+    from accelerate.utils import is_tensorboard_available
+    tensorboard = config.log.tensorboard
+    if tensorboard is None:
+        tensorboard = is_tensorboard_available()
+    elif tensorboard and not is_tensorboard_available():
+        raise ConfigError('log.tensorboard: true, but TensorBoard is not installed; pip install tensorboard, or set '
+                          'log.tensorboard=null to log to it only when it is there')
+    dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
+    return Accelerator(mixed_precision=config.train.mixed_precision, log_with='tensorboard' if tensorboard else None,
+                       project_dir=run_dir, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
+                       kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+
+
+def release_accelerator() -> None:
+    """Forget Accelerate's per-process settings (precision, plugins) so that another run in this process may use
+    other ones; the device and any process group stay as they are."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Session:
+    """Build data, model, EMA, optimizer, schedule and loss for a run (no training state loaded yet)."""
+    # A depthwise conv's weight gradient can differ from its DDP bucket only in the stride of a size-1 dimension:
+    # the same memory layout, so the warning DDP gives for it (on every backward) says nothing.
+    warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
+    _check_model_name(config.model.name)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    spec = resolve_input_spec(config)
+    train_set = create_split(config, spec, is_training=True)
+    val_set = create_split(config, spec, is_training=False)
+    num_classes = config.model.num_classes or num_classes_of(train_set)
+    if num_classes is None:
+        raise ConfigError(f'model.num_classes: got null and dataset {config.data.dataset!r} does not say how many '
+                          f'classes it has; set model.num_classes')
+    set_seed(config.train.seed, deterministic=config.train.deterministic)  # identical initial weights everywhere
+    model, model_kwargs = create_model(config, num_classes, spec)
+    set_seed(config.train.seed + rank, deterministic=config.train.deterministic)  # per-process augmentation
+    model.to(accelerator.device)
+    global_batch = global_batch_size(config, world)
+    ema = None
+    if config.ema.enabled:
+        _check_ema_supported(accelerator)
+        ema = ModelEmaV3(model, decay=ema_decay(config, global_batch), use_warmup=config.ema.warmup,
+                         device=torch.device('cpu') if config.ema.cpu else None)
+    optimizer = create_optimizer(model, config, global_batch)
+    train_batches = TrainBatches(train_set, config, spec, accelerator.device, world, rank)
+    updates_per_epoch = len(train_batches) // config.train.grad_accum_steps
+    if updates_per_epoch == 0:
+        raise ConfigError(f'train.batch_size: {config.train.batch_size} x {config.train.grad_accum_steps} '
+                          f'accumulation steps x {world} processes is more than the {len(train_set)} training '
+                          f'images; lower train.batch_size or train.grad_accum_steps')
+    scheduler = create_scheduler(optimizer, config, updates_per_epoch, global_batch)
+    lipschitz = create_lipschitz_constraint(config.lipschitz, model) if config.lipschitz.enabled else None
+    model, optimizer = accelerator.prepare(model, optimizer)
+    mixup = create_mixup(config, num_classes)
+    return Session(
+        config=config, run_dir=run_dir, accelerator=accelerator, model=model, optimizer=optimizer,
+        scheduler=scheduler, ema=ema, train_loss=create_train_loss(config, mixup).to(accelerator.device),
+        mixup=mixup, train_batches=train_batches,
+        val_loader=create_eval_loader(val_set, config, spec, accelerator.device, world, rank), spec=spec,
+        model_kwargs=model_kwargs, class_names=class_names_of(train_set), global_batch=global_batch,
+        updates_per_epoch=updates_per_epoch, lipschitz=lipschitz)
+
+
+def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The timm model and the keyword arguments it was built with (recorded in the export)."""
+    settings = config.model
+    kwargs = dict(settings.kwargs, num_classes=num_classes, in_chans=settings.in_chans)
+    if settings.img_size is not None:
+        kwargs['img_size'] = settings.img_size
+    runtime = dict(drop_rate=settings.drop_rate, drop_path_rate=settings.drop_path_rate)
+    try:
+        model = timm.create_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
+    except TypeError as e:
+        raise ConfigError(f'model.kwargs: {settings.name} does not accept {sorted(settings.kwargs)} ({e})') from e
+    except ValueError as e:
+        raise ConfigError(f'model: {settings.name} cannot be built with {kwargs} ({e})') from e
+    if settings.init_checkpoint:
+        load_initial_weights(model, settings.init_checkpoint)
+    if settings.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    if settings.channels_last:
+        model.to(memory_format=torch.channels_last)
+    _logger.info('model %s: %.2fM parameters', settings.name, sum(p.numel() for p in model.parameters()) / 1e6)
+    return model, kwargs
+
+
+def load_initial_weights(model: torch.nn.Module, path: str) -> None:
+    """Start from a file's weights (fine-tuning); a classifier of another size is left at its initialisation.
+
+    Any layout :mod:`lipsformer.checkpoint` reads works, including the authors' files (through the model module's
+    ``checkpoint_filter_fn``). Every other mismatch is an error.
+    """
+    state_dict = extract_state_dict(load_file(path))
+    filter_fn = getattr(sys.modules[type(model).__module__], 'checkpoint_filter_fn', None)
+    if filter_fn is not None:
+        state_dict = filter_fn(state_dict, model)
+    classifier = getattr(model, 'pretrained_cfg', {}).get('classifier')
+    own = model.state_dict()
+    for key in [k for k in state_dict if classifier and k.startswith(f'{classifier}.')]:
+        if key in own and state_dict[key].shape != own[key].shape:
+            _logger.info('%s: %s has shape %s, the model %s; the classifier starts from scratch', path, key,
+                         tuple(state_dict[key].shape), tuple(own[key].shape))
+            state_dict[key] = own[key]
+    check_state_dict(model, state_dict, source=path)
+    model.load_state_dict(state_dict)
+    _logger.info('initial weights from %s', path)
+
+
+def _check_model_name(name: str) -> None:
+    import lipsformer  # noqa: F401  (registers the lipsformer_* models with timm)
+    if not timm.is_model(name):
+        close = timm.list_models(f'*{name.split("_")[0]}*')[:12] or timm.list_models('lipsformer*')
+        raise ConfigError(f'model.name: {name!r} is not a timm model; for example: {", ".join(close)}')
+
+
+def _check_ema_supported(accelerator: Accelerator) -> None:
+    if is_sharded(accelerator):
+        raise ConfigError('ema.enabled: the EMA keeps a full copy of the weights that FSDP cannot update from its '
+                          'shards; set ema.enabled=false with FSDP, or train with DDP')

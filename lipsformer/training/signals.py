@@ -1,0 +1,42 @@
+"""Graceful stop on SIGTERM / SIGINT: the loop saves a checkpoint at the next update and exits cleanly.
+
+Clusters preempt jobs with SIGTERM and a grace period; Ctrl-C sends SIGINT. The first signal only sets a flag that
+the loop polls after every optimizer update (agreed across processes), so the checkpoint is consistent. A second
+Ctrl-C interrupts immediately.
+"""
+import logging
+import signal
+import threading
+from types import FrameType
+
+_logger = logging.getLogger(__name__)
+
+
+class StopSignal:
+    """Records a SIGTERM / SIGINT while installed (use as a context manager)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def __enter__(self) -> 'StopSignal':
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        _logger.warning('received %s: saving a checkpoint after the current update, then exiting '
+                        '(press Ctrl-C again to abort without saving)', self.received)

@@ -1,0 +1,137 @@
+"""Training configs: the shipped recipes match the paper and the authors' code, overrides parse as YAML, and every
+kind of mistake fails before training with a message naming the key, the value and what is allowed."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import timm
+
+import lipsformer  # noqa: F401  (registers the models)
+from lipsformer.training.config import ConfigError, config_from_dict, load_config, parse_override, reference_yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, 'configs')
+
+
+def _config(name: str, *overrides: str):
+    return load_config(os.path.join(CONFIGS, name), overrides)
+
+
+def test_reference_config_is_current_and_documents_every_key():
+    with open(os.path.join(CONFIGS, 'reference.yaml')) as f:
+        shipped = f.read()
+    assert shipped.strip() == reference_yaml().strip(), 'regenerate: python train.py --print-reference'
+    assert load_config(os.path.join(CONFIGS, 'reference.yaml')) == load_config(None)
+
+
+def test_every_registered_model_has_a_paper_config_and_all_configs_load():
+    names = timm.list_models('lipsformer*')
+    assert len(names) == 11
+    for name in names:
+        assert _config(f'{name}.yaml').model.name == name
+    for path in glob.glob(os.path.join(CONFIGS, '*.yaml')) + glob.glob(os.path.join(CONFIGS, 'authors', '*.yaml')):
+        config = load_config(path)
+        assert timm.is_model(config.model.name), path
+
+
+@pytest.mark.parametrize('name, drop_path, lr, weight_decay, ema_decay, betas', [
+    ('lipsformer_swin_tiny', 0.2, 2e-3, 0.05, 0.99984, [0.9, 0.999]),
+    ('lipsformer_cswin_small', 0.4, 2e-3, 0.05, 0.99984, [0.9, 0.999]),
+    ('lipsformer_swin_base', 0.5, 1e-3, 0.1, 0.99992, [0.9, 0.999]),
+    ('lipsformer_swin_large', 0.5, 1e-3, 0.1, 0.99992, [0.9, 0.99]),
+])
+def test_paper_recipe_table6(name, drop_path, lr, weight_decay, ema_decay, betas):
+    config = _config(f'{name}.yaml')
+    assert config.scheduler.warmup_epochs == 0 and config.scheduler.name == 'cosine'
+    assert config.optimizer.name == 'adamw' and config.optimizer.eps == 1e-8 and config.optimizer.betas == betas
+    assert (config.optimizer.lr, config.optimizer.lr_base_batch_size) == (lr, 2048)
+    assert config.optimizer.weight_decay == weight_decay and config.optimizer.no_decay_weight_decay == 0
+    assert config.optimizer.clip_grad is None
+    assert config.model.drop_path_rate == drop_path
+    assert config.ema.enabled and config.ema.decay == ema_decay and config.ema.reference_batch_size == 2048
+    augment = config.augment
+    assert augment.label_smoothing == 0.1 and augment.auto_augment.startswith('rand-m9-mstd0.5')
+    assert (augment.mixup, augment.cutmix, augment.reprob) == (0.8, 1.0, 0.25)
+    assert config.train.epochs == 300
+
+
+def test_authors_recipe_where_it_differs():
+    tiny = _config('authors/lipsformer_swin_tiny.yaml')
+    assert (tiny.optimizer.lr, tiny.optimizer.lr_base_batch_size, tiny.optimizer.betas) == (5e-4, 512, [0.9, 0.98])
+    assert tiny.optimizer.no_decay_weight_decay == 5e-4 and tiny.optimizer.clip_grad == 5.0
+    assert tiny.scheduler.min_lr == 5e-6 and tiny.scheduler.warmup_epochs == 0
+    assert not tiny.ema.enabled and tiny.train.mixed_precision == 'fp16'
+    base = _config('authors/lipsformer_swin_base.yaml')
+    assert (base.optimizer.lr, base.optimizer.betas) == (2.5e-4, [0.9, 0.998])
+    assert _config('authors/lipsformer_swin_small.yaml').model.drop_path_rate == 0.3
+
+
+def test_overrides_are_parsed_as_yaml_and_nest():
+    config = _config('lipsformer_swin_tiny.yaml', 'optimizer.lr=1e-3', 'optimizer.betas=[0.9, 0.95]',
+                     'model.kwargs.depths=[1, 1, 2, 1]', 'train.mixed_precision=no', 'ema.enabled=false',
+                     'augment.auto_augment=null')
+    assert config.optimizer.lr == 1e-3 and isinstance(config.optimizer.lr, float)
+    assert config.optimizer.betas == [0.9, 0.95]
+    assert config.model.kwargs == {'depths': [1, 1, 2, 1]}
+    assert config.train.mixed_precision == 'no'  # YAML reads `no` as false; the key takes the literal back
+    assert not config.ema.enabled and config.augment.auto_augment is None
+    assert parse_override('data.data_dir=/a=b') == ('data.data_dir', '/a=b')
+
+
+def test_base_files_merge_and_cycles_fail(tmp_path):
+    (tmp_path / 'parent.yaml').write_text('optimizer: {lr: 1.0e-3, weight_decay: 0.2}\nmodel: {kwargs: {a: 1}}\n')
+    (tmp_path / 'child.yaml').write_text('base: parent.yaml\noptimizer: {lr: 5.0e-4}\nmodel: {kwargs: {b: 2}}\n')
+    config = load_config(tmp_path / 'child.yaml')
+    assert (config.optimizer.lr, config.optimizer.weight_decay) == (5e-4, 0.2)
+    assert config.model.kwargs == {'a': 1, 'b': 2}
+    (tmp_path / 'loop.yaml').write_text('base: loop.yaml\n')
+    with pytest.raises(ConfigError, match='includes itself'):
+        load_config(tmp_path / 'loop.yaml')
+
+
+@pytest.mark.parametrize('override, message', [
+    ('optimizer.lrr=1e-3', r"unknown config key 'optimizer.lrr' \(did you mean 'optimizer.lr'\?\)"),
+    ('optimiser.lr=1e-3', r"unknown config key 'optimiser' \(did you mean 'optimizer'\?\)"),
+    ('optimizer.lr=fast', r"optimizer.lr: got 'fast' \(str\); expected a number"),
+    ('optimizer.lr=-1', r'optimizer.lr: got -1.0; allowed: a number > 0'),
+    ('train.batch_size=12.5', r'train.batch_size: got 12.5 \(float\); expected an integer'),
+    ('train.batch_size=true', r'train.batch_size: got True \(bool\); expected an integer'),
+    ('train.mixed_precision=fp8', r"train.mixed_precision: got 'fp8'.*'no', 'fp16', 'bf16'"),
+    ('augment.mixup_prob=1.5', r'augment.mixup_prob: got 1.5; allowed: a probability in \[0, 1\]'),
+    ('optimizer.betas=[0.9]', r'optimizer.betas: got \[0.9\]; allowed: two numbers in \[0, 1\)'),
+    ('ema.decay=1.0', r'ema.decay: got 1.0; allowed: a number in \[0, 1\)'),
+    ('model.drop_path_rate=1', r'model.drop_path_rate: got 1.0; allowed: a number in \[0, 1\)'),
+    ('scheduler.name=linear', r"scheduler.name: got 'linear'; allowed: cosine, tanh"),
+    ('model.img_size=100', r'model.img_size: got 100; LipsFormer models need a multiple of 32 \(e.g. 96\)'),
+    ('train.batch_size=7', r'train.batch_size: got 7; mixup/CutMix in .batch. mode needs an even batch'),
+    ('data.mean=[0.5]', r'data.mean: got \[0.5\], 1 values for model.in_chans=3'),
+    ('data.dataset=wds/imagenet', r'data.train_num_samples: got null; the iterable dataset'),
+    ('model.kwargs=3', r'model.kwargs: got 3; expected a mapping'),
+    ('checkpoint.best_metric=top1', r"checkpoint.best_metric: got 'top1'; allowed values: 'auto'"),
+    ('justakey', r'not of the form key.sub=value'),
+    ('checkpoint.best_metric=ema_val_top1 ema.enabled=false', r'no EMA to rank checkpoints by'),
+])
+def test_mistakes_name_key_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _config('lipsformer_swin_tiny.yaml', *override.split(' '))
+
+
+def test_broken_files_are_reported(tmp_path):
+    (tmp_path / 'bad.yaml').write_text('optimizer: {lr: [1, 2\n')
+    with pytest.raises(ConfigError, match='is not valid YAML'):
+        load_config(tmp_path / 'bad.yaml')
+    with pytest.raises(ConfigError, match='cannot read config file'):
+        load_config(tmp_path / 'missing.yaml')
+    with pytest.raises(ConfigError, match='expected a mapping of keys'):
+        config_from_dict({'optimizer': 3})
+
+
+def test_cli_reports_config_errors_before_training(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO, 'train.py'), '--config',
+                             os.path.join(CONFIGS, 'quickstart.yaml'), '--output', str(tmp_path / 'run'),
+                             'optimizer.lr=0'], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert 'optimizer.lr: got 0.0; allowed: a number > 0' in result.stderr
+    assert not (tmp_path / 'run').exists()

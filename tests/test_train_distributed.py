@@ -1,0 +1,86 @@
+"""Two processes on the CPU (gloo) through ``accelerate launch``: identical weights on both ranks, global metrics,
+checkpoints written once, resume on two processes, and a NaN on one rank skipped by both without a hang.
+
+``accelerate launch --cpu --num_processes 2`` starts a single process in Accelerate 1.x (its multi-CPU path goes
+through mpirun); ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2`` starts two gloo processes
+through torchrun, which is what a CPU-only machine can do.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_support import make_image_folder, subprocess_env, tiny_overrides
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VAL_IMAGES = 24
+UPDATES_PER_EPOCH = 3  # 48 training images, 2 processes x batch 8
+
+# Runs train.py's main() after importing training_support, which registers the NaN probe model with timm.
+_DRIVER = '''
+import runpy, sys
+import training_support  # noqa: F401
+sys.argv = ['train.py'] + sys.argv[1:]
+runpy.run_path('train.py', run_name='__main__')
+'''
+
+
+def launch(tmp_path, run_dir: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    driver = tmp_path / 'driver.py'
+    driver.write_text(_DRIVER)
+    command = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
+               '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port',
+               '0', str(driver), '--output', run_dir, *args]
+    environment = subprocess_env(ACCELERATE_USE_CPU='1', **(env or {}))
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    return make_image_folder(str(tmp_path_factory.mktemp('images')))
+
+
+@pytest.fixture(scope='module')
+def two_process_run(data_dir, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp('ddp')
+    run_dir = str(tmp_path / 'run')
+    launch(tmp_path, run_dir, *tiny_overrides(data_dir, **{'checkpoint.keep_last': 5}))
+    return run_dir
+
+
+def test_ranks_agree_metrics_are_global_and_checkpoints_are_written_once(two_process_run):
+    summary = json.load(open(os.path.join(two_process_run, 'summary.json')))
+    assert summary['status'] == 'finished'
+    assert len(summary['rank_weight_sha256']) == 2 and summary['ranks_identical']
+    lines = [json.loads(line) for line in open(os.path.join(two_process_run, 'metrics.jsonl'))]
+    assert [line['step'] for line in lines] == [UPDATES_PER_EPOCH, 2 * UPDATES_PER_EPOCH]
+    assert all(line['val_samples'] == VAL_IMAGES for line in lines)  # every image once, over both processes
+    checkpoint = os.path.join(two_process_run, 'checkpoints', 'epoch_0001')
+    assert sorted(os.listdir(checkpoint)) == ['ema.safetensors', 'meta.json', 'model.safetensors', 'optimizer.pt',
+                                              'rng_state_0.pt', 'rng_state_1.pt', 'trainer_state.pt']
+    assert json.load(open(os.path.join(checkpoint, 'meta.json')))['geometry']['global_batch_size'] == 16
+    assert not [n for n in os.listdir(os.path.join(two_process_run, 'checkpoints')) if n.startswith('.')]
+
+
+def test_resume_on_two_processes_reproduces_the_run(two_process_run, data_dir, tmp_path):
+    resumed = str(tmp_path / 'resumed')
+    launch(tmp_path, resumed, '--resume', os.path.join(two_process_run, 'checkpoints', 'epoch_0001'),
+           *tiny_overrides(data_dir, **{'checkpoint.keep_last': 5}))
+    for name in ('model.safetensors', 'ema.safetensors'):
+        expected = load_file(os.path.join(two_process_run, 'checkpoints', 'epoch_0002', name))
+        actual = load_file(os.path.join(resumed, 'checkpoints', 'epoch_0002', name))
+        assert all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def test_a_nan_on_one_rank_is_skipped_by_both(data_dir, tmp_path):
+    run_dir = str(tmp_path / 'run')
+    launch(tmp_path, run_dir, *tiny_overrides(data_dir, **{
+        'model.name': 'nan_probe_net', 'model.kwargs': '{}', 'checkpoint.export': False}),
+        env={'NAN_PROBE_CALLS': '2', 'NAN_PROBE_RANK': '1'})
+    summary = json.load(open(os.path.join(run_dir, 'summary.json')))
+    assert summary['nonfinite_steps'] == 1 and summary['ranks_identical']

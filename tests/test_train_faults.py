@@ -1,0 +1,166 @@
+"""Faults a long run meets: non-finite losses, unreadable images, preemption (SIGTERM) and kill -9, even in the
+middle of writing a checkpoint. Nothing already saved may be lost, and the run must be able to continue."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from training_support import NAN_AT_CALLS, make_image_folder, single_thread, subprocess_env, tiny_overrides
+
+from lipsformer.checkpoint import load_file
+from lipsformer.training import NonFiniteLossError, load_config, train
+from lipsformer.training.checkpoints import latest_checkpoint, list_checkpoints, read_meta
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UPDATES_PER_EPOCH, VAL_IMAGES = 6, 24
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    return make_image_folder(str(tmp_path_factory.mktemp('images')))
+
+
+def _probe_overrides(data_dir: str, **extra) -> list[str]:
+    return tiny_overrides(data_dir, **{'model.name': 'nan_probe_net', 'model.kwargs': '{}',
+                                       'checkpoint.export': False, **extra})
+
+
+def test_isolated_nonfinite_losses_are_skipped_and_counted(data_dir, tmp_path, caplog):
+    NAN_AT_CALLS.clear()
+    NAN_AT_CALLS.update({3, 9})
+    summary = train(load_config(None, _probe_overrides(data_dir)), str(tmp_path / 'run'))
+    assert summary['status'] == 'finished' and summary['nonfinite_steps'] == 2
+    lines = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+    assert [line['nonfinite_steps'] for line in lines] == [1, 2]
+    assert all(torch.isfinite(v).all() for v in load_file(os.path.join(summary['last_checkpoint'],
+                                                                       'model.safetensors')).values())
+    assert 'non-finite loss at step 3 (epoch 1): update skipped (1 in a row, 1 in all)' in caplog.text
+
+
+def test_persistent_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data_dir, tmp_path):
+    NAN_AT_CALLS.clear()
+    NAN_AT_CALLS.update(range(UPDATES_PER_EPOCH + 2, 100))
+    run_dir = tmp_path / 'run'
+    good = os.path.join(run_dir, 'checkpoints', 'epoch_0001')
+    with pytest.raises(NonFiniteLossError, match=f'3 consecutive updates, the last at step 10 .epoch 2.; stopping. '
+                                                 f'The last good checkpoint is {good}'):
+        train(load_config(None, _probe_overrides(data_dir, **{'train.max_nonfinite_steps': 3})), str(run_dir))
+    assert [os.path.basename(folder) for _, folder in list_checkpoints(str(run_dir))] == ['epoch_0001']
+    assert read_meta(good)['progress']['step'] == UPDATES_PER_EPOCH
+    assert all(torch.isfinite(v).all() for v in load_file(os.path.join(good, 'model.safetensors')).values())
+    NAN_AT_CALLS.clear()
+    summary = train(load_config(None, _probe_overrides(data_dir)), str(run_dir), resume='auto')
+    assert summary['status'] == 'finished' and summary['step'] == 2 * UPDATES_PER_EPOCH
+
+
+def test_unreadable_images_are_logged_and_skipped(tmp_path, caplog):
+    data_dir = make_image_folder(str(tmp_path / 'images'))
+    (tmp_path / 'images' / 'train' / 'class_0' / 'broken.png').write_bytes(os.urandom(300))
+    good_png = (tmp_path / 'images' / 'validation' / 'class_1').iterdir().__next__().read_bytes()
+    (tmp_path / 'images' / 'validation' / 'class_1' / 'truncated.png').write_bytes(good_png[:60])
+    summary = train(load_config(None, tiny_overrides(data_dir, **{'train.epochs': 1, 'checkpoint.export': False})),
+                    str(tmp_path / 'run'))
+    assert summary['status'] == 'finished'
+    assert summary['final_metrics']['val_samples'] == VAL_IMAGES  # the truncated file is left out, not duplicated
+    assert 'broken.png' in caplog.text and 'truncated.png' in caplog.text
+    assert 'skipping unreadable image' in caplog.text
+
+
+def _start(args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=subprocess_env(**env), start_new_session=True)
+
+
+def _wait_for(process: subprocess.Popen, text: str, timeout: float = 120) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return seen
+    process.kill()
+    raise AssertionError(f'{text!r} never appeared:\n' + ''.join(seen))
+
+
+def test_sigterm_saves_a_checkpoint_exits_zero_and_the_run_continues(data_dir, tmp_path):
+    run_dir = str(tmp_path / 'run')
+    args = ['train.py', '--output', run_dir, *tiny_overrides(data_dir, **{
+        'train.epochs': 4, 'train.log_interval': 1, 'checkpoint.export': False, 'data.num_workers': 1})]
+    process = _start(args)
+    _wait_for(process, 'epoch 2 step 8')
+    os.killpg(process.pid, signal.SIGTERM)  # as a cluster does: every process of the job, loader workers too
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output
+    assert 'received SIGTERM' in output
+    summary = json.load(open(os.path.join(run_dir, 'summary.json')))
+    assert summary['status'] == 'stopped'
+    stopped_at = read_meta(latest_checkpoint(run_dir))['progress']
+    assert stopped_at['step'] == summary['step'] >= 8 and stopped_at['epoch'] >= 1
+    resumed = subprocess.run([sys.executable, *args, '--resume', 'auto'], cwd=REPO, capture_output=True, text=True,
+                             timeout=300, env=subprocess_env())
+    assert resumed.returncode == 0, resumed.stderr
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
+    assert [line['epoch'] for line in lines] == [1, 2, 3, 4]
+    assert lines[-1]['step'] == 4 * UPDATES_PER_EPOCH
+
+
+# Runs train() with the optimizer file of the epoch-2 checkpoint never finishing, as if the machine died mid-save.
+_HANG_IN_SAVE = '''
+import os, sys, time
+import lipsformer.training.checkpoints as checkpoints
+from lipsformer.training import load_config, train
+write = checkpoints.save_torch
+def hanging_write(obj, path):
+    if path.endswith(os.path.join('.tmp-epoch_0002', 'optimizer.pt')):
+        with open(path, 'wb') as f:
+            f.write(b'partial')
+        print('HANGING IN SAVE', flush=True)
+        time.sleep(600)
+    write(obj, path)
+checkpoints.save_torch = hanging_write
+train(load_config(None, sys.argv[2:]), sys.argv[1])
+'''
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(data_dir, tmp_path):
+    run_dir = str(tmp_path / 'run')
+    overrides = tiny_overrides(data_dir, **{'train.epochs': 3, 'checkpoint.export': False})
+    process = _start(['-c', _HANG_IN_SAVE, run_dir, *overrides])
+    _wait_for(process, 'HANGING IN SAVE')
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    partial = os.path.join(run_dir, 'checkpoints', '.tmp-epoch_0002')
+    assert os.path.isdir(partial) and not os.path.exists(os.path.join(partial, 'meta.json'))
+    assert latest_checkpoint(run_dir).endswith('epoch_0001')
+    summary = train(load_config(None, overrides), run_dir, resume='auto')
+    assert summary['status'] == 'finished' and summary['step'] == 3 * UPDATES_PER_EPOCH
+    assert not [name for name in os.listdir(os.path.join(run_dir, 'checkpoints')) if name.startswith('.')]
+
+
+def test_kill_at_a_random_moment_then_resume_auto_finishes(data_dir, tmp_path):
+    run_dir = str(tmp_path / 'run')
+    args = ['train.py', '--output', run_dir, *tiny_overrides(data_dir, **{
+        'train.epochs': 3, 'train.log_interval': 1, 'checkpoint.every_n_steps': 1, 'checkpoint.export': False})]
+    process = _start(args)
+    _wait_for(process, 'epoch 1 step 3')
+    time.sleep(random.uniform(0.0, 1.5))
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert latest_checkpoint(run_dir) is not None
+    resumed = subprocess.run([sys.executable, *args, '--resume', 'auto'], cwd=REPO, capture_output=True, text=True,
+                             timeout=300, env=subprocess_env())
+    assert resumed.returncode == 0, resumed.stderr
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
+    assert [line['epoch'] for line in lines] == [1, 2, 3]

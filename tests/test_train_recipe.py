@@ -1,0 +1,101 @@
+"""The recipe as built from a config: parameter groups, batch-size scaling, the no-warmup per-update cosine, EMA
+decay and losses, checked against the paper's numbers and first principles."""
+import math
+import os
+
+import pytest
+import timm
+import torch
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from training_support import single_thread
+
+import lipsformer  # noqa: F401
+from lipsformer.training import load_config
+from lipsformer.training.optim import (
+    create_mixup,
+    create_optimizer,
+    create_scheduler,
+    create_train_loss,
+    ema_decay,
+    global_batch_size,
+    lr_scale,
+)
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    with single_thread():
+        yield
+
+
+TINY_KWARGS = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 2, 2], num_classes=10, img_size=32)
+
+
+def _groups_by_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[float, set[str]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {group['weight_decay']: {names[id(p)] for p in group['params']} for group in optimizer.param_groups}
+
+
+@pytest.mark.parametrize('model_name, config_file, no_decay', [
+    ('lipsformer_swin_tiny', 'lipsformer_swin_tiny.yaml', 0.0),
+    ('lipsformer_swin_tiny', 'authors/lipsformer_swin_tiny.yaml', 5e-4),
+    ('lipsformer_cswin_tiny', 'lipsformer_cswin_tiny.yaml', 0.0),
+])
+def test_weight_decay_skips_alpha_norms_biases_and_position_tables(model_name, config_file, no_decay):
+    config = load_config(os.path.join(CONFIGS, config_file))
+    model = timm.create_model(model_name, **TINY_KWARGS)
+    groups = _groups_by_decay(create_optimizer(model, config, global_batch=2048), model)
+    decayed, skipped = groups[config.optimizer.weight_decay], groups[no_decay]
+    assert decayed | skipped == {n for n, _ in model.named_parameters()} and not decayed & skipped
+    assert any('alpha' in n for n in skipped) and not any('alpha' in n for n in decayed)
+    assert all(p.ndim > 1 for n, p in model.named_parameters() if n in decayed)
+    assert all('relative_position_bias_table' not in n for n in decayed)
+    assert all(n.endswith('.weight') for n in decayed)
+
+
+def test_lr_follows_the_global_batch_from_the_paper_reference_of_2048():
+    config = load_config(os.path.join(CONFIGS, 'lipsformer_swin_tiny.yaml'), ['train.batch_size=64',
+                                                                              'train.grad_accum_steps=2'])
+    global_batch = global_batch_size(config, num_processes=8)
+    assert global_batch == 1024 and lr_scale(config, global_batch) == 0.5
+    model = timm.create_model('lipsformer_swin_tiny', **TINY_KWARGS)
+    optimizer = create_optimizer(model, config, global_batch)
+    assert all(group['lr'] == pytest.approx(1e-3) for group in optimizer.param_groups)
+    assert lr_scale(load_config(None, ['optimizer.lr_scaling=sqrt']), 512) == pytest.approx(0.5)
+    assert lr_scale(load_config(None, ['optimizer.lr_base_batch_size=null']), 512) == 1.0
+
+
+def test_no_warmup_cosine_stepped_per_update():
+    config = load_config(os.path.join(CONFIGS, 'lipsformer_swin_tiny.yaml'), ['train.epochs=4'])
+    model = timm.create_model('lipsformer_swin_tiny', **TINY_KWARGS)
+    optimizer = create_optimizer(model, config, global_batch=2048)
+    scheduler = create_scheduler(optimizer, config, updates_per_epoch=25, global_batch=2048)
+    peak, floor, total = 2e-3, config.scheduler.min_lr, 100
+    assert optimizer.param_groups[0]['lr'] == pytest.approx(peak)  # full lr at the first update: no warmup
+    for step in (1, 10, 50, 77, 99):
+        scheduler.step_update(num_updates=step)
+        expected = floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * step / total))
+        assert optimizer.param_groups[0]['lr'] == pytest.approx(expected, rel=1e-6)
+    scheduler.step_update(num_updates=total)
+    assert optimizer.param_groups[0]['lr'] == pytest.approx(floor)
+
+
+def test_ema_decay_keeps_its_horizon_in_images():
+    config = load_config(os.path.join(CONFIGS, 'lipsformer_swin_tiny.yaml'))
+    assert ema_decay(config, 2048) == 0.99984
+    half = ema_decay(config, 1024)
+    assert half ** 2 == pytest.approx(0.99984) and 1 / (1 - half) == pytest.approx(2 / (1 - 0.99984), rel=1e-3)
+
+
+def test_losses_and_mixup_follow_the_recipe():
+    paper = load_config(os.path.join(CONFIGS, 'lipsformer_swin_tiny.yaml'))
+    mixup = create_mixup(paper, num_classes=1000)
+    assert isinstance(mixup, Mixup) and (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.label_smoothing) == (
+        0.8, 1.0, 0.1)
+    assert isinstance(create_train_loss(paper, mixup), SoftTargetCrossEntropy)
+    quickstart = load_config(os.path.join(CONFIGS, 'quickstart.yaml'))
+    assert create_mixup(quickstart, 10) is None
+    assert isinstance(create_train_loss(quickstart, None), LabelSmoothingCrossEntropy)

@@ -1,0 +1,170 @@
+"""Tiny real-image datasets and configs for the training tests.
+
+Images come from Fashion-MNIST (the Debian package's IDX files, /usr/share/datasets/fashion-mnist) when it is
+installed; otherwise from class-dependent synthetic patterns, so the tests never skip for lack of data.
+"""
+import contextlib
+import gzip
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.models import register_model
+from torch import nn
+
+FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+TINY_MODEL = 'lipsformer_swin_tiny'
+TINY_MODEL_KWARGS = '{embed_dim: 16, depths: [1, 1, 1, 1], num_heads: [1, 1, 1, 1], window_size: 4}'
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch on one thread: the tiny test models are fastest that way, most of all on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a training subprocess: one thread, and this folder importable."""
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': os.path.dirname(os.path.abspath(__file__)), **extra}
+
+
+def _read_idx(path: str) -> np.ndarray:
+    with gzip.open(path, 'rb') as f:
+        data = f.read()
+    dims = data[3]
+    shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big') for i in range(dims)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+def grayscale_images(num_classes: int, per_class: int, split: str, seed: int = 0) -> list[tuple[np.ndarray, int]]:
+    """``per_class`` 28x28 uint8 images for each of the first ``num_classes`` classes."""
+    prefix = 'train' if split == 'train' else 't10k'
+    images_path = os.path.join(FASHION_MNIST_DIR, f'{prefix}-images-idx3-ubyte.gz')
+    if os.path.isfile(images_path):
+        images = _read_idx(images_path)
+        labels = _read_idx(os.path.join(FASHION_MNIST_DIR, f'{prefix}-labels-idx1-ubyte.gz'))
+        chosen = []
+        for label in range(num_classes):
+            chosen += [(images[i], label) for i in np.flatnonzero(labels == label)[:per_class]]
+        return chosen
+    rng = np.random.default_rng(seed + (split == 'train'))
+    chosen = []
+    for label in range(num_classes):
+        for _ in range(per_class):
+            image = rng.integers(0, 60, (28, 28))
+            image[:, 3 * label:3 * label + 6] += 180  # a class-specific vertical bar
+            chosen.append((image.astype(np.uint8), label))
+    return chosen
+
+
+def make_image_folder(root: str, num_classes: int = 4, train_per_class: int = 12, val_per_class: int = 6) -> str:
+    """An ImageFolder tree ``root/{train,validation}/class_<k>/<i>.png``; returns ``root``."""
+    for split, per_class in (('train', train_per_class), ('validation', val_per_class)):
+        for index, (pixels, label) in enumerate(grayscale_images(num_classes, per_class, split)):
+            folder = os.path.join(root, split, f'class_{label}')
+            os.makedirs(folder, exist_ok=True)
+            Image.fromarray(pixels, mode='L').save(os.path.join(folder, f'{index:05d}.png'))
+    return root
+
+
+def make_webdataset(root: str, num_classes: int = 4, train_per_class: int = 12, val_per_class: int = 6) -> str:
+    """The same images as :func:`make_image_folder` as WebDataset shards (``<key>.png`` + ``<key>.cls``) with the
+    ``_info.json`` timm's ``wds/`` reader reads: two training shards, one validation shard."""
+    os.makedirs(root, exist_ok=True)
+    info: dict = {'name': 'tiny', 'splits': {}}
+    for split, per_class, shards in (('train', train_per_class, 2), ('validation', val_per_class, 1)):
+        samples = grayscale_images(num_classes, per_class, split)
+        names, lengths = [], []
+        for shard in range(shards):
+            name = f'{split}-{shard:06d}.tar'
+            part = samples[shard::shards]
+            with tarfile.open(os.path.join(root, name), 'w') as tar:
+                for index, (pixels, label) in enumerate(part):
+                    png = io.BytesIO()
+                    Image.fromarray(pixels, mode='L').save(png, format='PNG')
+                    for suffix, data in (('png', png.getvalue()), ('cls', str(label).encode())):
+                        member = tarfile.TarInfo(f'{split}_{shard}_{index:05d}.{suffix}')
+                        member.size = len(data)
+                        tar.addfile(member, io.BytesIO(data))
+            names.append(name)
+            lengths.append(len(part))
+        info['splits'][split] = dict(name=split, num_samples=sum(lengths), filenames=names, shard_lengths=lengths)
+    with open(os.path.join(root, '_info.json'), 'w') as f:
+        json.dump(info, f)
+    return root
+
+
+def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
+    """Overrides that make any config a seconds-long CPU run on a :func:`make_image_folder` tree."""
+    settings: dict[str, object] = {
+        'model.name': TINY_MODEL, 'model.kwargs': TINY_MODEL_KWARGS, 'model.img_size': 32, 'model.in_chans': 1,
+        'model.drop_path_rate': 0.1, 'data.dataset': "''", 'data.data_dir': data_dir, 'data.train_split': 'train',
+        'data.val_split': 'validation', 'data.num_workers': 0, 'data.mean': '[0.5]',
+        'data.std': '[0.5]', 'data.crop_pct': 1.0, 'augment.auto_augment': 'null', 'augment.reprob': 0.25,
+        'augment.scale': '[0.6, 1.0]', 'train.batch_size': 8, 'train.epochs': 2, 'train.progress_bar': False,
+        'train.log_interval': 2, 'optimizer.lr': 2e-3, 'optimizer.lr_base_batch_size': 'null',
+        'ema.decay': 0.9, 'ema.reference_batch_size': 'null', 'log.tensorboard': False, 'log.plots': False,
+    }
+    settings.update(extra)
+    return [f'{key}={value}' for key, value in settings.items()]
+
+
+# Training forward calls (counted from 1) whose output the probe model turns into NaN; a subprocess reads them from
+# NAN_PROBE_CALLS ("3,9") and, when NAN_PROBE_RANK is set, only that process produces them.
+NAN_AT_CALLS: set[int] = {int(c) for c in os.environ.get('NAN_PROBE_CALLS', '').split(',') if c}
+
+
+class NanProbeNet(nn.Module):
+    """A tiny convnet that returns NaN logits on the training calls listed in :data:`NAN_AT_CALLS`."""
+
+    def __init__(self, num_classes: int = 4, in_chans: int = 1):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, 8, 3, stride=2)
+        self.head = nn.Linear(8, num_classes)
+        self.calls = 0
+        self.nan_rank = os.environ.get('NAN_PROBE_RANK')
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.conv(x).relu().mean((2, 3)))
+        if self.training:
+            self.calls += 1
+            this_rank = self.nan_rank is None or self.nan_rank == os.environ.get('RANK', '0')
+            if self.calls in NAN_AT_CALLS and this_rank:
+                logits = logits * float('nan')
+        return logits
+
+
+@register_model
+def nan_probe_net(pretrained: bool = False, **kwargs) -> NanProbeNet:
+    """Registered with timm so that configs can name it (model.name=nan_probe_net)."""
+    return NanProbeNet(**{k: v for k, v in kwargs.items() if k in ('num_classes', 'in_chans')})
+
+
+class AlphaCap:
+    """A stand-in Lipschitz constraint for the lipschitz.* hook: caps every |alpha| and counts its calls."""
+
+    def __init__(self, model: nn.Module, max_alpha: float):
+        self.alphas = [p for name, p in model.named_parameters() if '.alpha' in name and name.endswith('.gamma')]
+        self.max_alpha = max_alpha
+        self.calls = 0
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            for alpha in self.alphas:
+                alpha.clamp_(-self.max_alpha, self.max_alpha)
+        self.calls += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {'calls': self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = state['calls']
