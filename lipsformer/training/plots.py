@@ -52,6 +52,7 @@ def _draw(plt, path: str, ylabel: str, curves: list[tuple[str, list[tuple[int, f
         epochs, values = zip(*points, strict=True)
         axis.plot(epochs, values, marker='o', markersize=3, label=label)
     axis.set_xlabel('epoch')
+    axis.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     axis.set_ylabel(ylabel)
     axis.grid(alpha=0.3)
     axis.legend()
@@ -74,6 +75,7 @@ def _draw_alpha(plt, path: str, history: list[dict[str, Any]], prefixes: list[st
         high = [v + s for v, s in zip(values, spread, strict=True)]
         axis.fill_between(epochs, low, high, alpha=0.2)
     axis.set_xlabel('epoch')
+    axis.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     axis.set_ylabel('alpha (mean ± std)')
     axis.grid(alpha=0.3)
     axis.legend()
