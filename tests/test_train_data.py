@@ -10,7 +10,14 @@ from training_support import make_image_folder, tiny_overrides
 from lipsformer.training import load_config
 from lipsformer.training.data import RobustDataset, TrainBatches, create_split, resolve_input_spec
 from lipsformer.training.samplers import PAD_INDEX, ShardedEvalSampler, ShardedTrainSampler
-from lipsformer.training.sources import FASHION_MNIST_FILES, DatasetNotFoundError, prepare_dataset
+from lipsformer.training.sources import (
+    DEBIAN_FASHION_MNIST,
+    FASHION_MNIST_FILES,
+    DatasetNotFoundError,
+    prepare_dataset,
+)
+
+QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'quickstart.yaml')
 
 
 def test_train_shards_are_disjoint_equal_and_depend_only_on_seed_and_epoch():
@@ -99,3 +106,11 @@ def test_fashion_mnist_comes_from_the_debian_package_else_a_clear_message(tmp_pa
                         debian_dir=str(tmp_path / 'nothing'))
     prepare_dataset('torch/fashion_mnist', str(tmp_path / 'other'), download=True,
                     debian_dir=str(tmp_path / 'nothing'))  # torchvision will download
+
+
+@pytest.mark.skipif(not os.path.isdir(DEBIAN_FASHION_MNIST), reason='needs the Debian package dataset-fashion-mnist')
+def test_quickstart_data_dir_need_not_exist_when_the_debian_package_is_installed(tmp_path):
+    """The README's command runs in a fresh clone: data.data_dir is created by unpacking the package."""
+    config = load_config(QUICKSTART, [f'data.data_dir={tmp_path / "fresh" / "fashion-mnist"}'])
+    spec = resolve_input_spec(config)
+    assert len(create_split(config, spec, True)) == 60000 and len(create_split(config, spec, False)) == 10000

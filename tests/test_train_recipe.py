@@ -99,3 +99,38 @@ def test_losses_and_mixup_follow_the_recipe():
     quickstart = load_config(os.path.join(CONFIGS, 'quickstart.yaml'))
     assert create_mixup(quickstart, 10) is None
     assert isinstance(create_train_loss(quickstart, None), LabelSmoothingCrossEntropy)
+
+
+def test_ema_averages_the_weights_after_the_lipschitz_constraint():
+    """The constraint projects the weights after each update; the EMA must average projected weights, or its copy
+    (the one evaluated and exported as best) would not satisfy the constraint."""
+    from types import SimpleNamespace
+
+    from timm.utils import ModelEmaV3
+
+    from lipsformer.training.loop import _apply_update
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    ema = ModelEmaV3(model, decay=0.5)
+
+    def cap_weights():
+        with torch.no_grad():
+            model.weight.clamp_(-0.1, 0.1)
+    session = SimpleNamespace(
+        model=model, unwrapped_model=model, optimizer=optimizer, ema=ema, lipschitz=cap_weights,
+        accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
+        config=SimpleNamespace(optimizer=SimpleNamespace(clip_grad=None)), progress=SimpleNamespace(step=1))
+    cap_weights()
+    ema.set(model)
+    model(torch.full((8, 4), 10.0)).sum().backward()  # a large step takes the weights far past the cap
+    _apply_update(session)
+    assert model.weight.abs().max() <= 0.1 and ema.module.weight.abs().max() <= 0.1
+
+
+def test_a_constraint_rejecting_its_settings_is_a_config_error():
+    from lipsformer.training.config import ConfigError
+    from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
+    config = load_config(None, ['lipschitz.enabled=true', 'lipschitz.kwargs={power_iterations: 0}'])
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match='lipschitz.kwargs: .*power_iterations must be >= 1, got 0'):
+        create_lipschitz_constraint(config.lipschitz, model)

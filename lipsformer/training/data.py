@@ -137,9 +137,9 @@ def create_split(config: Config, spec: InputSpec, is_training: bool) -> Dataset:
     if data.data_dir is None and not data.dataset.lower().startswith(('hfds/', 'hfids/')):
         raise FileNotFoundError('data.data_dir is not set: give the dataset folder with --data-dir PATH (or '
                                 'data.data_dir=PATH)')
+    prepare_dataset(data.dataset, data.data_dir, data.download)  # may unpack a local copy into data_dir first
     if data.data_dir is not None and not os.path.exists(data.data_dir) and not data.download:
         raise FileNotFoundError(f'data.data_dir {data.data_dir!r} does not exist')
-    prepare_dataset(data.dataset, data.data_dir, data.download)
     split = data.train_split if is_training else data.val_split
     img_mode = 'L' if spec.input_size[0] == 1 else 'RGB'
     num_samples = data.train_num_samples if is_training else data.val_num_samples

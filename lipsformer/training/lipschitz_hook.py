@@ -25,6 +25,8 @@ def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Modul
         constraint = factory(model, **settings.kwargs)
     except TypeError as e:
         raise ConfigError(f'lipschitz.kwargs: {settings.target} does not accept {settings.kwargs} ({e})') from e
+    except ValueError as e:
+        raise ConfigError(f'lipschitz.kwargs: {settings.target} rejects {settings.kwargs}: {e}') from e
     if not callable(constraint):
         raise ConfigError(f'lipschitz.target: {settings.target}(model, ...) returned a {type(constraint).__name__}, '
                           f'which cannot be called after each update')

@@ -147,10 +147,10 @@ def _apply_update(session: Session) -> None:
     session.optimizer.zero_grad(set_to_none=True)
     if accelerator.optimizer_step_was_skipped:  # fp16 loss scaler found inf gradients and lowered its scale
         return
+    if session.lipschitz is not None:  # before the EMA update, so the EMA averages constrained weights
+        session.lipschitz()
     if session.ema is not None:
         session.ema.update(session.unwrapped_model, step=session.progress.step)
-    if session.lipschitz is not None:
-        session.lipschitz()
 
 
 def _skip_update(session: Session, consecutive: int) -> int:
