@@ -9,12 +9,14 @@ from lipsformer.layers import (
     ConvShortcut,
     DotProductAttention,
     ScaledCosineAttention,
+    ScaledOutputMlp,
     ScaleLayer,
     create_conv_shortcuts,
     get_norm_layer,
     init_weights_,
     pad_to_multiple,
     padding_key_mask,
+    scaled_linear,
     spectral_norm,
     spectral_normalize_,
     window_partition,
@@ -165,3 +167,40 @@ def test_padding_key_mask_hides_exactly_the_padded_tokens():
     masked = torch.isinf(mask[1, 0, 0]).view(5, 2)  # the second window holds column 2 and padded column 3
     assert masked[:, 1].all() and not masked[:, 0].any()
     assert not torch.isinf(mask[0]).any()
+
+
+def test_alpha_folded_into_the_last_linear_equals_scaling_its_output():
+    """scaled_linear / ScaledOutputMlp: (alpha W) x + alpha b == alpha (W x + b), values and every gradient."""
+    torch.manual_seed(0)
+    mlp = ScaledOutputMlp(8, 32)
+    alpha = nn.Parameter(torch.rand(8) + 0.1)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    folded = mlp(x, alpha)
+    grads_folded = torch.autograd.grad(folded.square().sum(), [x, alpha, *mlp.parameters()])
+    plain = mlp(x) * alpha
+    grads_plain = torch.autograd.grad(plain.square().sum(), [x, alpha, *mlp.parameters()])
+    torch.testing.assert_close(folded, plain, rtol=1e-6, atol=1e-6)
+    for got, expected in zip(grads_folded, grads_plain, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    no_bias = nn.Linear(8, 3, bias=False)
+    torch.testing.assert_close(scaled_linear(x, no_bias.weight, None, alpha[:3]), no_bias(x) * alpha[:3])
+    assert torch.equal(scaled_linear(x, no_bias.weight, None), no_bias(x))
+
+
+def test_l2_normalize_equals_f_normalize_with_its_eps_floor():
+    """SCSA's multiply-by-reciprocal-norm form is F.normalize (x / max(||x||, eps)): values and gradients, a zero row
+    included, and fp16 rows whose squares overflow fp16."""
+    import torch.nn.functional as F
+
+    from lipsformer.layers.scaled_cosine_attention import l2_normalize
+    x = torch.randn(3, 4, 7, 16, dtype=torch.float64)
+    x[0, 0, 0] = 0.0
+    x[1, 0, 0] = 1e-13  # below eps: divided by eps, not by its norm
+    x.requires_grad_(True)
+    ours, reference = l2_normalize(x, 1e-12), F.normalize(x, dim=-1, eps=1e-12)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=0)
+    weights = torch.randn_like(x)
+    torch.testing.assert_close(torch.autograd.grad((ours * weights).sum(), x)[0],
+                               torch.autograd.grad((reference * weights).sum(), x)[0], rtol=1e-10, atol=1e-10)
+    large = torch.full((2, 16), 300.0, dtype=torch.float16)  # 300^2 * 16 overflows fp16
+    torch.testing.assert_close(l2_normalize(large, 1e-12), torch.full_like(large, 0.25))

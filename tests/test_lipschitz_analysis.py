@@ -112,6 +112,7 @@ def _tiny(name, **kwargs):
     ('lipsformer_cswin_tiny', dict(attn_type='lipnorm')),
     ('lipsformer_swin_tiny', dict(v_norm=True, nu=1.0)),
     ('lipsformer_swin_tiny', dict(attn_type='l2', drop_path_rate=0.3)),
+    ('lipsformer_cswin_tiny', dict(attn_type='l2', norm_position='pre')),
 ])
 def test_theorem_2_at_initialisation_on_a_real_model(name, kwargs):
     """paper.md check 11: measured Lipschitz estimate <= product bound <= exp(kappa sum alpha) x plain layers (the
@@ -154,6 +155,20 @@ def test_bounds_name_what_is_not_lipschitz():
     swin_l2 = analyze(_tiny('lipsformer_swin_tiny', attn_type='l2'), empirical=False)
     assert swin_l2['not_proven'] and 'relative-position bias' in swin_l2['branches'][2]['reason']
     assert not analyze(_tiny('lipsformer_cswin_tiny', attn_type='l2'), empirical=False)['not_proven']
+
+
+def test_pre_norm_blocks_bound_each_branch_with_its_norm():
+    """x + alpha f(norm(x)): the norm is inside the branch, Lip <= 1 + alpha Lip(f) Lip(norm); no norm after it."""
+    post = analyze(_tiny('lipsformer_cswin_tiny', attn_type='l2'), empirical=False)
+    pre = analyze(_tiny('lipsformer_cswin_tiny', attn_type='l2', norm_position='pre'), empirical=False)
+    assert not any('.blocks.' in row['name'] for row in pre['plain_layers'])
+    assert pre['plain_layers'][-3]['name'] == 'norm' and 'CenterNorm' in pre['plain_layers'][-3]['reason']
+    post_mlp, pre_mlp = (next(b for b in r['branches'] if b['name'] == 'stages.0.blocks.0.mlp') for r in (post, pre))
+    assert pre_mlp['lipschitz_bound'] == pytest.approx(post_mlp['lipschitz_bound'] * 16 / 15)  # CenterNorm, D=16
+    layer = analyze(_tiny('lipsformer_cswin_tiny', attn_type='l2', norm_layer='layer', norm_position='pre'),
+                    empirical=False)
+    assert all(math.isinf(b['lipschitz_bound']) for b in layer['branches'] if 'conv_shortcuts' not in b['name'])
+    assert layer['log10_bounded_parts_product'] == pytest.approx(math.log10(layer['bounded_parts_product']))
 
 
 def test_spectral_init_parts_have_unit_norm_and_operator_norms_differ():

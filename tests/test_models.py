@@ -234,6 +234,48 @@ def test_paper_options_and_swappable_components():
         _tiny('lipsformer_swin_tiny', attn_type='linear')
 
 
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_pre_norm_puts_a_norm_at_the_input_of_each_branch_and_before_the_head(name):
+    model = _tiny(name, norm_position='pre', norm_layer='layer').eval()
+    block = model.stages[1].blocks[0]
+    assert isinstance(block.norm1, torch.nn.LayerNorm) and isinstance(block.norm2, torch.nn.LayerNorm)
+    assert isinstance(model.norm, torch.nn.LayerNorm)
+    seen = {}
+    block.register_forward_hook(lambda module, args, out: seen.update(block_in=args[0], block_out=out))
+    block.attn.register_forward_hook(lambda module, args, out: seen.update(attn_in=args[0]))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+        x = seen['block_in']
+        for shortcut in block.conv_shortcuts:
+            x = shortcut(x)
+        torch.testing.assert_close(seen['attn_in'], block.norm1(x))  # the attention reads the normed stream
+        x = x + block.alpha1(block.attn(block.norm1(x)))
+        torch.testing.assert_close(seen['block_out'], x + block.alpha2(block.mlp(block.norm2(x))))
+
+
+def test_norm_position_post_keeps_the_default_architecture_and_state_dict():
+    default, post = _tiny('lipsformer_cswin_tiny'), _tiny('lipsformer_cswin_tiny', norm_position='post')
+    assert list(default.state_dict()) == list(post.state_dict())
+    assert isinstance(post.stages[0].blocks[0].norm1, torch.nn.Identity) and isinstance(post.norm, torch.nn.Identity)
+    with pytest.raises(ValueError, match="'post', 'pre'"):
+        _tiny('lipsformer_cswin_tiny', norm_position='sandwich')
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_fixed_alpha_is_a_buffer_that_an_optimizer_step_leaves_alone(name):
+    model = _tiny(name, alpha_init=1.0, alpha_learnable=False)
+    scales = [m for m in model.modules() if isinstance(m, ScaleLayer)]
+    block = model.stages[0].blocks[0]
+    assert block.alpha1 in scales and block.conv_shortcuts[0].alpha in scales
+    assert not any(isinstance(s.gamma, torch.nn.Parameter) for s in scales)
+    assert not any('alpha' in n for n, _ in model.named_parameters())
+    assert set(_tiny(name).state_dict()) == set(model.state_dict())  # still saved, under the same keys
+    optimizer = create_optimizer_v2(model, 'adamw', lr=0.1)
+    model(torch.randn(1, 3, 64, 64)).sum().backward()
+    optimizer.step()
+    assert all(torch.all(s.gamma == 1.0) for s in scales)
+
+
 def _kernels(model):
     return [m for m in model.modules() if isinstance(m, ScaledCosineAttention)]
 

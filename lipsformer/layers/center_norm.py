@@ -45,6 +45,10 @@ class CenterNorm(nn.Module):
         return self.scale * self.weight.detach().abs().max().item()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Contiguous like LayerNorm's output: elementwise ops keep their input's layout, and an NHWC view of NCHW
+        # memory (timm's PatchEmbed output) would otherwise reach the conv shortcuts channels-first, where oneDNN's
+        # depthwise convolutions are several times slower on CPU. A no-op for contiguous inputs.
+        x = x.contiguous()
         # One expression (centre, then a single per-channel scale-and-shift) that torch.compile fuses into one kernel.
         return torch.addcmul(self.bias, x - x.mean(-1, keepdim=True), self.weight * self.scale)
 

@@ -36,13 +36,14 @@ class ConvShortcut(nn.Module):
             drop_path: float = 0.0,
             kernel_size: int = 7,
             act_layer: type[nn.Module] = nn.GELU,
+            alpha_learnable: bool = True,
     ) -> None:
         super().__init__()
         self.dw = nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
         self.act1 = act_layer()
         self.pw = nn.Conv2d(dim, dim, 1) if pointwise else None
         self.act2 = act_layer() if pointwise else nn.Identity()
-        self.alpha = ScaleLayer(dim, alpha_init)
+        self.alpha = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +54,11 @@ class ConvShortcut(nn.Module):
         return x + self.drop_path(self.alpha(y.permute(0, 2, 3, 1)))
 
 
-def create_conv_shortcuts(dim: int, conv_config: str, alpha_init: float, drop_path: float) -> nn.ModuleList:
-    """The shortcuts of one block for a Table 3 configuration letter ('A'-'D')."""
+def create_conv_shortcuts(dim: int, conv_config: str, alpha_init: float, drop_path: float,
+                          alpha_learnable: bool = True) -> nn.ModuleList:
+    """The shortcuts of one block for a Table 3 configuration letter ('A'-'D'); alphas fixed unless alpha_learnable."""
     if conv_config not in CONV_CONFIGS:
         raise ValueError(f'unknown conv_config {conv_config!r}; expected one of {sorted(CONV_CONFIGS)}')
     return nn.ModuleList([
-        ConvShortcut(dim, pointwise, alpha_init, drop_path) for pointwise in CONV_CONFIGS[conv_config]])
+        ConvShortcut(dim, pointwise, alpha_init, drop_path, alpha_learnable=alpha_learnable)
+        for pointwise in CONV_CONFIGS[conv_config]])

@@ -9,11 +9,39 @@ LipsFormer-CSwin). Its Lipschitz constant is
 
 so a stack of L such blocks with alpha = 1/L is bounded by (1 + kappa / L)^L <= exp(kappa) (Theorem 2). With drop
 path each factor is 1 with probability p (Appendix J; timm's DropPath rescales kept paths by 1 / (1 - p)).
+
+Where f ends in a linear layer (attention's output projection, the MLP's fc2), alpha is folded into that layer's
+weight and bias (:func:`scaled_linear`): the same function, but the per-channel multiply then costs a (C, C_in)
+weight product instead of a full (B, L, C) activation product, forward and backward, and the activation it would
+keep for alpha's gradient is not stored.
 """
+from typing import Optional
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import Mlp
 
-__all__ = ['ScaleLayer']
+__all__ = ['ScaleLayer', 'ScaledOutputMlp', 'scaled_linear']
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias) * scale`` computed as ``F.linear(x, scale[:, None] * weight, scale * bias)``.
+
+    Takes tensors rather than the ``nn.Linear`` so that TorchScript can compile its callers. ``scale=None``: no scale.
+    """
+    if scale is None:
+        return F.linear(x, weight, bias)
+    return F.linear(x, weight * scale.unsqueeze(-1), bias * scale if bias is not None else None)
+
+
+class ScaledOutputMlp(Mlp):
+    """timm's Mlp whose output can be scaled per channel by alpha folded into fc2 (same parameters and keys)."""
+
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.norm(self.drop1(self.act(self.fc1(x))))
+        return self.drop2(scaled_linear(x, self.fc2.weight, self.fc2.bias, out_scale))
 
 
 class ScaleLayer(nn.Module):

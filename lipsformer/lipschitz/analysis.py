@@ -84,6 +84,7 @@ def network_bound(entries: List[Entry], norms: NormSource) -> Dict[str, Any]:
                                      'timm_rescaled': _exp(log_plain + _log_sum(factors))},
         'unbounded': unbounded,
         'bounded_parts_product': _exp(log_finite),  # what the rest of the network contributes
+        'log10_bounded_parts_product': log_finite / math.log(10),
         'not_proven': unproven,
     }
 

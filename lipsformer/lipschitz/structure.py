@@ -3,6 +3,8 @@
     F = head o pool o norm o ... o [norm2 o (I + alpha2 MLP)] o [norm1 o (I + alpha1 Attn)] o (I + alpha_c Conv) o ...
         o stem
 
+(a pre-norm block, ``norm_position='pre'``, is (I + alpha2 MLP o norm2) o (I + alpha1 Attn o norm1) instead).
+
 Each entry bounds its own map from a :class:`~lipsformer.lipschitz.sources.NormSource`: a plain layer by its
 Lipschitz constant, a weighted residual x + alpha (.) f(x) by 1 + max|alpha| Lip(f) (Lip(f) is what the entry's
 ``bound`` returns for a residual).
@@ -82,6 +84,28 @@ def _conv_shortcut(name: str, shortcut: nn.Module, size: Tuple[int, int]) -> Ent
                                                                branch, shortcut))
 
 
+class PreNormed(nn.Module):
+    """A pre-norm block's branch as one map, f(norm(x)) (for the branch's empirical estimate and its parts)."""
+
+    def __init__(self, norm: nn.Module, function: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(self.norm(x))
+
+
+def _pre_normed(norm: nn.Module, function: nn.Module, bound: Callable[[NormSource], Bound]
+                ) -> Tuple[nn.Module, Callable[[NormSource], Bound]]:
+    """A pre-norm block's branch f(norm(x)) and its bound Lip(f) Lip(norm), from f and its bound."""
+    def normed_bound(norms: NormSource) -> Bound:
+        inner, outer = bound(norms), norm_bound(norm, norms)
+        return Bound(inner.value * outer.value, f'({inner.reason}) o ({outer.reason})', inner.proven and outer.proven)
+
+    return PreNormed(norm, function), normed_bound
+
+
 def _attention(name: str, block: nn.Module, size: Tuple[int, int]) -> Entry:
     attn = block.attn
 
@@ -93,6 +117,10 @@ def _attention(name: str, block: nn.Module, size: Tuple[int, int]) -> Entry:
     if hasattr(attn, 'branches'):
         parts += [(f'{name}.branches.{index}.lepe', branch.lepe, stripe)
                   for index, (branch, stripe) in enumerate(zip(attn.branches, stripe_sizes(attn, size)))]
+    if getattr(block, 'pre_norm', False):
+        function, bound = _pre_normed(block.norm1, attn, bound)
+        return Entry(name, 'attention', bound, parts, Residual(block.alpha1, _drop_prob(block.drop_path1), function,
+                                                               block.norm1))
     return Entry(name, 'attention', bound, parts, Residual(block.alpha1, _drop_prob(block.drop_path1), attn, attn))
 
 
@@ -106,6 +134,10 @@ def _mlp(name: str, block: nn.Module) -> Entry:
         return Bound(value * norms.matrix(mlp.fc1, mlp.fc1.weight), 'fc2 o GELU o fc1')
 
     parts = [(f'{name}.fc1', mlp.fc1, None), (f'{name}.fc2', mlp.fc2, None)]
+    if getattr(block, 'pre_norm', False):
+        function, bound = _pre_normed(block.norm2, mlp, bound)
+        return Entry(name, 'mlp', bound, parts, Residual(block.alpha2, _drop_prob(block.drop_path2), function,
+                                                         block.norm2))
     return Entry(name, 'mlp', bound, parts, Residual(block.alpha2, _drop_prob(block.drop_path2), mlp, mlp))
 
 
@@ -168,6 +200,9 @@ def describe(model: nn.Module, img_size: Tuple[int, int]) -> List[Entry]:
             prefix = f'stages.{i}.blocks.{j}'
             entries += [_conv_shortcut(f'{prefix}.conv_shortcuts.{c}', s, size)
                         for c, s in enumerate(block.conv_shortcuts)]
-            entries += [_attention(f'{prefix}.attn', block, size), _norm(f'{prefix}.norm1', block.norm1),
-                        _mlp(f'{prefix}.mlp', block), _norm(f'{prefix}.norm2', block.norm2)]
+            if getattr(block, 'pre_norm', False):  # the norms are inside the branches
+                entries += [_attention(f'{prefix}.attn', block, size), _mlp(f'{prefix}.mlp', block)]
+            else:
+                entries += [_attention(f'{prefix}.attn', block, size), _norm(f'{prefix}.norm1', block.norm1),
+                            _mlp(f'{prefix}.mlp', block), _norm(f'{prefix}.norm2', block.norm2)]
     return entries + _head(model, size[0] * size[1])

@@ -13,17 +13,26 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple
+from timm.layers import ClassifierHead, DropPath, PatchEmbed, calculate_drop_path_rates, to_2tuple
 from timm.models import checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_input_size
 
-from ..layers import ScaleLayer, create_conv_shortcuts, get_norm_layer, init_weights_
+from ..layers import ScaledOutputMlp, ScaleLayer, create_conv_shortcuts, get_norm_layer, init_weights_
 
-__all__ = ['LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'check_checkpoint_depths', 'default_cfg']
+__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'check_checkpoint_depths',
+           'check_norm_position', 'default_cfg']
 
 # Builds a block's token mixer from (stage index, block index, dim, feature size of the stage at img_size).
 MixerFactory = Callable[[int, int, int, Tuple[int, int]], nn.Module]
+
+NORM_POSITIONS = ('post', 'pre')
+
+
+def check_norm_position(norm_position: str) -> None:
+    """Raise a ValueError unless ``norm_position`` is one of ``NORM_POSITIONS``."""
+    if norm_position not in NORM_POSITIONS:
+        raise ValueError(f'unknown norm_position {norm_position!r}; expected one of {NORM_POSITIONS}')
 
 
 class LipsFormerBlock(nn.Module):
@@ -32,6 +41,9 @@ class LipsFormerBlock(nn.Module):
         x <- x + DropPath(alpha_c (.) conv_c(x))          for each conv shortcut c
         x <- norm1(x + DropPath(alpha1 (.) attn(x)))      norm1 is Identity where the family has no norm there
         x <- norm2(x + DropPath(alpha2 (.) mlp(x)))
+
+    With ``norm_position='pre'`` (the standard pre-norm Transformer, for ablations) the norms move into the branches:
+    x <- x + DropPath(alpha1 (.) attn(norm1(x))), x <- x + DropPath(alpha2 (.) mlp(norm2(x))), norm1 always present.
     """
 
     def __init__(
@@ -45,23 +57,31 @@ class LipsFormerBlock(nn.Module):
             conv_config: str = 'D',
             drop_path: float = 0.0,
             proj_drop: float = 0.0,
+            alpha_learnable: bool = True,
+            norm_position: str = 'post',
     ) -> None:
         super().__init__()
-        self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path)
+        check_norm_position(norm_position)
+        self.pre_norm = norm_position == 'pre'
+        self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path, alpha_learnable)
         self.attn = attn
-        self.alpha1 = ScaleLayer(dim, alpha_init)
+        self.alpha1 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
-        self.norm1 = norm_layer(dim) if post_attn_norm else nn.Identity()
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
-        self.alpha2 = ScaleLayer(dim, alpha_init)
+        self.norm1 = norm_layer(dim) if post_attn_norm or self.pre_norm else nn.Identity()
+        self.mlp = ScaledOutputMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
+        self.alpha2 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for shortcut in self.conv_shortcuts:
             x = shortcut(x)
-        x = self.norm1(x + self.drop_path1(self.alpha1(self.attn(x))))
-        return self.norm2(x + self.drop_path2(self.alpha2(self.mlp(x))))
+        # alpha (.) f(x) with alpha folded into f's last linear layer (see ScaledOutputMlp, scaled_linear).
+        if self.pre_norm:
+            x = x + self.drop_path1(self.attn(self.norm1(x), self.alpha1.gamma))
+            return x + self.drop_path2(self.mlp(self.norm2(x), self.alpha2.gamma))
+        x = self.norm1(x + self.drop_path1(self.attn(x, self.alpha1.gamma)))
+        return self.norm2(x + self.drop_path2(self.mlp(x, self.alpha2.gamma)))
 
 
 class LipsFormerStage(nn.Module):
@@ -118,8 +138,11 @@ class LipsFormer(nn.Module):
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
+            alpha_learnable: bool = True,
+            norm_position: str = 'post',
     ) -> None:
         super().__init__()
+        check_norm_position(norm_position)
         norm_layer = get_norm_layer(norm_layer)
         self.num_classes = num_classes
         self.in_chans = in_chans
@@ -144,13 +167,14 @@ class LipsFormer(nn.Module):
                 LipsFormerBlock(
                     dims[i], make_mixer(i, j, dims[i], feat_size), norm_layer, alpha_init, post_attn_norm,
                     mlp_ratio=mlp_ratio, conv_config=conv_config, drop_path=drop_path_rates[i][j],
-                    proj_drop=proj_drop_rate)
+                    proj_drop=proj_drop_rate, alpha_learnable=alpha_learnable, norm_position=norm_position)
                 for j in range(depth)]
             downsample = make_downsample(dims[i - 1], dims[i], norm_layer) if i > 0 else nn.Identity()
             stages.append(LipsFormerStage(downsample, blocks))
             self.feature_info.append(dict(num_chs=dims[i], reduction=patch_size * 2 ** i, module=f'stages.{i}'))
         self.stages = nn.Sequential(*stages)
-        self.norm = norm_layer(self.num_features) if final_norm else nn.Identity()
+        # A pre-norm stack leaves its residual stream unnormalised: it always ends with a norm.
+        self.norm = norm_layer(self.num_features) if final_norm or norm_position == 'pre' else nn.Identity()
         self.head = ClassifierHead(
             self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, input_fmt=self.output_fmt)
         self.weight_init = weight_init

@@ -14,7 +14,14 @@ import torch
 import torch.nn as nn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from ..layers import create_attention, pad_to_multiple, padding_key_mask, window_partition, window_reverse
+from ..layers import (
+    create_attention,
+    pad_to_multiple,
+    padding_key_mask,
+    scaled_linear,
+    window_partition,
+    window_reverse,
+)
 from ._base import LipsFormer, check_checkpoint_depths, default_cfg
 
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
@@ -107,7 +114,8 @@ class CrossStripeAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         batch, height, width, channels = x.shape
         qkv = self.qkv(x)
         if self.two_branches:
@@ -124,7 +132,7 @@ class CrossStripeAttention(nn.Module):
             ], dim=-1)
         else:
             x = self.branches[0](qkv, height, width)
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
 
 
 class ConvMerge(nn.Module):
@@ -168,6 +176,8 @@ class LipsFormerCSwin(LipsFormer):
             proj_drop_rate: float = 0.0,
             attn_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
+            alpha_learnable: bool = True,
+            norm_position: str = 'post',
     ) -> None:
         """
         Args:
@@ -197,6 +207,10 @@ class LipsFormerCSwin(LipsFormer):
             proj_drop_rate: Dropout after attention and MLP projections.
             attn_drop_rate: Dropout on attention probabilities.
             drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
+            alpha_learnable: Learn the weighted-residual alphas (blocks and conv shortcuts); False keeps them at
+                ``alpha_init`` as buffers (alpha_init=1 gives the plain residual of a standard Transformer).
+            norm_position: 'post' (LipsFormer's norms after each residual sum) or 'pre' (the standard pre-norm
+                Transformer: a norm at the input of every attention and MLP branch and a final norm before the head).
         """
         num_heads, split_size = tuple(num_heads), tuple(split_size)
         if len(num_heads) != len(depths) or len(split_size) != len(depths):
@@ -223,7 +237,8 @@ class LipsFormerCSwin(LipsFormer):
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
             global_pool=global_pool, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
             conv_config=conv_config, norm_layer=norm_layer, weight_init=weight_init, drop_rate=drop_rate,
-            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
+            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate, alpha_learnable=alpha_learnable,
+            norm_position=norm_position)
 
 
 # The authors' names (commit 00acb80, models/cswin.py) and ours.

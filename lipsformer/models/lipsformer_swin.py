@@ -16,7 +16,7 @@ from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
-from ..layers import create_attention, pad_to_multiple, window_partition, window_reverse
+from ..layers import create_attention, pad_to_multiple, scaled_linear, window_partition, window_reverse
 from ._base import LipsFormer, check_checkpoint_depths, default_cfg
 
 __all__ = ['LipsFormerSwin', 'WindowAttention']
@@ -89,7 +89,8 @@ class WindowAttention(nn.Module):
         mask = region.unsqueeze(1) - region.unsqueeze(2)
         return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         batch, height, width, channels = x.shape
         window_h, window_w = self.window_size
         shifted = self.shift_size[0] > 0 or self.shift_size[1] > 0
@@ -114,7 +115,7 @@ class WindowAttention(nn.Module):
         x = window_reverse(x, window_h, window_w, padded_h, padded_w)[:, :height, :width]
         if shifted:
             x = torch.roll(x, shifts=(self.shift_size[0], self.shift_size[1]), dims=(1, 2))
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
 
 
 class LipsFormerSwin(LipsFormer):
@@ -147,6 +148,8 @@ class LipsFormerSwin(LipsFormer):
             proj_drop_rate: float = 0.0,
             attn_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
+            alpha_learnable: bool = True,
+            norm_position: str = 'post',
     ) -> None:
         """
         Args:
@@ -176,6 +179,10 @@ class LipsFormerSwin(LipsFormer):
             proj_drop_rate: Dropout after attention and MLP projections.
             attn_drop_rate: Dropout on attention probabilities.
             drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
+            alpha_learnable: Learn the weighted-residual alphas (blocks and conv shortcuts); False keeps them at
+                ``alpha_init`` as buffers (alpha_init=1 gives the plain residual of a standard Transformer).
+            norm_position: 'post' (LipsFormer's norms after each residual sum) or 'pre' (the standard pre-norm
+                Transformer: a norm at the input of every attention and MLP branch and a final norm before the head).
         """
         num_heads = tuple(num_heads)
         if len(num_heads) != len(depths):
@@ -199,7 +206,8 @@ class LipsFormerSwin(LipsFormer):
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
             global_pool=global_pool, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
             conv_config=conv_config, norm_layer=norm_layer, weight_init=weight_init, drop_rate=drop_rate,
-            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate)
+            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate, alpha_learnable=alpha_learnable,
+            norm_position=norm_position)
 
 
 # The authors' block-level names (models/lipsformer_swin.py) and ours.
