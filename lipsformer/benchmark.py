@@ -1,0 +1,527 @@
+"""Throughput and memory benchmark of timm models, LipsFormer's included: ``python -m lipsformer.benchmark``.
+
+Example (the CPU comparison of ``docs/benchmarks.md``)::
+
+    python -m lipsformer.benchmark --models lipsformer_swin_tiny,swin_tiny_patch4_window7_224 \\
+        --mode infer,train --batch-size 16 --img-size 224 --precision fp32 --device cpu --json cpu.json
+
+Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
+window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
+a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
+name files you trust).
+
+How it measures, per mode (``infer``: forward under ``no_grad``; ``train``: forward, cross-entropy against random
+labels, backward and a timm AdamW step):
+
+- Throughput: every model gets ``--warmup`` untimed steps, then ``--repeats`` timed runs of ``--steps`` steps each.
+  The models are interleaved within every repeat, in reversed order on odd repeats, so slow drifts of the machine
+  (thermal or turbo state, other jobs) hit all models alike and cancel in the ratios. images/s is the median over
+  the repeats; on CUDA the runs are timed with CUDA events. ``ratio`` is a model's images/s over the first model's.
+- Peak memory: measured for each (model, mode) in a fresh child process that builds the model the same way and runs
+  warm-up steps, so no other model, allocator cache or earlier high-water mark is counted. On CUDA it is
+  ``torch.cuda.max_memory_allocated``; on CPU it is the peak resident set size minus the resident size after imports,
+  with freed memory handed back (``malloc_trim``) and the peak reset (``/proc/self/clear_refs``) first on Linux, else
+  the lifetime peak minus the peak after imports (freed memory often stays mapped and one process's peak cannot be
+  reset elsewhere, hence one process per measurement). Both include weights, gradients, optimizer state and
+  activations.
+- Work: params and forward GMACs per image from ``lipsformer.complexity`` (meta device). TFLOP/s counts 2 FLOPs per
+  MAC and, in train mode, 3x the forward MACs (forward + backward, the usual model-FLOPs convention: recomputation
+  by activation checkpointing is not useful work).
+"""
+import argparse
+import ast
+import concurrent.futures
+import ctypes
+import datetime
+import functools
+import importlib.util
+import json
+import multiprocessing
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.optim import create_optimizer_v2
+from torch import nn
+
+from lipsformer.complexity import build_model, model_complexity, resolve_model_names
+
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
+
+MODES = ('infer', 'train')
+PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+TRAIN_MACS_PER_FORWARD_MAC = 3  # forward + backward (grad of inputs and of weights)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to benchmark, parsed from ``name[key=value,...]`` or ``file:/path.py:factory[key=value,...]``."""
+
+    text: str
+    source: str  # timm name, or 'file:/path.py:factory'
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_file(self) -> bool:
+        return self.source.startswith('file:')
+
+    def factory(self) -> str | Callable[..., nn.Module]:
+        """The timm name, or the callable loaded from the file."""
+        if not self.is_file:
+            return self.source
+        path, name = self.source[len('file:'):].rsplit(':', 1)
+        return _load_factory(Path(path), name)
+
+
+@dataclass
+class BenchmarkConfig:
+    """Settings shared by every model of one benchmark run."""
+
+    batch_size: int = 64
+    img_size: int = 224
+    precision: str = 'fp32'
+    compile: bool = False
+    channels_last: bool = False
+    device: str = 'cpu'
+    warmup: int = 2
+    repeats: int = 5
+    steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
+    memory: bool = True
+    threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
+
+    def steps_per_run(self) -> int:
+        return self.steps or (10 if self.device.startswith('cuda') else 1)
+
+
+@functools.cache  # a file is imported once, however often its factory is asked for
+def _load_factory(path: Path, name: str) -> Callable[..., nn.Module]:
+    if not path.is_file():
+        raise ValueError(f'file {path} does not exist (model spec file:/path/to/module.py:factory_name)')
+    # Like running the file as a script: its own directory is importable, for its sibling modules.
+    sys.path.insert(0, str(path.resolve().parent))
+    module_spec = importlib.util.spec_from_file_location(f'_benchmarked_{path.stem}', path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        available = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith('_'))
+        raise ValueError(f'{path} has no callable {name!r}; callables there: {available}')
+    factory = getattr(module, name)
+    if not callable(factory):
+        raise TypeError(f'{path}: {name!r} is not callable ({type(factory).__name__}); name a function or class that '
+                        'returns an nn.Module')
+    return factory
+
+
+def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in re.split(r',(?![^()\[\]]*[)\]])', text))):
+        key, sep, value = item.partition('=')
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f'bad constructor argument {item!r} in {spec!r}; write name[key=value,key=value]')
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value.strip()  # a bare word such as a layer name
+    return kwargs
+
+
+def parse_model_specs(text: str) -> list[ModelSpec]:
+    """Parse the ``--models`` comma list (commas inside brackets belong to the constructor arguments).
+
+    Raises:
+        ValueError: a malformed spec, an unknown timm name (with close matches) or a duplicate.
+        TypeError: an ``img_size`` argument that is not one integer.
+    """
+    specs = []
+    for item in filter(None, (part.strip() for part in re.split(r',(?![^\[]*\])', text))):
+        match = re.fullmatch(r'([^\[\]]+?)(?:\[(.*)\])?', item)
+        if match is None:
+            raise ValueError(f'bad model spec {item!r}; write name, name[key=value,...] or file:/path.py:factory')
+        source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
+        if not isinstance(kwargs.get('img_size', 1), int):
+            raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
+        if source.startswith('file:'):
+            if source.count(':') < 2:
+                raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
+        elif any(char in source for char in '*?['):
+            raise ValueError(f'{item!r}: the benchmark takes exact model names, not patterns')
+        else:
+            resolve_model_names(source)  # raises with close matches if the name is unknown
+        specs.append(ModelSpec(item, source, kwargs))
+    if len({spec.text for spec in specs}) != len(specs):
+        raise ValueError(f'a model is listed twice in {text!r}')
+    if not specs:
+        raise ValueError('no model given')
+    return specs
+
+
+def _input_size(spec: ModelSpec, config: BenchmarkConfig) -> int:
+    return spec.kwargs.get('img_size', config.img_size)
+
+
+def _build(spec: ModelSpec, config: BenchmarkConfig) -> tuple[nn.Module, torch.Tensor]:
+    """Build the model and a fixed random input batch on the benchmark device."""
+    kwargs = {key: value for key, value in spec.kwargs.items() if key != 'img_size'}
+    img_size = _input_size(spec, config)
+    model = build_model(spec.factory(), img_size=img_size, device=config.device, **kwargs)
+    in_chans = kwargs.get('in_chans', (getattr(model, 'pretrained_cfg', None) or {}).get('input_size', (3,))[0])
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(config.batch_size, in_chans, img_size, img_size, generator=generator).to(config.device)
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return model, inputs
+
+
+def _count(spec: ModelSpec, model: nn.Module, config: BenchmarkConfig) -> dict:
+    """Params and GMACs on the meta device; on the built model if the factory cannot run on meta."""
+    kwargs = {key: value for key, value in spec.kwargs.items() if key != 'img_size'}
+    img_size = _input_size(spec, config)
+    try:
+        return model_complexity(spec.factory(), img_size=img_size, **kwargs)
+    except RuntimeError:
+        in_chans = {key: kwargs[key] for key in ('in_chans',) if key in kwargs}
+        return model_complexity(model, img_size=img_size, **in_chans)
+
+
+def _loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    if logits.ndim != 2:
+        return logits.float().square().mean()
+    if 'labels' not in targets:  # drawn once, when the number of classes is known
+        generator = torch.Generator().manual_seed(1)
+        targets['labels'] = torch.randint(logits.shape[1], (logits.shape[0],), generator=generator).to(logits.device)
+    return F.cross_entropy(logits.float(), targets['labels'])
+
+
+def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: BenchmarkConfig) -> Callable[[], None]:
+    """One inference forward, or one training step (forward, loss, backward, AdamW)."""
+    device_type = torch.device(config.device).type
+    dtype = PRECISIONS[config.precision]
+    runner = torch.compile(model) if config.compile else model
+
+    def autocast() -> torch.autocast:
+        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+
+    if mode == 'infer':
+        model.eval()
+
+        @torch.no_grad()
+        def infer_step() -> None:
+            with autocast():
+                runner(inputs)
+        return infer_step
+
+    model.train()
+    optimizer = create_optimizer_v2(model, opt='adamw', lr=1e-4, weight_decay=0.05)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    targets: dict[str, torch.Tensor] = {}
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = _loss(runner(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return train_step
+
+
+def _time_run(step: Callable[[], None], steps: int, device: str) -> float:
+    """Seconds taken by ``steps`` steps (CUDA events on GPU, so queued work is timed, not launches)."""
+    if torch.device(device).type == 'cuda':
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - begin
+
+
+def interleaved_order(num_models: int, repeats: int) -> list[list[int]]:
+    """Model indices per repeat: all models every repeat, reversed on odd repeats so a linear drift cancels too."""
+    forward = list(range(num_models))
+    return [forward if repeat % 2 == 0 else forward[::-1] for repeat in range(repeats)]
+
+
+def _max_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    scale = 1 if sys.platform == 'darwin' else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2 ** 20
+
+
+def _proc_status_mb(field: str) -> float:
+    for line in Path('/proc/self/status').read_text().splitlines():
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) / 1024  # kB
+    raise OSError(f'no {field} in /proc/self/status')
+
+
+def _reset_peak_rss() -> float | None:
+    """Make the process's peak resident size its current one (Linux >= 4.0); returns that size in MiB, or None.
+
+    Freed memory is first handed back to the system (glibc's malloc_trim), so that a model's allocations show up as
+    growth instead of reusing pages that imports had touched and freed.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path('/proc/self/clear_refs').write_text('5')
+        return _proc_status_mb('VmRSS')
+    except OSError:
+        return None
+
+
+def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
+    """Peak memory in MiB of warm-up steps of one model and mode; meant to run in a fresh process (see module doc)."""
+    benchmark_config = BenchmarkConfig(**config)
+    _set_threads(benchmark_config)
+    spec, = parse_model_specs(spec_text)
+    spec.factory()  # import the model's code before the baseline, like timm's and lipsformer's modules
+    cuda = torch.device(benchmark_config.device).type == 'cuda'
+    resident_mb = None if cuda else _reset_peak_rss()
+    baseline_mb = _max_rss_mb() if resident_mb is None and not cuda else resident_mb
+    model, inputs = _build(spec, benchmark_config)
+    step = _make_step(model, inputs, mode, benchmark_config)
+    for _ in range(max(2, benchmark_config.warmup)):  # the second train step is the first with optimizer state
+        step()
+    if cuda:
+        torch.cuda.synchronize(benchmark_config.device)
+        return torch.cuda.max_memory_allocated(benchmark_config.device) / 2 ** 20
+    peak_mb = _max_rss_mb() if resident_mb is None else _proc_status_mb('VmHWM')
+    return peak_mb - baseline_mb
+
+
+def _peak_memories(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> dict[tuple[str, str], float]:
+    context = multiprocessing.get_context('spawn')
+    memories = {}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
+        for mode in modes:
+            for spec in specs:
+                _log(f'peak memory: {spec.text} {mode} (fresh process)')
+                memories[spec.text, mode] = pool.submit(measure_peak_memory, spec.text, mode, asdict(config)).result()
+    return memories
+
+
+def _log(message: str) -> None:
+    print(f'[benchmark] {message}', file=sys.stderr, flush=True)
+
+
+def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: BenchmarkConfig,
+               names: list[str]) -> list[list[float]]:
+    """Seconds per timed run for every model, models interleaved within each repeat."""
+    steps = [_make_step(model, inputs, mode, config) for model, inputs in models]
+    for name, step in zip(names, steps):
+        _log(f'warm-up: {name} {mode}')
+        for _ in range(config.warmup):
+            step()
+    seconds: list[list[float]] = [[] for _ in models]
+    for repeat, order in enumerate(interleaved_order(len(models), config.repeats)):
+        _log(f'{mode}: repeat {repeat + 1}/{config.repeats}')
+        for index in order:
+            seconds[index].append(_time_run(steps[index], config.steps_per_run(), config.device))
+    for model, _ in models:
+        model.zero_grad(set_to_none=True)  # the optimizer and its state go with the step closures
+    return seconds
+
+
+def _result_row(spec: ModelSpec, mode: str, counts: dict, seconds: list[float], config: BenchmarkConfig) -> dict:
+    images = config.batch_size * config.steps_per_run()
+    samples = [images / run for run in seconds]
+    images_per_s = statistics.median(samples)
+    macs_per_image = counts['gmacs'] * (TRAIN_MACS_PER_FORWARD_MAC if mode == 'train' else 1)
+    return {
+        'model': spec.text,
+        'mode': mode,
+        'input_size': list(counts['input_size']),
+        'batch_size': config.batch_size,
+        'params': counts['params'],
+        'gmacs': counts['gmacs'],
+        'images_per_s': images_per_s,
+        'images_per_s_samples': samples,
+        'ms_per_step': 1e3 * config.batch_size / images_per_s,
+        'tflops': 2 * macs_per_image * images_per_s / 1e3,
+    }
+
+
+def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> dict:
+    """Benchmark every model in every mode; returns the JSON-ready report (``config``, ``environment``,
+    ``results``: one row per model and mode, ratios relative to the first model)."""
+    specs = parse_model_specs(models) if isinstance(models, str) else models
+    _set_threads(config)
+    load_at_start = _load_average()
+    if invalid := set(modes) - set(MODES):
+        raise ValueError(f'unknown mode(s) {sorted(invalid)}; choose from {MODES}')
+    memories = _peak_memories(specs, modes, config) if config.memory else {}
+    built, counts = [], []
+    for spec in specs:
+        _log(f'building {spec.text}')
+        model, inputs = _build(spec, config)
+        counts.append(_count(spec, model, config))
+        built.append((model, inputs))
+    results = []
+    for mode in modes:
+        seconds = _time_mode(built, mode, config, [spec.text for spec in specs])
+        rows = [_result_row(spec, mode, count, run_seconds, config)
+                for spec, count, run_seconds in zip(specs, counts, seconds)]
+        for row in rows:
+            row['ratio'] = row['images_per_s'] / rows[0]['images_per_s']
+            row['peak_memory_mb'] = memories.get((row['model'], mode))
+            first_memory = memories.get((rows[0]['model'], mode))
+            # A model too small to move the resident size has no meaningful ratio (and no zero division).
+            row['memory_ratio'] = row['peak_memory_mb'] / first_memory if config.memory and first_memory else None
+        results += rows
+    return {'config': asdict(config) | {'steps': config.steps_per_run(), 'modes': list(modes),
+                                         'models': [spec.text for spec in specs]},
+            'environment': environment(config.device) | {'load_average_start': load_at_start},
+            'results': results}
+
+
+def _set_threads(config: BenchmarkConfig) -> None:
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+
+
+def _load_average() -> list[float] | None:
+    # Recorded with each report: on a shared machine, other jobs' load is the main source of noise.
+    return [round(value, 2) for value in os.getloadavg()] if hasattr(os, 'getloadavg') else None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path('/proc/cpuinfo').read_text().splitlines():
+            if line.startswith('model name'):
+                return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str) -> dict:
+    """Versions and machine, recorded with every report."""
+    info = {
+        'python': platform.python_version(), 'torch': torch.__version__, 'timm': timm.__version__,
+        'platform': platform.platform(), 'cpu': _cpu_name(), 'cpu_count': os.cpu_count(),
+        'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
+        'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',
+        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+    }
+    if device.startswith('cuda'):
+        info['gpu'] = torch.cuda.get_device_name(device)
+        info['cuda'] = torch.version.cuda
+    return info
+
+
+def format_table(report: dict, markdown: bool = False) -> str:
+    """The report's results as an aligned text table (or Markdown)."""
+    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'peak MiB', 'mem ratio', 'params (M)', 'GMACs', 'TFLOP/s']
+
+    def optional(value: float | None, digits: int) -> str:
+        return '-' if value is None else f'{value:.{digits}f}'
+
+    lines = [[row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}',
+              f'{row["ms_per_step"]:.1f}', optional(row['peak_memory_mb'], 0), optional(row['memory_ratio'], 3),
+              f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}']
+             for row in report['results']]
+    if markdown:
+        return '\n'.join(['| ' + ' | '.join(header) + ' |', '|---|---|' + '---:|' * (len(header) - 2)] +
+                         ['| ' + ' | '.join(line) + ' |' for line in lines])
+    widths = [max(len(line[col]) for line in [header] + lines) for col in range(len(header))]
+    return '\n'.join('  '.join(cell.ljust(width) if col < 2 else cell.rjust(width)
+                               for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
+
+
+def _write_json(report: dict, path: Path) -> None:
+    # Written beside the target and renamed, so an interrupted run never leaves a truncated report.
+    temporary = path.with_name(f'.{path.name}.tmp')
+    temporary.write_text(json.dumps(report, indent=2) + '\n')
+    temporary.replace(path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description='Images/s, peak memory, params, GMACs and TFLOP/s of timm models (lipsformer included), '
+                    'models interleaved so that ratios to the first model cancel machine drift.')
+    parser.add_argument('--models', required=True,
+                        help='comma list: timm names, name[key=value,...] constructor arguments '
+                             '(img_size there sets that model\'s input), or file:/path/module.py:factory[...]')
+    parser.add_argument('--mode', default='infer,train', help='comma list of infer, train (default: both)')
+    parser.add_argument('--batch-size', type=int, default=64)
+    parser.add_argument('--img-size', type=int, default=224, help='input height and width')
+    parser.add_argument('--precision', choices=sorted(PRECISIONS), default='fp32',
+                        help='fp32, or autocast to bf16 / fp16 (fp16 training uses a GradScaler)')
+    parser.add_argument('--compile', action='store_true', help='torch.compile every model (warm-up compiles)')
+    parser.add_argument('--channels-last', action='store_true', help='channels-last model and input')
+    parser.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
+    parser.add_argument('--json', type=Path, help='write the full report (every timed sample included) here')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed steps per model and mode')
+    parser.add_argument('--repeats', type=int, default=5, help='timed runs per model and mode (median reported)')
+    parser.add_argument('--steps', type=int, default=None, help='steps per timed run (default: 1 on CPU, 10 on CUDA)')
+    parser.add_argument('--threads', type=int, default=None,
+                        help="torch threads on CPU (default: torch's, one per core); 1 is the least disturbed by "
+                             'other jobs on a shared machine')
+    parser.add_argument('--no-memory', dest='memory', action='store_false',
+                        help='skip the peak-memory child processes')
+    parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:
+    for name in ('batch_size', 'img_size', 'repeats', 'steps', 'threads'):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
+    if args.warmup < 0:
+        parser.error(f'--warmup must be 0 or more, got {args.warmup}')
+    if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device):
+        parser.error(f'--device must be cpu, cuda or cuda:N, got {args.device}')
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        parser.error(f'--device {args.device}: CUDA is not available on this machine; use --device cpu')
+    return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
+                           compile=args.compile, channels_last=args.channels_last, device=args.device,
+                           warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,
+                           threads=args.threads)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    config = _config_from_args(args, parser)
+    modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
+    try:
+        specs = parse_model_specs(args.models)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    report = run_benchmark(specs, modes, config)
+    report['command'] = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
+    print(format_table(report, markdown=args.markdown))
+    if args.json is not None:
+        _write_json(report, args.json)
+        _log(f'wrote {args.json}')
+    return report
+
+
+if __name__ == '__main__':
+    # Run through the package module so the memory child processes can import the same functions by name.
+    from lipsformer.benchmark import main as package_main
+    package_main()

@@ -1,0 +1,188 @@
+"""The benchmark harness (lipsformer.benchmark) on tiny timm models: report schema, ratios, counts, memory, CLI."""
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lipsformer.benchmark import (
+    BenchmarkConfig,
+    ModelSpec,
+    _build,
+    _make_step,
+    interleaved_order,
+    main,
+    parse_model_specs,
+    run_benchmark,
+)
+from lipsformer.complexity import model_complexity
+
+MODELS = ['resnet10t', 'test_vit']  # the first has weights big enough (20 MB) to move the resident size
+CONFIG = BenchmarkConfig(batch_size=2, img_size=32, warmup=1, repeats=3, memory=True)
+
+
+@pytest.fixture(scope='module')
+def report():
+    return run_benchmark(','.join(MODELS), ['infer', 'train'], CONFIG)
+
+
+def test_report_schema(report):
+    assert report['config']['models'] == MODELS and report['config']['modes'] == ['infer', 'train']
+    assert report['config']['steps'] == 1 and report['config']['batch_size'] == 2
+    assert {'torch', 'timm', 'cpu', 'torch_threads', 'memory_metric', 'load_average_start', 'load_average_end'} <= set(
+        report['environment'])
+    assert [(row['model'], row['mode']) for row in report['results']] == [
+        (model, mode) for mode in ('infer', 'train') for model in MODELS]
+    for row in report['results']:
+        assert row['input_size'] == [3, 32, 32] and row['batch_size'] == 2
+        assert len(row['images_per_s_samples']) == CONFIG.repeats
+        assert all(value > 0 for value in row['images_per_s_samples'])
+        assert row['images_per_s'] == statistics.median(row['images_per_s_samples'])
+        assert row['ms_per_step'] == pytest.approx(1e3 * 2 / row['images_per_s'])
+    json.dumps(report)  # JSON-ready as it is
+
+
+def test_ratios_are_quotients_of_the_reported_throughput(report):
+    for mode in ('infer', 'train'):
+        first, *others = [row for row in report['results'] if row['mode'] == mode]
+        assert first['ratio'] == 1.0 and first['memory_ratio'] == 1.0
+        for row in others:
+            assert row['ratio'] == pytest.approx(row['images_per_s'] / first['images_per_s'], rel=1e-12)
+            assert row['memory_ratio'] == pytest.approx(row['peak_memory_mb'] / first['peak_memory_mb'], rel=1e-12)
+
+
+def test_counts_and_tflops_come_from_complexity(report):
+    for row in report['results']:
+        counts = model_complexity(row['model'], img_size=32)
+        assert row['params'] == counts['params'] and row['gmacs'] == counts['gmacs']
+        work = 3 if row['mode'] == 'train' else 1  # backward costs twice the forward
+        assert row['tflops'] == pytest.approx(2 * work * counts['gmacs'] * row['images_per_s'] / 1e3)
+
+
+def test_peak_memory_holds_weights_gradients_and_adam_state(report):
+    rows = {(row['model'], row['mode']): row for row in report['results']}
+    params = rows['resnet10t', 'train']['params']
+    mib = 2 ** 20
+    # fp32 training keeps weights, gradients and AdamW's two moments: 16 bytes per parameter at least.
+    assert rows['resnet10t', 'train']['peak_memory_mb'] >= 16 * params / mib
+    assert rows['resnet10t', 'infer']['peak_memory_mb'] >= 4 * params / mib
+    assert rows['resnet10t', 'train']['peak_memory_mb'] > rows['resnet10t', 'infer']['peak_memory_mb']
+
+
+def test_models_are_interleaved_and_alternate_direction():
+    order = interleaved_order(3, 4)
+    assert order == [[0, 1, 2], [2, 1, 0], [0, 1, 2], [2, 1, 0]]
+
+
+def test_train_step_updates_weights_and_infer_step_does_not():
+    config = BenchmarkConfig(batch_size=2, img_size=32)
+    model, inputs = _build(ModelSpec('test_vit', 'test_vit'), config)
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    _make_step(model, inputs, 'infer', config)()
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+    _make_step(model, inputs, 'train', config)()
+    assert model.training and all(parameter.grad is not None for parameter in model.parameters())
+    assert sum(not torch.equal(old, new) for old, new in zip(before, model.parameters())) == len(before)
+
+
+@pytest.mark.parametrize('precision', ['bf16', 'fp16'])
+def test_reduced_precision_autocasts_the_forward(precision):
+    config = BenchmarkConfig(batch_size=2, img_size=32, precision=precision, channels_last=True)
+    model, inputs = _build(ModelSpec('resnet10t', 'resnet10t'), config)
+    assert inputs.is_contiguous(memory_format=torch.channels_last)
+    dtypes = []
+    model.fc.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    for mode in ('infer', 'train'):
+        _make_step(model, inputs, mode, config)()
+    assert dtypes == [{'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]] * 2
+    assert all(parameter.dtype == torch.float32 for parameter in model.parameters())  # master weights stay fp32
+
+
+def test_model_specs_parse_constructor_arguments_and_files():
+    specs = parse_model_specs('test_vit[img_size=64,depth=(1, 2)], resnet10t,file:/x/m.py:make[width=8,act=gelu]')
+    assert [spec.source for spec in specs] == ['test_vit', 'resnet10t', 'file:/x/m.py:make']
+    assert specs[0].kwargs == {'img_size': 64, 'depth': (1, 2)} and specs[1].kwargs == {}
+    assert specs[2].kwargs == {'width': 8, 'act': 'gelu'} and specs[2].is_file
+
+
+@pytest.mark.parametrize('text, message', [
+    ('swin_tiny_patch4_window7_2244', 'no timm model matches'),
+    ('swin_tiny*', 'exact model names'),
+    ('test_vit[img_size]', 'key=value'),
+    ('file:/x/m.py', 'file:/path/to/module.py:factory_name'),
+    ('test_vit,test_vit', 'listed twice'),
+    (' , ', 'no model given'),
+])
+def test_bad_model_specs_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_model_specs(text)
+
+
+def test_img_size_argument_must_be_one_integer():
+    with pytest.raises(TypeError, match='one integer'):
+        parse_model_specs('test_vit[img_size=(64, 32)]')
+
+
+def test_missing_file_or_factory_is_reported(tmp_path):
+    (tmp_path / 'models.py').write_text('WIDTH = 8\n\n\ndef make():\n    pass\n')
+    with pytest.raises(ValueError, match='does not exist'):
+        parse_model_specs(f'file:{tmp_path}/absent.py:make')[0].factory()
+    with pytest.raises(ValueError, match=r"no callable 'build'.*\['make'\]"):
+        parse_model_specs(f'file:{tmp_path}/models.py:build')[0].factory()
+    with pytest.raises(TypeError, match=r"'WIDTH' is not callable \(int\)"):
+        parse_model_specs(f'file:{tmp_path}/models.py:WIDTH')[0].factory()
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--models', 'resnet10', '--mode', 'infer'], 'did you mean'),
+    (['--models', 'resnet10t', '--mode', 'infer,eval'], '--mode must be'),
+    (['--models', 'resnet10t', '--batch-size', '0'], '--batch-size must be at least 1'),
+    (['--models', 'resnet10t', '--device', 'tpu'], '--device must be'),
+    (['--models', 'resnet10t', '--threads', '0'], '--threads must be at least 1'),
+])
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_end_to_end_with_a_model_outside_timm(tmp_path):
+    # A factory that calls .item() while building cannot run on the meta device: its counts come from the built model.
+    (tmp_path / 'outside.py').write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        def tiny_cnn(width=8, num_classes=10):
+            width = int(torch.tensor(width).item())
+            return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                 nn.Flatten(), nn.Linear(width, num_classes))
+    '''))
+    out = tmp_path / 'report.json'
+    models = f'test_vit[img_size=64],file:{tmp_path}/outside.py:tiny_cnn[width=16]'
+    completed = subprocess.run(
+        [sys.executable, '-m', 'lipsformer.benchmark', '--models', models, '--mode', 'infer,train', '--batch-size', '2',
+         '--img-size', '32', '--warmup', '1', '--repeats', '2', '--threads', '1', '--no-memory', '--json', str(out)],
+        check=True, capture_output=True, text=True)
+    assert completed.stdout.splitlines()[0].split()[:4] == ['model', 'mode', 'img/s', 'ratio']
+    saved = json.loads(out.read_text())
+    assert saved['command'].startswith('python -m lipsformer.benchmark --models')
+    assert saved['environment']['torch_threads'] == 1 and saved['config']['threads'] == 1
+    vit, cnn = saved['results'][:2]
+    assert vit['input_size'] == [3, 64, 64] and cnn['input_size'] == [3, 32, 32]
+    assert cnn['params'] == (3 * 9 * 16 + 16) + (16 * 10 + 10)
+    assert cnn['gmacs'] * 1e9 == pytest.approx(32 * 32 * 16 * 27 + 16 * 10)
+    assert cnn['peak_memory_mb'] is None and cnn['memory_ratio'] is None
+    assert len(completed.stdout.strip().splitlines()) == 1 + 4
+
+
+def test_memory_ratio_is_none_when_the_first_model_moved_no_memory(monkeypatch):
+    import lipsformer.benchmark as benchmark
+    monkeypatch.setattr(benchmark, '_peak_memories', lambda specs, modes, config: {
+        (spec.text, mode): value for spec, value in zip(specs, (0.0, 12.0)) for mode in modes})
+    config = BenchmarkConfig(batch_size=2, img_size=32, warmup=0, repeats=1)
+    rows = run_benchmark('test_vit,resnet10t', ['infer'], config)['results']
+    assert [row['peak_memory_mb'] for row in rows] == [0.0, 12.0]
+    assert [row['memory_ratio'] for row in rows] == [None, None]
