@@ -1,0 +1,1 @@
+"""Experiments that reproduce the paper's claims in miniature (``python -m lipsformer.experiments.<name>``)."""

@@ -1,0 +1,69 @@
+"""The arms of the stability experiment: full LipsFormer, one Lipschitz component swapped at a time, all swapped.
+
+Every arm is the same small, deep LipsFormer-CSwin; only the options below differ. The standard counterpart of each
+component: LayerNorm for CenterNorm, dot-product attention for scaled cosine similarity attention (SCSA), truncated
+normal for spectral init, a plain residual (alpha fixed at 1) for the learnable weighted residual, and no conv
+shortcuts (Table 3's configuration A) for configuration D.
+"""
+from dataclasses import dataclass
+from typing import Any, Dict, Sequence
+
+from ...models.lipsformer_cswin import LipsFormerCSwin
+
+__all__ = ['ARMS', 'Arm', 'ModelShape', 'build_model']
+
+# The authors' LipsFormer-CSwin choices.
+LIPSFORMER = dict(norm_layer='center', attn_type='scsa', tau=12.0, weight_init='spectral', alpha_init=0.2,
+                  alpha_learnable=True, conv_config='D', norm_position='post')
+# Every Lipschitz component replaced by its standard counterpart.
+STANDARD = dict(LIPSFORMER, norm_layer='layer', attn_type='dot', weight_init='trunc_normal', alpha_init=1.0,
+                alpha_learnable=False, conv_config='A')
+PLAIN_RESIDUAL = dict(alpha_init=1.0, alpha_learnable=False)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: the model options that differ from the shared shape, and the warmup in epochs."""
+    name: str
+    description: str
+    model_options: Dict[str, Any]
+    warmup_epochs: int = 0
+
+
+ARMS = {arm.name: arm for arm in (
+    Arm('lipsformer', 'full LipsFormer (CenterNorm, SCSA tau 12, spectral init, alpha 0.2 learnable, conv D)',
+        LIPSFORMER),
+    Arm('layernorm', 'LayerNorm instead of CenterNorm', dict(LIPSFORMER, norm_layer='layer')),
+    Arm('dot_product', 'dot-product attention instead of SCSA', dict(LIPSFORMER, attn_type='dot')),
+    Arm('trunc_normal_init', 'truncated-normal instead of spectral init', dict(LIPSFORMER, weight_init='trunc_normal')),
+    Arm('alpha_fixed_1', 'plain residual (alpha fixed at 1) instead of the weighted residual',
+        dict(LIPSFORMER, **PLAIN_RESIDUAL)),
+    Arm('no_conv_shortcuts', 'no conv shortcuts (configuration A) instead of D', dict(LIPSFORMER, conv_config='A')),
+    Arm('post_norm_transformer', 'all swapped: standard post-norm Transformer', STANDARD),
+    Arm('pre_norm_transformer', 'all swapped: standard pre-norm Transformer', dict(STANDARD, norm_position='pre')),
+    Arm('lipsformer_warmup', 'full LipsFormer with 5 epochs of linear warmup', LIPSFORMER, warmup_epochs=5),
+)}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture every arm shares: a LipsFormer-CSwin on 32x32 one-channel images, ten classes.
+
+    At 32x32 with patch 4 the stages see 8x8, 4x4, 2x2 and 1x1 token maps; stripes of width (1, 2) in the first two
+    stages and whole-map attention in the last two (a 2x2 stripe covers the 2x2 map).
+    """
+    embed_dim: int = 16
+    depths: Sequence[int] = (1, 2, 21, 1)
+    num_heads: Sequence[int] = (2, 2, 4, 8)
+    split_size: Sequence[int] = (1, 2, 2, 1)
+    img_size: int = 32
+
+    def options(self) -> Dict[str, Any]:
+        return dict(img_size=self.img_size, in_chans=1, num_classes=10, embed_dim=self.embed_dim,
+                    depths=tuple(self.depths), num_heads=tuple(self.num_heads), split_size=tuple(self.split_size),
+                    drop_path_rate=0.0)
+
+
+def build_model(arm: Arm, shape: ModelShape) -> LipsFormerCSwin:
+    """The arm's model with the shared shape (no drop path: the runs are short)."""
+    return LipsFormerCSwin(**shape.options(), **arm.model_options)

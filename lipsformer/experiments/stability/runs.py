@@ -1,0 +1,132 @@
+"""The files of one run (``OUT/<arm>/lr<lr>/seed<seed>/``) and the lock that lets concurrent runners share a grid.
+
+- ``lock``: created exclusively by the runner that claims the run, holding its pid; a lock whose pid is dead is
+  stale and taken over.
+- ``config.json``: the run's settings; resuming with different settings is refused.
+- ``steps.jsonl``: one JSON record per optimizer step, appended every log interval.
+- ``checkpoint.pt``: model, optimizer, scheduler, RNG and step, replaced atomically; deleted when the run finishes.
+- ``result.json``: written atomically last; its presence means the run is done.
+"""
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List
+
+__all__ = ['RunFiles', 'claim', 'read_json', 'release', 'run_dir', 'write_json_atomically']
+
+
+def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
+    return Path(out) / arm / f'lr{lr:g}' / f'seed{seed}'
+
+
+def write_json_atomically(path: Path, data: Dict[str, Any]) -> None:
+    tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}')
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + '\n')
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _create_lock(lock: Path) -> bool:
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, 'w') as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def claim(directory: Path) -> bool:
+    """Take the run's lock; False if a live process holds it.
+
+    A stale lock (its pid dead, or unreadable) is first renamed to a name of this process's own, which only one
+    claimant can do; if what was renamed turns out not to be the stale lock read before (another runner took it
+    over in between), it is put back.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / 'lock'
+    if _create_lock(lock):
+        return True
+    try:
+        holder = lock.read_text()
+    except FileNotFoundError:  # released in between
+        return _create_lock(lock)
+    if holder.isdigit() and _pid_alive(int(holder)):
+        return False
+    private = directory / f'lock.stale-{os.getpid()}'
+    try:
+        os.rename(lock, private)
+    except FileNotFoundError:  # another runner took it over first
+        return False
+    if private.read_text() != holder:
+        try:
+            os.link(private, lock)
+        except FileExistsError:
+            pass
+        private.unlink()
+        return False
+    private.unlink()
+    return _create_lock(lock)
+
+
+def release(directory: Path) -> None:
+    """Remove the run's lock if this process holds it."""
+    lock = directory / 'lock'
+    try:
+        if lock.read_text() == str(os.getpid()):
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class RunFiles:
+    """Paths of one run's files and the reading and writing of its step records."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.config = self.directory / 'config.json'
+        self.steps = self.directory / 'steps.jsonl'
+        self.checkpoint = self.directory / 'checkpoint.pt'
+        self.result = self.directory / 'result.json'
+
+    def done(self) -> bool:
+        return self.result.exists()
+
+    def append_steps(self, records: List[Dict[str, Any]]) -> None:
+        with open(self.steps, 'a') as f:
+            f.writelines(json.dumps(r) + '\n' for r in records)
+
+    def read_steps(self) -> List[Dict[str, Any]]:
+        if not self.steps.exists():
+            return []
+        return [json.loads(line) for line in self.steps.read_text().splitlines() if line.strip()]
+
+    def truncate_steps(self, last_step: int) -> None:
+        """Keep the records of steps up to ``last_step`` (those a checkpoint covers); drop a torn last line too."""
+        if not self.steps.exists():
+            return
+        kept = []
+        for line in self.steps.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if record['step'] > last_step:
+                break
+            kept.append(line + '\n')
+        tmp = self.steps.with_name(f'{self.steps.name}.tmp-{os.getpid()}')
+        tmp.write_text(''.join(kept))
+        os.replace(tmp, self.steps)
