@@ -21,14 +21,7 @@ from lipsformer.layers import (
 from lipsformer.lipschitz import jacobian_norm_ascent, kim_c, kim_mha_bound_2, kim_mha_bound_inf, scsa_head_bound
 from lipsformer.lipschitz.theorems import DASOULAS_SELF_ATTENTION
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Thousands of tiny float64 ops: on a shared CPU one thread is several times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def _sigma(matrix: torch.Tensor) -> float:

@@ -47,7 +47,8 @@ TINY_NET_PARAMS = (16 * 9 + 16) + (16 * 32 + 32) + (32 * 96 + 96) + (32 * 32 + 3
 @pytest.mark.parametrize('device', ['meta', 'cpu'])
 @pytest.mark.parametrize('fused', [True, False])
 def test_hand_counted_conv_linear_attention(device, fused):
-    info = model_complexity(functools.partial(TinyNet, fused=fused), img_size=4, batch_size=3, device=device, in_chans=16)
+    info = model_complexity(functools.partial(TinyNet, fused=fused), img_size=4, batch_size=3, device=device,
+                            in_chans=16)
     assert info['macs'] == TINY_NET_MACS
     assert info['gmacs'] == pytest.approx(TINY_NET_MACS / 1e9)
     assert info['gflops'] == pytest.approx(2 * TINY_NET_MACS / 1e9)

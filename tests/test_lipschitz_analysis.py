@@ -28,14 +28,7 @@ from lipsformer.lipschitz.cli import main
 from lipsformer.lipschitz.empirical import capture_inputs, explicit_attention, frozen
 from lipsformer.lipschitz.norms import conv_overlap_factor
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Many small ops: on a shared CPU one thread is several times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def _sigma(matrix: torch.Tensor) -> float:

@@ -17,14 +17,7 @@ from lipsformer.lipschitz.structure import describe
 from lipsformer.training.config_schema import LipschitzConfig
 from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Many small ops: on a shared CPU one thread is several times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def _model(**kwargs):

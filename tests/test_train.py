@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
-from training_support import TINY_MODEL, make_image_folder, make_webdataset, single_thread, tiny_overrides
+from training_support import TINY_MODEL, make_webdataset, tiny_overrides
 
 import lipsformer  # noqa: F401
 from lipsformer.checkpoint import CheckpointError
@@ -16,23 +16,14 @@ from lipsformer.checkpoint import load_file as load_file_any
 from lipsformer.training import ConfigError, load_config, train
 from lipsformer.training.checkpoints import list_checkpoints
 
+pytestmark = pytest.mark.usefixtures('one_thread')
+
 # 4 classes x 12 training images, batch 8: 6 updates per epoch; 24 validation images.
 TRAIN_IMAGES, VAL_IMAGES, UPDATES_PER_EPOCH = 48, 24, 6
 # No random augmentation or stochastic depth: the order of batches alone decides the final weights.
 DETERMINISTIC = {'augment.reprob': 0.0, 'augment.scale': '[1.0, 1.0]', 'augment.ratio': '[1.0, 1.0]',
                  'augment.hflip': 0.0, 'augment.color_jitter': 0.0, 'augment.mixup': 0.0, 'augment.cutmix': 0.0,
                  'model.drop_path_rate': 0.0}
-
-
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    return make_image_folder(str(tmp_path_factory.mktemp('images')))
 
 
 def run(data_dir: str, run_dir: str, resume: str | None = None, **extra) -> dict:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_support import make_image_folder, subprocess_env, tiny_overrides
+from training_support import subprocess_env, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VAL_IMAGES = 24
@@ -38,11 +38,6 @@ def launch(tmp_path, run_dir: str, *args: str, env: dict[str, str] | None = None
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    return make_image_folder(str(tmp_path_factory.mktemp('images')))
 
 
 @pytest.fixture(scope='module')

@@ -10,25 +10,16 @@ import time
 
 import pytest
 import torch
-from training_support import NAN_AT_CALLS, make_image_folder, single_thread, subprocess_env, tiny_overrides
+from training_support import NAN_AT_CALLS, make_image_folder, subprocess_env, tiny_overrides
 
 from lipsformer.checkpoint import load_file
 from lipsformer.training import NonFiniteLossError, load_config, train
 from lipsformer.training.checkpoints import latest_checkpoint, list_checkpoints, read_meta
 
+pytestmark = pytest.mark.usefixtures('one_thread')
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPDATES_PER_EPOCH, VAL_IMAGES = 6, 24
-
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    with single_thread():
-        yield
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    return make_image_folder(str(tmp_path_factory.mktemp('images')))
-
 
 def _probe_overrides(data_dir: str, **extra) -> list[str]:
     return tiny_overrides(data_dir, **{'model.name': 'nan_probe_net', 'model.kwargs': '{}',

@@ -8,7 +8,6 @@ import timm
 import torch
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from training_support import single_thread
 
 import lipsformer  # noqa: F401
 from lipsformer.training import load_config
@@ -22,13 +21,9 @@ from lipsformer.training.optim import (
     lr_scale,
 )
 
+pytestmark = pytest.mark.usefixtures('one_thread')
+
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
-
-
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    with single_thread():
-        yield
 
 
 TINY_KWARGS = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 2, 2], num_classes=10, img_size=32)

@@ -27,19 +27,12 @@ from lipsformer.checkpoint import load_model_weights
 from lipsformer.evaluation import imagenet_synsets, load_real_labels
 from lipsformer.evaluation.cli import main
 
+pytestmark = pytest.mark.usefixtures('one_thread')
+
 NUM_IMAGES = 24
 # test_vit's pretrained cfg at --img-size 32: what validate.py must default to.
 VIT_DATA_CONFIG = dict(input_size=(3, 32, 32), interpolation='bicubic', mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
                        crop_pct=0.95, crop_mode='center')
-
-
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU their spin-waits cost up to 30x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_main(argv: list[str]) -> int:
