@@ -8,6 +8,7 @@ from lipsformer.layers import (
     CenterNorm,
     ConvShortcut,
     DotProductAttention,
+    ResidualDropPath,
     ScaledCosineAttention,
     ScaledOutputMlp,
     ScaleLayer,
@@ -185,6 +186,35 @@ def test_alpha_folded_into_the_last_linear_equals_scaling_its_output():
     no_bias = nn.Linear(8, 3, bias=False)
     torch.testing.assert_close(scaled_linear(x, no_bias.weight, None, alpha[:3]), no_bias(x) * alpha[:3])
     assert torch.equal(scaled_linear(x, no_bias.weight, None), no_bias(x))
+
+
+@pytest.mark.parametrize('drop_prob', [0.0, 0.5])
+@pytest.mark.parametrize('training', [True, False])
+@pytest.mark.parametrize('with_scale', [True, False])
+def test_residual_drop_path_equals_timm_drop_path_of_the_scaled_branch(drop_prob, training, with_scale):
+    """ResidualDropPath.residual(x, y, alpha) == x + timm DropPath(y * alpha) with the same seed: the same samples
+    dropped, kept ones rescaled by 1 / keep_prob, and the same values and gradients."""
+    from timm.layers import DropPath
+    x = torch.randn(6, 3, 4, 8, requires_grad=True)
+    branch = torch.randn(6, 3, 4, 8, requires_grad=True)
+    alpha = nn.Parameter(torch.rand(8) + 0.1) if with_scale else None
+    fused_module, plain_module = ResidualDropPath(drop_prob).train(training), DropPath(drop_prob).train(training)
+    inputs = [x, branch] + ([alpha] if with_scale else [])
+    torch.manual_seed(3)
+    fused = fused_module.residual(x, branch, alpha)
+    grads_fused = torch.autograd.grad(fused.square().sum(), inputs)
+    torch.manual_seed(3)
+    plain = x + plain_module(branch * alpha if with_scale else branch)
+    grads_plain = torch.autograd.grad(plain.square().sum(), inputs)
+    torch.testing.assert_close(fused, plain)
+    for got, expected in zip(grads_fused, grads_plain, strict=True):
+        torch.testing.assert_close(got, expected)
+    if training and drop_prob > 0.0:  # with seed 3 some of the 6 samples are dropped and some kept
+        dropped = (fused - x).flatten(1).abs().amax(1) == 0
+        assert 0 < dropped.sum() < 6
+        kept_sample = int((~dropped).nonzero()[0])
+        expected_kept = branch[kept_sample] * (alpha if with_scale else 1.0) / (1.0 - drop_prob)
+        torch.testing.assert_close(fused[kept_sample] - x[kept_sample], expected_kept)
 
 
 def test_l2_normalize_equals_f_normalize_with_its_eps_floor():

@@ -62,8 +62,7 @@ def test_defaults_reproduce_the_authors_architecture():
     assert all(m.tau_init == 10.0 and not m.v_norm for m in swin.modules() if isinstance(m, ScaledCosineAttention))
     assert all(b.attn.shift_size == (0, 0) for s in swin.stages for b in s.blocks)
     assert [s.blocks[0].attn.window_size for s in swin.stages] == [(7, 7)] * 4
-    rates = [b.drop_path1.drop_prob if hasattr(b.drop_path1, 'drop_prob') else 0.0
-             for s in swin.stages for b in s.blocks]
+    rates = [b.drop_path1.drop_prob for s in swin.stages for b in s.blocks]
     assert rates == pytest.approx(torch.linspace(0, 0.2, 12).tolist())
 
     cswin = timm.create_model('lipsformer_cswin_tiny')

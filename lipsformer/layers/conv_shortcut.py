@@ -15,9 +15,8 @@ kernel; at most sqrt(49) times the norm of the (C, 49) reshaped weight that spec
 """
 import torch
 import torch.nn as nn
-from timm.layers import DropPath
 
-from .weighted_residual import ScaleLayer
+from .weighted_residual import ResidualDropPath, ScaleLayer
 
 __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
 
@@ -44,14 +43,15 @@ class ConvShortcut(nn.Module):
         self.pw = nn.Conv2d(dim, dim, 1) if pointwise else None
         self.act2 = act_layer() if pointwise else nn.Identity()
         self.alpha = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
-        self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.drop_path = ResidualDropPath(drop_path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A permuted NHWC tensor is an NCHW tensor in channels-last memory: the convs run without layout copies.
         y = self.act1(self.dw(x.permute(0, 3, 1, 2)))
         if self.pw is not None:
             y = self.act2(self.pw(y))
-        return x + self.drop_path(self.alpha(y.permute(0, 2, 3, 1)))
+        # alpha, the drop-path mask and the sum in one multiply-add (ResidualDropPath).
+        return self.drop_path.residual(x, y.permute(0, 2, 3, 1), self.alpha.gamma)
 
 
 def create_conv_shortcuts(dim: int, conv_config: str, alpha_init: float, drop_path: float,

@@ -13,16 +13,17 @@ path each factor is 1 with probability p (Appendix J; timm's DropPath rescales k
 Where f ends in a linear layer (attention's output projection, the MLP's fc2), alpha is folded into that layer's
 weight and bias (:func:`scaled_linear`): the same function, but the per-channel multiply then costs a (C, C_in)
 weight product instead of a full (B, L, C) activation product, forward and backward, and the activation it would
-keep for alpha's gradient is not stored.
+keep for alpha's gradient is not stored. Elsewhere (the conv shortcuts, which end in a GELU) alpha, the drop-path
+mask and the sum are one ``addcmul`` (:class:`ResidualDropPath`) instead of three passes over the activations.
 """
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp
+from timm.layers import DropPath, Mlp
 
-__all__ = ['ScaleLayer', 'ScaledOutputMlp', 'scaled_linear']
+__all__ = ['ResidualDropPath', 'ScaleLayer', 'ScaledOutputMlp', 'scaled_linear']
 
 
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -71,3 +72,24 @@ class ScaleLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f'{self.gamma.shape[0]}, init_value={self.init_value}, learnable={isinstance(self.gamma, nn.Parameter)}'
+
+
+class ResidualDropPath(DropPath):
+    """timm's DropPath that also adds the residual: ``x + DropPath(scale (.) branch)`` as one fused multiply-add.
+
+    The per-sample keep mask (drawn exactly as timm's ``drop_path`` draws it, so the same seed drops the same samples)
+    and the per-channel scale are multiplied into one small (B, 1, ..., C) factor, and ``torch.addcmul`` applies it
+    and the sum in one pass over the activations, forward and backward. Called as a module it is plain DropPath.
+    """
+
+    def residual(self, x: torch.Tensor, branch: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x + DropPath(branch * scale)``; ``scale=None``: no scale."""
+        if self.training and self.drop_prob > 0.0:
+            keep_prob = 1.0 - self.drop_prob
+            keep = branch.new_empty([branch.shape[0]] + [1] * (branch.dim() - 1)).bernoulli_(keep_prob)
+            if keep_prob > 0.0 and self.scale_by_keep:
+                keep = keep / keep_prob
+            scale = keep if scale is None else keep * scale
+        if scale is None:
+            return x + branch
+        return torch.addcmul(x, branch, scale)

@@ -13,12 +13,19 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, DropPath, PatchEmbed, calculate_drop_path_rates, to_2tuple
+from timm.layers import ClassifierHead, PatchEmbed, calculate_drop_path_rates, to_2tuple
 from timm.models import checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_input_size
 
-from ..layers import ScaledOutputMlp, ScaleLayer, create_conv_shortcuts, get_norm_layer, init_weights_
+from ..layers import (
+    ResidualDropPath,
+    ScaledOutputMlp,
+    ScaleLayer,
+    create_conv_shortcuts,
+    get_norm_layer,
+    init_weights_,
+)
 
 __all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'check_checkpoint_depths',
            'check_norm_position', 'default_cfg']
@@ -66,22 +73,23 @@ class LipsFormerBlock(nn.Module):
         self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path, alpha_learnable)
         self.attn = attn
         self.alpha1 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.drop_path1 = ResidualDropPath(drop_path)
         self.norm1 = norm_layer(dim) if post_attn_norm or self.pre_norm else nn.Identity()
         self.mlp = ScaledOutputMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
         self.alpha2 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.drop_path2 = ResidualDropPath(drop_path)
         self.norm2 = norm_layer(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for shortcut in self.conv_shortcuts:
             x = shortcut(x)
-        # alpha (.) f(x) with alpha folded into f's last linear layer (see ScaledOutputMlp, scaled_linear).
+        # alpha (.) f(x) with alpha folded into f's last linear layer (see ScaledOutputMlp, scaled_linear), and the
+        # drop-path mask fused with the sum (ResidualDropPath).
         if self.pre_norm:
-            x = x + self.drop_path1(self.attn(self.norm1(x), self.alpha1.gamma))
-            return x + self.drop_path2(self.mlp(self.norm2(x), self.alpha2.gamma))
-        x = self.norm1(x + self.drop_path1(self.attn(x, self.alpha1.gamma)))
-        return self.norm2(x + self.drop_path2(self.mlp(x, self.alpha2.gamma)))
+            x = self.drop_path1.residual(x, self.attn(self.norm1(x), self.alpha1.gamma))
+            return self.drop_path2.residual(x, self.mlp(self.norm2(x), self.alpha2.gamma))
+        x = self.norm1(self.drop_path1.residual(x, self.attn(x, self.alpha1.gamma)))
+        return self.norm2(self.drop_path2.residual(x, self.mlp(x, self.alpha2.gamma)))
 
 
 class LipsFormerStage(nn.Module):
