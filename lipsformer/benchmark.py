@@ -56,6 +56,7 @@ from timm.optim import create_optimizer_v2
 from torch import nn
 
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
+from lipsformer.cpu_memory import retain_freed_memory
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
 
@@ -99,6 +100,7 @@ class BenchmarkConfig:
     steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
     memory: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
+    retain_cpu_memory: bool = False  # lipsformer.cpu_memory.retain_freed_memory() in every process on CPU
 
     def steps_per_run(self) -> int:
         return self.steps or (10 if self.device.startswith('cuda') else 1)
@@ -294,7 +296,7 @@ def _reset_peak_rss() -> float | None:
 def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
     """Peak memory in MiB of warm-up steps of one model and mode; meant to run in a fresh process (see module doc)."""
     benchmark_config = BenchmarkConfig(**config)
-    _set_threads(benchmark_config)
+    _configure_process(benchmark_config)
     spec, = parse_model_specs(spec_text)
     spec.factory()  # import the model's code before the baseline, like timm's and lipsformer's modules
     cuda = torch.device(benchmark_config.device).type == 'cuda'
@@ -367,7 +369,7 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
     """Benchmark every model in every mode; returns the JSON-ready report (``config``, ``environment``,
     ``results``: one row per model and mode, ratios relative to the first model)."""
     specs = parse_model_specs(models) if isinstance(models, str) else models
-    _set_threads(config)
+    retained = _configure_process(config)
     load_at_start = _load_average()
     if invalid := set(modes) - set(MODES):
         raise ValueError(f'unknown mode(s) {sorted(invalid)}; choose from {MODES}')
@@ -392,13 +394,21 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
         results += rows
     return {'config': asdict(config) | {'steps': config.steps_per_run(), 'modes': list(modes),
                                          'models': [spec.text for spec in specs]},
-            'environment': environment(config.device) | {'load_average_start': load_at_start},
+            'environment': environment(config.device) | {'load_average_start': load_at_start,
+                                                         'cpu_freed_memory_retained': retained},
             'results': results}
 
 
-def _set_threads(config: BenchmarkConfig) -> None:
+def _configure_process(config: BenchmarkConfig) -> bool:
+    """Set torch's threads and, if asked, glibc's retention of freed memory; returns whether memory is retained."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    if not config.retain_cpu_memory or config.device != 'cpu':
+        return False
+    if not retain_freed_memory():
+        _log('--retain-cpu-memory has no effect here: the C library is not glibc')
+        return False
+    return True
 
 
 def _load_average() -> list[float] | None:
@@ -479,6 +489,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--threads', type=int, default=None,
                         help="torch threads on CPU (default: torch's, one per core); 1 is the least disturbed by "
                              'other jobs on a shared machine')
+    parser.add_argument('--retain-cpu-memory', action='store_true',
+                        help='on CPU, keep freed memory in the process for reuse instead of unmapping it (glibc '
+                             'malloc settings, lipsformer.cpu_memory): large activations stop page-faulting every step')
     parser.add_argument('--no-memory', dest='memory', action='store_false',
                         help='skip the peak-memory child processes')
     parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
@@ -498,7 +511,7 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
                            compile=args.compile, channels_last=args.channels_last, device=args.device,
                            warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,
-                           threads=args.threads)
+                           threads=args.threads, retain_cpu_memory=args.retain_cpu_memory)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -42,6 +42,7 @@ def test_report_schema(report):
         assert all(value > 0 for value in row['images_per_s_samples'])
         assert row['images_per_s'] == statistics.median(row['images_per_s_samples'])
         assert row['ms_per_step'] == pytest.approx(1e3 * 2 / row['images_per_s'])
+    assert report['environment']['cpu_freed_memory_retained'] is False  # only with --retain-cpu-memory
     json.dumps(report)  # JSON-ready as it is
 
 
