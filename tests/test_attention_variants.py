@@ -305,3 +305,63 @@ def test_lepe_with_tied_projection_matches_manual_stripe_attention():
     lepe = branch.lepe(projection.permute(0, 3, 1, 2)).reshape(1, 2, 4, 12).transpose(-1, -2)
     expected = (branch.kernel(y, y, y) + lepe) * 2 ** -0.5
     torch.testing.assert_close(branch(projection, 4, 3), expected.transpose(1, 2).reshape(1, 4, 3, 8))
+
+
+# --- the shared softmax-attention tail ----------------------------------------------------------------------------
+
+def _reference_attention(q, k, v, bias, scale):
+    return torch.softmax(scale * q @ k.transpose(-2, -1) + bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize('bias_needs_grad', [True, False])
+@pytest.mark.parametrize('fused', [True, False])
+def test_softmax_attention_equals_its_definition_in_values_and_gradients(bias_needs_grad, fused):
+    """Every route of softmax_attention (SDPA, explicit with the in-place bias sum) is softmax(s q k^T + B) v."""
+    from lipsformer.layers.dot_product_attention import softmax_attention
+    q, k, v = (tensor.requires_grad_() for tensor in _qkv())
+    bias = torch.randn(3, 10, 10, dtype=torch.float64, requires_grad=bias_needs_grad)
+    bias_before = bias.detach().clone()
+    out = softmax_attention(q, k, v, bias, 0.0, fused, 0.7)
+    expected = _reference_attention(q, k, v, bias, 0.7)
+    torch.testing.assert_close(out, expected)
+    inputs = [q, k, v] + ([bias] if bias_needs_grad else [])
+    weights = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad((out * weights).sum(), inputs),
+                         torch.autograd.grad((expected * weights).sum(), inputs), strict=True):
+        torch.testing.assert_close(got, want)
+    assert torch.equal(bias.detach(), bias_before)  # the in-place sum writes into the logits, never the bias
+
+
+def test_softmax_attention_leaves_sdpa_only_for_a_cpu_bias_that_needs_a_gradient(monkeypatch):
+    """SDPA's CPU math fallback (a learned bias in training) is replaced by the explicit path; nothing else is."""
+    import lipsformer.layers.dot_product_attention as module
+    calls = []
+    sdpa = module.F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append(kwargs['attn_mask'] is not None and kwargs['attn_mask'].requires_grad)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(module.F, 'scaled_dot_product_attention', recording_sdpa)
+    q, k, v = _qkv()
+    learned = torch.zeros(3, 10, 10, dtype=torch.float64, requires_grad=True)
+    module.softmax_attention(q, k, v, learned, 0.0, True)
+    assert calls == []
+    module.softmax_attention(q, k, v, learned.detach(), 0.0, True)
+    module.softmax_attention(q, k, v, None, 0.0, True)
+    assert calls == [False, False]
+    module.softmax_attention(q, k, v, None, 0.0, False)
+    assert len(calls) == 2
+
+
+def test_softmax_attention_takes_a_float32_bias_under_bf16_autocast():
+    """Under CPU bf16 autocast the logits are bf16 and a learned bias fp32: the explicit path adds them out of place
+    (an in-place sum into bf16 would need the same dtype) and the bias still gets its gradient."""
+    from lipsformer.layers.dot_product_attention import softmax_attention
+    q, k, v = (tensor.float() for tensor in _qkv())
+    bias = torch.randn(3, 10, 10, requires_grad=True)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = softmax_attention(q, k, v, bias, 0.0, True)
+    out.float().sum().backward()
+    assert bias.grad is not None and torch.isfinite(bias.grad).all()
+    torch.testing.assert_close(out.float(), _reference_attention(q, k, v, bias, 1.0), atol=3e-2, rtol=3e-2)

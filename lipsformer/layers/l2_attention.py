@@ -29,8 +29,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import use_fused_attn
+
+from .dot_product_attention import softmax_attention
 
 __all__ = ['L2Attention']
 
@@ -88,9 +89,8 @@ class L2Attention(nn.Module):
         if self.fused_attn:
             q = torch.cat([q, torch.ones_like(key_sq)], dim=-1)
             k = torch.cat([k, -0.5 * key_sq], dim=-1)
-            return F.scaled_dot_product_attention(
-                q, k, values, attn_mask=attn_bias, dropout_p=self.attn_drop.p if self.training else 0.0,
-                scale=2.0 * self.scale)
+            dropout_p = self.attn_drop.p if self.training else 0.0
+            return softmax_attention(q, k, values, attn_bias, dropout_p, True, 2.0 * self.scale)
         query_sq = q.pow(2).sum(dim=-1, keepdim=True)
         attn = (2.0 * q @ k.transpose(-2, -1) - query_sq - key_sq.transpose(-2, -1)) * self.scale
         if attn_bias is not None:

@@ -27,8 +27,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import use_fused_attn
+
+from .dot_product_attention import softmax_attention
 
 __all__ = ['LipschitzNormAttention']
 
@@ -74,13 +75,7 @@ class LipschitzNormAttention(nn.Module):
             (batch, heads, tokens, head_dim).
         """
         q = q * self.score_scale(q, k, v)
-        if self.fused_attn:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_bias, dropout_p=self.attn_drop.p if self.training else 0.0, scale=1.0)
-        attn = q @ k.transpose(-2, -1)
-        if attn_bias is not None:
-            attn = attn + attn_bias
-        return self.attn_drop(attn.softmax(dim=-1)) @ v
+        return softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn)
 
     def extra_repr(self) -> str:
         return f'denominator_floor={self.denominator_floor}, fused_attn={self.fused_attn}'

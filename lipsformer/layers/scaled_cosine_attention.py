@@ -15,21 +15,26 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.layers import use_fused_attn
+
+from .dot_product_attention import softmax_attention
 
 __all__ = ['ScaledCosineAttention', 'l2_normalize']
 
 
-def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.normalize(x, dim=-1, eps=eps)``, x / max(||x||, eps), as a multiplication by a reciprocal norm.
+def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+    """``scale * F.normalize(x, dim=-1, eps=eps)``, scale * x / max(||x||, eps), as a product with a reciprocal norm.
 
     The same values (to rounding), but autograd's backward of one broadcast multiply is much cheaper on CPU than that
     of ``F.normalize``'s broadcast division (which computes -g * x / n^2 over the whole tensor). The norm is taken in
-    at least float32 so that fp16 squares cannot overflow.
+    at least float32 so that fp16 squares cannot overflow. ``scale`` rides on the (..., 1) reciprocal norm for free.
     """
+    return x * (_inverse_norm(x, eps) * scale).to(x.dtype)
+
+
+def _inverse_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     squared_norm = x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True)
-    return x * squared_norm.clamp_min(eps * eps).rsqrt().to(x.dtype)
+    return squared_norm.clamp_min(eps * eps).rsqrt()
 
 
 class ScaledCosineAttention(nn.Module):
@@ -84,26 +89,16 @@ class ScaledCosineAttention(nn.Module):
         Returns:
             (batch, heads, tokens, head_dim).
         """
-        q = l2_normalize(q, self.eps)
+        # tau scales q through its reciprocal norm: no pass over the (tokens x tokens) logits, and the scale of
+        # softmax_attention (a Python float for SDPA) can stay 1 when tau is learned.
+        if self.tau_learnable:
+            q = q * (_inverse_norm(q, self.eps) * self.tau).to(q.dtype)
+        else:
+            q = l2_normalize(q, self.eps, self.tau_init)
         k = l2_normalize(k, self.eps)
         if self.v_norm:
             v = l2_normalize(v, self.eps)
-        if self.fused_attn:
-            if self.tau_learnable:
-                # SDPA's scale must be a Python float: fold a learnable tau into q instead.
-                x = F.scaled_dot_product_attention(
-                    q * self.tau, k, v, attn_mask=attn_bias,
-                    dropout_p=self.attn_drop.p if self.training else 0.0, scale=1.0)
-            else:
-                x = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_bias,
-                    dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.tau_init)
-        else:
-            attn = self.tau * (q @ k.transpose(-2, -1))
-            if attn_bias is not None:
-                attn = attn + attn_bias
-            attn = self.attn_drop(attn.softmax(dim=-1))
-            x = attn @ v
+        x = softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn)
         if self.v_norm:
             x = x * self.nu
         return x
