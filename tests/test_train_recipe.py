@@ -129,3 +129,21 @@ def test_a_constraint_rejecting_its_settings_is_a_config_error():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match='lipschitz.kwargs: .*power_iterations must be >= 1, got 0'):
         create_lipschitz_constraint(config.lipschitz, model)
+
+
+@pytest.mark.parametrize('retain', [True, False])
+def test_cpu_runs_retain_freed_memory_unless_switched_off(retain, monkeypatch, tmp_path):
+    """train.cpu_retain_freed_memory (default on) applies lipsformer.cpu_memory's malloc settings on a CPU run."""
+    from accelerate.state import AcceleratorState
+
+    import lipsformer.training.session as session
+    calls = []
+    monkeypatch.setattr(session, 'retain_freed_memory', lambda: calls.append(True) or True)
+    config = load_config(None, [f'train.cpu_retain_freed_memory={str(retain).lower()}', 'log.tensorboard=false'])
+    assert load_config(None).train.cpu_retain_freed_memory  # the default
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        device = session.create_accelerator(config, str(tmp_path)).device
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert device.type == 'cpu' and calls == ([True] if retain else [])

@@ -18,6 +18,7 @@ from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, s
 from timm.utils import ModelEmaV3
 
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
+from ..cpu_memory import retain_freed_memory
 from .checkpoints import Progress, TrainingObjects
 from .config import ConfigError
 from .config_schema import Config
@@ -87,9 +88,13 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
         raise ConfigError('log.tensorboard: true, but TensorBoard is not installed; pip install tensorboard, or set '
                           'log.tensorboard=null to log to it only when it is there')
     dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
-    return Accelerator(mixed_precision=config.train.mixed_precision, log_with='tensorboard' if tensorboard else None,
-                       project_dir=run_dir, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
-                       kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    accelerator = Accelerator(
+        mixed_precision=config.train.mixed_precision, log_with='tensorboard' if tensorboard else None,
+        project_dir=run_dir, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
+        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
+        retain_freed_memory()
+    return accelerator
 
 
 def release_accelerator() -> None:
