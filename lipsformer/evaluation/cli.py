@@ -166,4 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(records))
         if args.results_file:
             _logger.info('results written to %s', args.results_file)
+    # Shut a launched run's process group down before the interpreter exits: gloo's threads, torn down at exit
+    # instead, can abort a rank (SIGABRT) after its results were written.
+    accelerator.end_training()
     return 0
