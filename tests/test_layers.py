@@ -50,6 +50,31 @@ def test_center_norm_matches_formula_and_ignores_constant_shift():
     torch.testing.assert_close(norm(x + 3.7), norm(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize('dtype, std, tolerance', [
+    (torch.float32, 1.0, 1e-6), (torch.float32, 1e4, 1e-6), (torch.float64, 1e3, 1e-12),
+    (torch.bfloat16, 1.0, 1e-2), (torch.float16, 1.0, 2e-3)])
+def test_center_norm_through_layer_norm_equals_the_centring_expression(dtype, std, tolerance):
+    """CenterNorm runs on LayerNorm's fused kernel with eps = 2^60 (float16 keeps the plain expression): values and
+    every gradient equal gamma D / (D - 1) (x - mean) + beta computed directly, from unit-scale activations to 1e4."""
+    torch.manual_seed(0)
+    norm = CenterNorm(48).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_()
+    x = (torch.randn(4, 7, 48) * std + 3.0 * std).to(dtype).requires_grad_()
+    out = norm(x)
+    expected = torch.addcmul(norm.bias, x - x.mean(-1, keepdim=True), norm.weight * norm.scale)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    scale = expected.detach().abs().max()
+    torch.testing.assert_close(out / scale, expected / scale, rtol=0, atol=tolerance)
+    upstream = torch.randn_like(out)
+    params = [x, norm.weight, norm.bias]
+    for got, want in zip(torch.autograd.grad((out * upstream).sum(), params),
+                         torch.autograd.grad((expected * upstream).sum(), params), strict=True):
+        grad_scale = want.abs().max()
+        torch.testing.assert_close(got / grad_scale, want / grad_scale, rtol=0, atol=tolerance * 10)
+
+
 def test_layer_norm_blows_up_near_constant_input_where_center_norm_does_not():
     dim = 16
     x = torch.ones(dim, dtype=torch.float64) + 1e-9 * torch.randn(dim, dtype=torch.float64)
