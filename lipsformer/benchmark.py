@@ -24,6 +24,10 @@ labels, backward and a timm AdamW step):
   the lifetime peak minus the peak after imports (freed memory often stays mapped and one process's peak cannot be
   reset elsewhere, hence one process per measurement). Both include weights, gradients, optimizer state and
   activations.
+- CPU memory allocator: by default every process first applies :func:`lipsformer.cpu_memory.retain_freed_memory`
+  (as ``train.py`` does), so freed activations are reused instead of being unmapped and page-faulted in again on
+  every step. Under glibc's defaults that cost depends on which tensors happen to exceed its adaptive mmap threshold,
+  so it shifts with the models' order and the process's history; ``--no-retain-cpu-memory`` measures it anyway.
 - Work: params and forward GMACs per image from ``lipsformer.complexity`` (meta device). TFLOP/s counts 2 FLOPs per
   MAC and, in train mode, 3x the forward MACs (forward + backward, the usual model-FLOPs convention: recomputation
   by activation checkpointing is not useful work).
@@ -100,7 +104,7 @@ class BenchmarkConfig:
     steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
     memory: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
-    retain_cpu_memory: bool = False  # lipsformer.cpu_memory.retain_freed_memory() in every process on CPU
+    retain_cpu_memory: bool = True  # lipsformer.cpu_memory.retain_freed_memory() in every process on CPU
 
     def steps_per_run(self) -> int:
         return self.steps or (10 if self.device.startswith('cuda') else 1)
@@ -489,9 +493,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--threads', type=int, default=None,
                         help="torch threads on CPU (default: torch's, one per core); 1 is the least disturbed by "
                              'other jobs on a shared machine')
-    parser.add_argument('--retain-cpu-memory', action='store_true',
+    parser.add_argument('--retain-cpu-memory', action=argparse.BooleanOptionalAction, default=True,
                         help='on CPU, keep freed memory in the process for reuse instead of unmapping it (glibc '
-                             'malloc settings, lipsformer.cpu_memory): large activations stop page-faulting every step')
+                             'malloc settings, lipsformer.cpu_memory, as train.py does): large activations stop '
+                             'page-faulting every step, whose cost otherwise depends on the allocation history '
+                             '(default: on; --no-retain-cpu-memory measures glibc\'s defaults)')
     parser.add_argument('--no-memory', dest='memory', action='store_false',
                         help='skip the peak-memory child processes')
     parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
