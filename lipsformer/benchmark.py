@@ -62,7 +62,7 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
 
-__all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'cpu_name', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
 
 MODES = ('infer', 'train')
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -420,7 +420,8 @@ def _load_average() -> list[float] | None:
     return [round(value, 2) for value in os.getloadavg()] if hasattr(os, 'getloadavg') else None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
             if line.startswith('model name'):
@@ -434,7 +435,7 @@ def environment(device: str) -> dict:
     """Versions and machine, recorded with every report."""
     info = {
         'python': platform.python_version(), 'torch': torch.__version__, 'timm': timm.__version__,
-        'platform': platform.platform(), 'cpu': _cpu_name(), 'cpu_count': os.cpu_count(),
+        'platform': platform.platform(), 'cpu': cpu_name(), 'cpu_count': os.cpu_count(),
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',
         'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),

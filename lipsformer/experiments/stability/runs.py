@@ -12,17 +12,11 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List
 
-__all__ = ['RunFiles', 'claim', 'read_json', 'release', 'run_dir', 'write_json_atomically']
+__all__ = ['RunFiles', 'claim', 'read_json', 'release', 'run_dir']
 
 
 def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
     return Path(out) / arm / f'lr{lr:g}' / f'seed{seed}'
-
-
-def write_json_atomically(path: Path, data: Dict[str, Any]) -> None:
-    tmp = path.with_name(f'{path.name}.tmp-{os.getpid()}')
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + '\n')
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> Dict[str, Any]:

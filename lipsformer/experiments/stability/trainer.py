@@ -7,7 +7,6 @@ ends the run as diverged at that step.
 """
 import logging
 import math
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,11 +18,13 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
+from ...benchmark import cpu_name
 from ...lipschitz import describe, network_bound
 from ...lipschitz.sources import MeasuredNorms
+from ...training.atomic import save_torch, write_json
 from .arms import Arm, ModelShape, build_model
 from .data import Batches, Subsets
-from .runs import RunFiles, read_json, write_json_atomically
+from .runs import RunFiles, read_json
 
 __all__ = ['RunSettings', 'train_run']
 
@@ -101,9 +102,9 @@ def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, s
     return state
 
 
-def _save_atomically(state: Dict[str, Any], path) -> None:
+def _save_atomically(state: Dict[str, Any], path: Path) -> None:
     tmp = path.with_name(f'{path.name}.tmp')
-    torch.save(state, tmp)
+    save_torch(state, str(tmp))
     tmp.replace(path)
 
 
@@ -114,19 +115,12 @@ def _check_config(files: RunFiles, config: Dict[str, Any]) -> None:
             raise ValueError(f'{files.directory} was started with other settings ({found}); now {config}. Use '
                              f'another --out, or delete that run folder to restart it.')
     else:
-        write_json_atomically(files.config, config)
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path('/proc/cpuinfo')
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((line.split(':', 1)[1].strip() for line in lines if line.startswith('model name')),
-                platform.processor())
+        write_json(str(files.config), config)
 
 
 def _machine(device: torch.device) -> Dict[str, Any]:
     """Where the run trained, for the report."""
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()
     return {'device': name, 'threads': torch.get_num_threads(), 'torch': torch.__version__}
 
 
@@ -191,7 +185,7 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
         seconds['bound'] += time.perf_counter() - start
     result.update(seconds={**seconds, 'total': sum(seconds.values())}, finished_at=time.time(),
                   machine=_machine(device))
-    write_json_atomically(files.result, result)
+    write_json(str(files.result), result)
     files.checkpoint.unlink(missing_ok=True)
     return result
 
