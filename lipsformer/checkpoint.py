@@ -9,7 +9,7 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -28,7 +28,7 @@ _INERT_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode')]
 torch.serialization.add_safe_globals(_INERT_GLOBALS)
 
 
-def _unpickling_reason(error: Exception) -> Optional[str]:
+def _unpickling_reason(error: Exception) -> str | None:
     """The line of torch's weights-only error naming the global it refused, or None if it refused none."""
     lines = [line.strip() for line in str(error).splitlines() if 'GLOBAL' in line]
     return lines[0] if lines else None

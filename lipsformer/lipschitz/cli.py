@@ -10,7 +10,8 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import timm
 import torch
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
+def _model_kwargs(items: Sequence[str]) -> dict[str, Any]:
     kwargs = {}
     for item in items:
         key, sep, value = item.partition('=')
@@ -54,13 +55,13 @@ def _model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
     return kwargs
 
 
-def _number(value: Union[float, str, None], digits: int = 4) -> str:
+def _number(value: float | str | None, digits: int = 4) -> str:
     if value is None or isinstance(value, str):
         return value or '-'
     return 'unbounded' if math.isinf(value) else f'{value:.{digits}g}'
 
 
-def format_report(report: Dict[str, Any]) -> str:
+def format_report(report: dict[str, Any]) -> str:
     """The report as a table of branches and a summary of the network."""
     lines = [f'Lipschitz analysis of {report["model"]} at {report["img_size"][0]}x{report["img_size"][1]}'
              + (f' ({report["checkpoint"]})' if report.get('checkpoint') else ' (at initialisation)'), '',
@@ -110,14 +111,14 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def _write_json(report: Dict[str, Any], path: str) -> None:
+def _write_json(report: dict[str, Any], path: str) -> None:
     tmp_path = f'{path}.tmp-{os.getpid()}'
     with open(tmp_path, 'w') as f:
         json.dump(to_json(report), f, indent=2)
     os.replace(tmp_path, path)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,8 +10,8 @@ Lipschitz constant, a weighted residual x + alpha (.) f(x) by 1 + max|alpha| Lip
 ``bound`` returns for a residual).
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -48,8 +48,8 @@ class Entry:
     name: str
     kind: str
     bound: Callable[[NormSource], Bound]
-    parts: List[Tuple[str, nn.Module, Optional[Tuple[int, int]]]] = field(default_factory=list)
-    residual: Optional[Residual] = None
+    parts: list[tuple[str, nn.Module, tuple[int, int] | None]] = field(default_factory=list)
+    residual: Residual | None = None
 
 
 def norm_bound(norm: nn.Module, norms: NormSource) -> Bound:
@@ -64,7 +64,7 @@ def norm_bound(norm: nn.Module, norms: NormSource) -> Bound:
     return Bound(math.inf, f'unbounded: no known Lipschitz bound for {type(norm).__name__}')
 
 
-def _conv_shortcut(name: str, shortcut: nn.Module, size: Tuple[int, int]) -> Entry:
+def _conv_shortcut(name: str, shortcut: nn.Module, size: tuple[int, int]) -> Entry:
     def bound(norms: NormSource) -> Bound:
         value = activation_lipschitz(shortcut.act1) * norms.conv(shortcut.dw, size)
         if shortcut.pw is not None:
@@ -97,7 +97,7 @@ class PreNormed(nn.Module):
 
 
 def _pre_normed(norm: nn.Module, function: nn.Module, bound: Callable[[NormSource], Bound]
-                ) -> Tuple[nn.Module, Callable[[NormSource], Bound]]:
+                ) -> tuple[nn.Module, Callable[[NormSource], Bound]]:
     """A pre-norm block's branch f(norm(x)) and its bound Lip(f) Lip(norm), from f and its bound."""
     def normed_bound(norms: NormSource) -> Bound:
         inner, outer = bound(norms), norm_bound(norm, norms)
@@ -106,7 +106,7 @@ def _pre_normed(norm: nn.Module, function: nn.Module, bound: Callable[[NormSourc
     return PreNormed(norm, function), normed_bound
 
 
-def _attention(name: str, block: nn.Module, size: Tuple[int, int]) -> Entry:
+def _attention(name: str, block: nn.Module, size: tuple[int, int]) -> Entry:
     attn = block.attn
 
     def bound(norms: NormSource) -> Bound:
@@ -149,14 +149,14 @@ def _drop_prob(drop_path: nn.Module) -> float:
     return float(getattr(drop_path, 'drop_prob', 0.0))
 
 
-def _stem(model: nn.Module, size: Tuple[int, int]) -> List[Entry]:
+def _stem(model: nn.Module, size: tuple[int, int]) -> list[Entry]:
     proj = model.patch_embed.proj
     conv = Entry('patch_embed.proj', 'conv', lambda norms: Bound(norms.conv(proj, size), 'patch conv'),
                  [('patch_embed.proj', proj, size)])
     return [conv, _norm('patch_embed.norm', model.patch_embed.norm)]
 
 
-def _downsample(name: str, downsample: nn.Module, size: Tuple[int, int]) -> List[Entry]:
+def _downsample(name: str, downsample: nn.Module, size: tuple[int, int]) -> list[Entry]:
     """Swin's PatchMerging (a permutation, norm, Linear) or CSwin's ConvMerge (conv, norm)."""
     if isinstance(downsample, nn.Identity):
         return []
@@ -171,7 +171,7 @@ def _downsample(name: str, downsample: nn.Module, size: Tuple[int, int]) -> List
                   [(f'{name}.conv', conv, size)]), _norm(f'{name}.norm', downsample.norm)]
 
 
-def _head(model: nn.Module, tokens: int) -> List[Entry]:
+def _head(model: nn.Module, tokens: int) -> list[Entry]:
     pool_type = model.head.global_pool.pool_type if hasattr(model.head, 'global_pool') else ''
     if pool_type not in _POOL_GAINS:
         pool = Bound(math.inf, f'unbounded: unknown pool {pool_type!r}')
@@ -185,7 +185,7 @@ def _head(model: nn.Module, tokens: int) -> List[Entry]:
     return entries
 
 
-def describe(model: nn.Module, img_size: Tuple[int, int]) -> List[Entry]:
+def describe(model: nn.Module, img_size: tuple[int, int]) -> list[Entry]:
     """The chain of maps of a LipsFormer model (Swin or CSwin) on ``img_size`` images, input to output."""
     if not (hasattr(model, 'patch_embed') and hasattr(model, 'stages')):
         raise TypeError(f'{type(model).__name__} is not a LipsFormer model (lipsformer_swin_* / lipsformer_cswin_*)')

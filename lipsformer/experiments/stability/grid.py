@@ -1,8 +1,8 @@
 """The grid of runs (arm x learning rate x seed): claim each unfinished run in turn, resume or start it."""
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

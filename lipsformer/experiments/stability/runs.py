@@ -10,7 +10,7 @@
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 __all__ = ['RunFiles', 'claim', 'read_json', 'release', 'run_dir']
 
@@ -19,7 +19,7 @@ def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
     return Path(out) / arm / f'lr{lr:g}' / f'seed{seed}'
 
 
-def read_json(path: Path) -> Dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
@@ -99,11 +99,11 @@ class RunFiles:
     def done(self) -> bool:
         return self.result.exists()
 
-    def append_steps(self, records: List[Dict[str, Any]]) -> None:
+    def append_steps(self, records: list[dict[str, Any]]) -> None:
         with open(self.steps, 'a') as f:
             f.writelines(json.dumps(r) + '\n' for r in records)
 
-    def read_steps(self) -> List[Dict[str, Any]]:
+    def read_steps(self) -> list[dict[str, Any]]:
         if not self.steps.exists():
             return []
         return [json.loads(line) for line in self.steps.read_text().splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -47,7 +47,7 @@ class RunSettings:
     synthetic: bool = False
     shape: ModelShape = field(default_factory=ModelShape)
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         settings = asdict(self)
         settings['shape'] = {k: list(v) if isinstance(v, tuple) else v for k, v in settings['shape'].items()}
         return settings
@@ -56,8 +56,8 @@ class RunSettings:
 class ActivationMonitor:
     """The largest per-token L2 norm over the outputs of the hooked blocks since the last ``take``."""
 
-    def __init__(self, blocks: List[nn.Module]) -> None:
-        self.largest: Optional[torch.Tensor] = None
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.largest: torch.Tensor | None = None
         self.handles = [block.register_forward_hook(self._hook) for block in blocks]
 
     def _hook(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
@@ -74,14 +74,14 @@ class ActivationMonitor:
             handle.remove()
 
 
-def lipschitz_log10(model: nn.Module, img_size: int) -> Dict[str, Any]:
+def lipschitz_log10(model: nn.Module, img_size: int) -> dict[str, Any]:
     """log10 of the product bound over the parts that have one, and which parts have none."""
     bound = network_bound(describe(model, (img_size, img_size)), MeasuredNorms('operator'))
     return {'log10_bounded_parts': bound['log10_bounded_parts_product'], 'unbounded_parts': len(bound['unbounded'])}
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> Dict[str, float]:
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> dict[str, float]:
     model.eval()
     correct, loss = 0, 0.0
     for start in range(0, len(labels), batch_size):
@@ -94,7 +94,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
 
 
 def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler,
-                seconds: Dict[str, float]) -> Dict[str, Any]:
+                seconds: dict[str, float]) -> dict[str, Any]:
     state = {'step': step, 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
              'scheduler': scheduler.state_dict(), 'seconds': dict(seconds), 'torch_rng': torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -102,13 +102,13 @@ def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, s
     return state
 
 
-def _save_atomically(state: Dict[str, Any], path: Path) -> None:
+def _save_atomically(state: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(f'{path.name}.tmp')
     save_torch(state, str(tmp))
     tmp.replace(path)
 
 
-def _check_config(files: RunFiles, config: Dict[str, Any]) -> None:
+def _check_config(files: RunFiles, config: dict[str, Any]) -> None:
     if files.config.exists():
         found = read_json(files.config)
         if found != config:
@@ -118,7 +118,7 @@ def _check_config(files: RunFiles, config: Dict[str, Any]) -> None:
         write_json(str(files.config), config)
 
 
-def _machine(device: torch.device) -> Dict[str, Any]:
+def _machine(device: torch.device) -> dict[str, Any]:
     """Where the run trained, for the report."""
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()
     return {'device': name, 'threads': torch.get_num_threads(), 'torch': torch.__version__}
@@ -135,7 +135,7 @@ def _warmup_steps(arm: Arm, batches: Batches, steps: int) -> int:
 
 
 def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Subsets, files: RunFiles,
-              device: torch.device) -> Dict[str, Any]:
+              device: torch.device) -> dict[str, Any]:
     """Train (or resume) one run to its end or divergence; write and return its result.
 
     Args:
@@ -190,20 +190,20 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
     return result
 
 
-def _finite_or_none(value: float) -> Optional[float]:
+def _finite_or_none(value: float) -> float | None:
     """JSON has no inf or NaN: a non-finite measurement is recorded as null."""
     return value if math.isfinite(value) else None
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler, batches: Batches,
            settings: RunSettings, files: RunFiles, monitor: ActivationMonitor, start_step: int,
-           seconds: Dict[str, float]) -> Optional[int]:
+           seconds: dict[str, float]) -> int | None:
     """Steps ``start_step + 1`` .. ``settings.steps``; the step whose loss was non-finite, or None."""
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    pending: List[Dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
     for step in range(start_step + 1, settings.steps + 1):
-        record: Dict[str, Any] = {'step': step}
+        record: dict[str, Any] = {'step': step}
         if (step - 1) % settings.bound_every == 0:  # the bound of the weights this step starts from
             start = time.perf_counter()
             record.update(lipschitz_log10(model, settings.shape.img_size))
