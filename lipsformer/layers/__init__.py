@@ -1,5 +1,5 @@
 """LipsFormer's Lipschitz building blocks, and factories that let models swap each one by name."""
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -40,7 +40,7 @@ def create_attention(
         v_norm: bool = False,
         nu: float = 1.0,
         attn_drop: float = 0.0,
-        num_heads: Optional[int] = None,
+        num_heads: int | None = None,
 ) -> nn.Module:
     """The attention maths (q, k, v, bias -> out) for ``attn_type``.
 

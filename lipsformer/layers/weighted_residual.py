@@ -16,7 +16,6 @@ weight product instead of a full (B, L, C) activation product, forward and backw
 keep for alpha's gradient is not stored. Elsewhere (the conv shortcuts, which end in a GELU) alpha, the drop-path
 mask and the sum are one ``addcmul`` (:class:`ResidualDropPath`) instead of three passes over the activations.
 """
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -26,8 +25,8 @@ from timm.layers import DropPath, Mlp
 __all__ = ['ResidualDropPath', 'ScaleLayer', 'ScaledOutputMlp', 'scaled_linear']
 
 
-def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias) * scale`` computed as ``F.linear(x, scale[:, None] * weight, scale * bias)``.
 
     Takes tensors rather than the ``nn.Linear`` so that TorchScript can compile its callers. ``scale=None``: no scale.
@@ -40,7 +39,7 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 class ScaledOutputMlp(Mlp):
     """timm's Mlp whose output can be scaled per channel by alpha folded into fc2 (same parameters and keys)."""
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         x = self.norm(self.drop1(self.act(self.fc1(x))))
         return self.drop2(scaled_linear(x, self.fc2.weight, self.fc2.bias, out_scale))
 
@@ -82,7 +81,7 @@ class ResidualDropPath(DropPath):
     and the sum in one pass over the activations, forward and backward. Called as a module it is plain DropPath.
     """
 
-    def residual(self, x: torch.Tensor, branch: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x + DropPath(branch * scale)``; ``scale=None``: no scale."""
         if self.training and self.drop_prob > 0.0:
             keep_prob = 1.0 - self.drop_prob

@@ -3,7 +3,6 @@
 Partitioning is a permutation of tokens and zero padding an isometric embedding, so both are 1-Lipschitz: the
 Lipschitz constant of windowed attention is that of the attention inside one window.
 """
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +46,7 @@ def padding_key_mask(
         batch: int,
         device: torch.device,
         dtype: torch.dtype,
-) -> Optional[torch.Tensor]:
+) -> torch.Tensor | None:
     """Additive mask (B * num_windows, 1, 1, window area) that hides padded keys, or None without padding.
 
     Masking padded keys makes attention in a window cut by the map border the same as attention over its valid

@@ -8,7 +8,8 @@ locally-enhanced positional encoding (LePE), each branch divided by sqrt(its hea
 the MLP residual, alpha = 0.2, two conv shortcuts per block, spectral init, no final norm.
 """
 import re
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -114,7 +115,7 @@ class CrossStripeAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         batch, height, width, channels = x.shape
         qkv = self.qkv(x)
@@ -152,7 +153,7 @@ class LipsFormerCSwin(LipsFormer):
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
+            img_size: int | tuple[int, int] = 224,
             patch_size: int = 4,
             in_chans: int = 3,
             num_classes: int = 1000,
@@ -168,9 +169,9 @@ class LipsFormerCSwin(LipsFormer):
             tau_learnable: bool = False,
             v_norm: bool = False,
             nu: float = 1.0,
-            alpha_init: Optional[float] = None,
+            alpha_init: float | None = None,
             conv_config: str = 'D',
-            norm_layer: Union[str, Callable[[int], nn.Module]] = 'center',
+            norm_layer: str | Callable[[int], nn.Module] = 'center',
             weight_init: str = 'spectral',
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
@@ -222,7 +223,7 @@ class LipsFormerCSwin(LipsFormer):
                 attn_type, head_dim, tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
                 attn_drop=attn_drop_rate, num_heads=heads)
 
-        def make_mixer(stage: int, block: int, dim: int, feat_size: Tuple[int, int]) -> nn.Module:
+        def make_mixer(stage: int, block: int, dim: int, feat_size: tuple[int, int]) -> nn.Module:
             split = split_size[stage]
             two_branches = stage < len(depths) - 1 and feat_size != (split, split)
             return CrossStripeAttention(

@@ -8,7 +8,8 @@ CenterNorm after the attention and after the MLP residuals, alpha = 1 / sum(dept
 spectral init. The paper's variants (shifted windows, l2-normalised v with nu, other tau and alpha) are options.
 """
 import re
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,8 +37,8 @@ class WindowAttention(nn.Module):
             self,
             dim: int,
             num_heads: int,
-            window_size: Tuple[int, int],
-            shift_size: Tuple[int, int],
+            window_size: tuple[int, int],
+            shift_size: tuple[int, int],
             attention: nn.Module,
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
@@ -89,7 +90,7 @@ class WindowAttention(nn.Module):
         mask = region.unsqueeze(1) - region.unsqueeze(2)
         return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         batch, height, width, channels = x.shape
         window_h, window_w = self.window_size
@@ -123,7 +124,7 @@ class LipsFormerSwin(LipsFormer):
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
+            img_size: int | tuple[int, int] = 224,
             patch_size: int = 4,
             in_chans: int = 3,
             num_classes: int = 1000,
@@ -140,9 +141,9 @@ class LipsFormerSwin(LipsFormer):
             tau_learnable: bool = False,
             v_norm: bool = False,
             nu: float = 1.0,
-            alpha_init: Optional[float] = None,
+            alpha_init: float | None = None,
             conv_config: str = 'D',
-            norm_layer: Union[str, Callable[[int], nn.Module]] = 'center',
+            norm_layer: str | Callable[[int], nn.Module] = 'center',
             weight_init: str = 'spectral',
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
@@ -188,7 +189,7 @@ class LipsFormerSwin(LipsFormer):
         if len(num_heads) != len(depths):
             raise ValueError(f'num_heads {num_heads} needs one entry per stage of depths {tuple(depths)}')
 
-        def make_mixer(stage: int, block: int, dim: int, feat_size: Tuple[int, int]) -> nn.Module:
+        def make_mixer(stage: int, block: int, dim: int, feat_size: tuple[int, int]) -> nn.Module:
             window = tuple(min(window_size, r) for r in feat_size)
             shifted = shift_windows and block % 2 == 1
             shift = tuple(w // 2 if shifted and r > w else 0 for r, w in zip(feat_size, window))
