@@ -10,10 +10,10 @@ import io
 import json
 import os
 import platform
-import tempfile
 from dataclasses import asdict
 from importlib import metadata
 
+from ..utils.io import write_text
 from .run import DatasetResult
 
 __all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
@@ -75,25 +75,12 @@ def _csv_text(records: list[dict]) -> str:
 
 
 def write_results(path: str | os.PathLike, records: list[dict], results_format: str = 'json') -> None:
-    """Write ``records`` to ``path`` as ``json`` or ``csv``, atomically (temporary file, fsync, rename)."""
+    """Write ``records`` to ``path`` as ``json`` or ``csv``, atomically."""
     if results_format == 'json':
         text = json.dumps(records[0] if len(records) == 1 else records, indent=2) + '\n'
     elif results_format == 'csv':
         text = _csv_text(records)
     else:
         raise ValueError(f'unknown results format {results_format!r}; use json or csv')
-    path = os.path.abspath(os.fspath(path))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.' + os.path.basename(path))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(descriptor, 0o666 & ~umask)  # mkstemp's 0600 would make the results private
-    try:
-        with os.fdopen(descriptor, 'w', encoding='utf-8', newline='') as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_text(path, text)

@@ -6,9 +6,7 @@ form, its drop-path expectation and empirical estimates; ``--json`` writes the s
 string "unbounded".
 """
 import argparse
-import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +16,7 @@ import torch
 import yaml
 
 from ..checkpoint import CheckpointError, load_model_weights
+from ..utils.io import write_json
 from .analysis import analyze
 
 __all__ = ['build_parser', 'format_report', 'main', 'to_json']
@@ -111,13 +110,6 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def _write_json(report: dict[str, Any], path: str) -> None:
-    tmp_path = f'{path}.tmp-{os.getpid()}'
-    with open(tmp_path, 'w') as f:
-        json.dump(to_json(report), f, indent=2)
-    os.replace(tmp_path, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -140,5 +132,5 @@ def main(argv: list[str] | None = None) -> int:
     report['checkpoint'] = args.checkpoint
     print(format_report(report))
     if args.json:
-        _write_json(report, args.json)
+        write_json(args.json, to_json(report))
     return 0

@@ -6,8 +6,8 @@ and plain data so they load with ``weights_only=True``); ``rng_state_<rank>.pt``
 the position in training (epoch, micro-batch within it, optimizer update), the best metric so far, the metrics history
 and the resolved config.
 
-Everything is first written into ``checkpoints/.tmp-<name>``, each file flushed to disk, and the folder is then
-renamed into place, so a process killed at any moment leaves every earlier checkpoint complete. ``best.json`` names
+Everything is first written into ``checkpoints/.tmp-<name>``, flushed to disk, and the folder is then renamed into
+place, so a process killed at any moment leaves every earlier checkpoint complete. ``best.json`` names
 the best checkpoint, which pruning never deletes.
 """
 import dataclasses
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointError, load_file
-from .atomic import fsync_dir, replace_dir, save_safetensors, save_torch, write_json
+from ..utils.io import replace_dir, save_safetensors, save_torch, write_json
 from .distributed_state import model_state_dict, optimizer_state_dict, set_model_state, set_optimizer_state
 
 _logger = logging.getLogger(__name__)
@@ -109,9 +109,7 @@ def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress:
         write_json(os.path.join(tmp_dir, META_FILE), meta)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        fsync_dir(tmp_dir)
         replace_dir(tmp_dir, final_dir)
-        fsync_dir(root)
     accelerator.wait_for_everyone()
     return final_dir
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ..utils.io import write_text
 from .config_rules import ConfigError, check_values
 from .config_schema import Config
 
@@ -74,13 +75,7 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 def dump_config(config: Config, path: str | os.PathLike) -> None:
     """Write the fully resolved config as YAML, atomically."""
-    text = yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None)
-    tmp_path = f'{os.fspath(path)}.tmp-{os.getpid()}'
-    with open(tmp_path, 'w') as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
+    write_text(path, yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None))
 
 
 def reference_yaml() -> str:

@@ -14,7 +14,7 @@ import timm
 import torch
 
 from ..checkpoint import load_file
-from .atomic import replace_dir
+from ..utils.io import replace_dir
 
 EXPORT_DIR = 'export'
 

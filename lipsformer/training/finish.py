@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from .atomic import write_json
+from ..utils.io import write_json
 from .checkpoints import best_checkpoint
 from .distributed_state import is_sharded
 from .export import export_checkpoint

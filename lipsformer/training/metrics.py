@@ -1,13 +1,12 @@
-"""Per-epoch metrics: the ``metrics.jsonl`` file, alpha statistics (the paper's Figure 5) and memory."""
-import json
+"""Per-epoch metrics: the ``metrics.jsonl`` file and alpha statistics (the paper's Figure 5)."""
 import os
 import re
-import resource
-import sys
 from collections import defaultdict
 from typing import Any
 
 import torch
+
+from ..utils.io import JsonLines
 
 METRICS_FILE = 'metrics.jsonl'
 
@@ -36,44 +35,21 @@ def alpha_statistics(model: torch.nn.Module) -> dict[str, float]:
     return stats
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak accelerator memory allocated by this process (or its peak resident memory on a CPU), in MiB."""
-    if device.type == 'cuda':
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2 ** 20 if sys.platform == 'darwin' else peak / 2 ** 10
-
-
 class MetricsFile:
     """``<run>/metrics.jsonl``: one JSON object per finished epoch, appended and flushed as each epoch ends."""
 
     def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.lines = JsonLines(os.path.join(run_dir, METRICS_FILE))
 
     def reset(self, history: list[dict[str, Any]]) -> None:
         """Make the file hold exactly ``history`` (the epochs of the checkpoint a run resumes from).
 
         Lines for epochs past the checkpoint, written before an interruption, are kept in a ``.orphaned`` file.
         """
-        existing = self.read()
+        existing = self.lines.read()
         if len(existing) > len(history):
-            with open(f'{self.path}.orphaned', 'a') as f:
-                f.writelines(json.dumps(line) + '\n' for line in existing[len(history):])
-        tmp_path = f'{self.path}.tmp-{os.getpid()}'
-        with open(tmp_path, 'w') as f:
-            f.writelines(json.dumps(line) + '\n' for line in history)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, self.path)
+            JsonLines(f'{self.lines.path}.orphaned').append(existing[len(history):])
+        self.lines.rewrite(history)
 
     def append(self, line: dict[str, Any]) -> None:
-        with open(self.path, 'a') as f:
-            f.write(json.dumps(line) + '\n')
-            f.flush()
-            os.fsync(f.fileno())
-
-    def read(self) -> list[dict[str, Any]]:
-        if not os.path.isfile(self.path):
-            return []
-        with open(self.path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        self.lines.append([line])

@@ -8,6 +8,8 @@ import gzip
 import os
 import shutil
 
+from ..utils.io import atomic_open
+
 DEBIAN_FASHION_MNIST = '/usr/share/datasets/fashion-mnist'
 FASHION_MNIST_FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte', 't10k-images-idx3-ubyte',
                        't10k-labels-idx1-ubyte')
@@ -53,7 +55,5 @@ def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str
 
 
 def _gunzip_atomically(source: str, target: str) -> None:
-    tmp_path = f'{target}.tmp-{os.getpid()}'
-    with gzip.open(source, 'rb') as src, open(tmp_path, 'wb') as dst:
+    with gzip.open(source, 'rb') as src, atomic_open(target, 'wb') as dst:
         shutil.copyfileobj(src, dst)
-    os.replace(tmp_path, target)

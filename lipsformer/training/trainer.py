@@ -7,12 +7,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from ..utils.env import peak_memory_mb
 from .checkpoints import mark_best, prune_checkpoints, save_checkpoint
 from .config import config_to_dict
 from .config_schema import Config
 from .finish import finish_run
 from .loop import EpochResult, evaluate, train_epoch
-from .metrics import MetricsFile, alpha_statistics, peak_memory_mb
+from .metrics import MetricsFile, alpha_statistics
 from .optim import best_metric_name, total_epochs
 from .resume import checkpoint_to_resume, resume_session
 from .run_folder import attach_log_file, flat_dict, write_config

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ...utils.io import read_json, write_text
 from .arms import ARMS
-from .runs import RunFiles, read_json
+from .runs import RunFiles
 
 __all__ = ['LOSS_THRESHOLD', 'SMOOTHING_STEPS', 'steps_to_loss', 'summarize', 'write_report']
 
@@ -190,4 +191,4 @@ def write_report(out: Path, docs: Path) -> None:
         raise ValueError(f'{page} lacks the markers {START!r} and {END!r} around the generated table')
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
-    page.write_text(head + generated_section(runs) + tail)
+    write_text(page, head + generated_section(runs) + tail)

@@ -7,20 +7,18 @@
 - ``checkpoint.pt``: model, optimizer, scheduler, RNG and step, replaced atomically; deleted when the run finishes.
 - ``result.json``: written atomically last; its presence means the run is done.
 """
-import json
+import itertools
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ['RunFiles', 'claim', 'read_json', 'release', 'run_dir']
+from ...utils.io import JsonLines
+
+__all__ = ['RunFiles', 'claim', 'release', 'run_dir']
 
 
 def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
     return Path(out) / arm / f'lr{lr:g}' / f'seed{seed}'
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
 
 
 def _pid_alive(pid: int) -> bool:
@@ -100,27 +98,12 @@ class RunFiles:
         return self.result.exists()
 
     def append_steps(self, records: list[dict[str, Any]]) -> None:
-        with open(self.steps, 'a') as f:
-            f.writelines(json.dumps(r) + '\n' for r in records)
+        JsonLines(self.steps).append(records)
 
     def read_steps(self) -> list[dict[str, Any]]:
-        if not self.steps.exists():
-            return []
-        return [json.loads(line) for line in self.steps.read_text().splitlines() if line.strip()]
+        return JsonLines(self.steps).read()
 
     def truncate_steps(self, last_step: int) -> None:
         """Keep the records of steps up to ``last_step`` (those a checkpoint covers); drop a torn last line too."""
-        if not self.steps.exists():
-            return
-        kept = []
-        for line in self.steps.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if record['step'] > last_step:
-                break
-            kept.append(line + '\n')
-        tmp = self.steps.with_name(f'{self.steps.name}.tmp-{os.getpid()}')
-        tmp.write_text(''.join(kept))
-        os.replace(tmp, self.steps)
+        steps = JsonLines(self.steps)
+        steps.rewrite(itertools.takewhile(lambda record: record['step'] <= last_step, steps.read()))

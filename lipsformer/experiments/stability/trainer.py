@@ -9,7 +9,6 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,13 +17,13 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
-from ...benchmark import cpu_name
 from ...lipschitz import describe, network_bound
 from ...lipschitz.sources import MeasuredNorms
-from ...training.atomic import save_torch, write_json
+from ...utils.env import cpu_name
+from ...utils.io import read_json, save_torch, write_json
 from .arms import Arm, ModelShape, build_model
 from .data import Batches, Subsets
-from .runs import RunFiles, read_json
+from .runs import RunFiles
 
 __all__ = ['RunSettings', 'train_run']
 
@@ -102,12 +101,6 @@ def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, s
     return state
 
 
-def _save_atomically(state: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(f'{path.name}.tmp')
-    save_torch(state, str(tmp))
-    tmp.replace(path)
-
-
 def _check_config(files: RunFiles, config: dict[str, Any]) -> None:
     if files.config.exists():
         found = read_json(files.config)
@@ -115,7 +108,7 @@ def _check_config(files: RunFiles, config: dict[str, Any]) -> None:
             raise ValueError(f'{files.directory} was started with other settings ({found}); now {config}. Use '
                              f'another --out, or delete that run folder to restart it.')
     else:
-        write_json(str(files.config), config)
+        write_json(files.config, config)
 
 
 def _machine(device: torch.device) -> dict[str, Any]:
@@ -185,7 +178,7 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
         seconds['bound'] += time.perf_counter() - start
     result.update(seconds={**seconds, 'total': sum(seconds.values())}, finished_at=time.time(),
                   machine=_machine(device))
-    write_json(str(files.result), result)
+    write_json(files.result, result)
     files.checkpoint.unlink(missing_ok=True)
     return result
 
@@ -228,5 +221,5 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Cosine
             files.append_steps(pending)
             pending = []
         if step % settings.checkpoint_every == 0 and step < settings.steps:
-            _save_atomically(_checkpoint(step, model, optimizer, scheduler, seconds), files.checkpoint)
+            save_torch(_checkpoint(step, model, optimizer, scheduler, seconds), files.checkpoint)
     return None
