@@ -10,17 +10,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import timm
 import torch
-from conftest import FIXTURES, TINY_SWIN
 from synthetic_weights import synthetic_input, synthetic_state_dict
+from tiny_models import TINY_SWIN
 
 from lipsformer.checkpoint import CheckpointError, load_file, load_model_weights
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
-AUTHORS = FIXTURES / 'authors'
+AUTHORS = Path(__file__).parent / 'fixtures' / 'authors'
 FAMILIES = {'swin': lipsformer_swin, 'cswin': lipsformer_cswin}
 
 

@@ -10,7 +10,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TINY_CSWIN, TINY_MODELS
+from tiny_models import TINY_CSWIN, TINY_MODELS
 from torch.autograd.functional import jacobian
 
 from lipsformer.layers import init_weights_

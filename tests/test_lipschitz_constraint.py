@@ -7,7 +7,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TINY_CSWIN, TINY_SWIN
+from tiny_models import TINY_CSWIN, TINY_SWIN
 
 from lipsformer.layers import CenterNorm, ScaleLayer
 from lipsformer.lipschitz import LipschitzConstraint, reshaped_norm

@@ -8,7 +8,8 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
-from training_support import TINY_MODEL, make_webdataset, tiny_overrides
+from tiny_models import SMALLEST_MODEL
+from training_support import make_webdataset, tiny_overrides
 
 import lipsformer  # noqa: F401
 from lipsformer.checkpoint import CheckpointError
@@ -62,7 +63,7 @@ def test_run_folder_holds_what_validation_reads(reference_run):
         assert {f'alpha/stage{i}/{s}' for i in range(4) for s in ('mean', 'std')} <= line.keys()
     assert lines[-1]['lr'] == pytest.approx(2e-5)  # the cosine ends at min_lr
     config = load_config(os.path.join(run_dir, 'config.yaml'))
-    assert config.model.name == TINY_MODEL and config.train.epochs == 2
+    assert config.model.name == SMALLEST_MODEL and config.train.epochs == 2
     names = sorted(os.path.basename(folder) for _, folder in list_checkpoints(run_dir))
     assert names == ['epoch_0001', 'epoch_0002', 'step_00000004', 'step_00000008']
     last = os.path.join(run_dir, 'checkpoints', 'epoch_0002')
@@ -85,9 +86,9 @@ def test_exports_load_with_timm(reference_run, data_dir):
     by_folder = timm.create_model(f'local-dir:{export}', pretrained=True)
     _assert_same(by_folder.state_dict(), expected)
     config = json.load(open(os.path.join(export, 'config.json')))
-    assert config['architecture'] == TINY_MODEL and config['num_classes'] == 4
+    assert config['architecture'] == SMALLEST_MODEL and config['num_classes'] == 4
     assert config['label_names'] == [f'class_{i}' for i in range(4)]
-    by_file = timm.create_model(TINY_MODEL, pretrained=True, **config['model_args'],
+    by_file = timm.create_model(SMALLEST_MODEL, pretrained=True, **config['model_args'],
                                 pretrained_cfg_overlay=dict(file=os.path.join(export, 'model.safetensors'),
                                                             num_classes=4))
     _assert_same(by_file.state_dict(), expected)
@@ -194,7 +195,7 @@ def test_loop_overhead_tool_measures_both_rates(data_dir, capsys):
     result = main(['--config', os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.yaml'),
                    '--updates', '5', '--warmup', '2', *tiny_overrides(data_dir)])
     assert result['bare_step_images_per_s'] > 0 and result['full_loop_images_per_s'] > 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['model'] == TINY_MODEL
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['model'] == SMALLEST_MODEL
 
 
 def test_tensorboard_receives_the_epoch_metrics(data_dir, tmp_path, monkeypatch):

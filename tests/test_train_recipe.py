@@ -8,6 +8,7 @@ import timm
 import torch
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from tiny_models import TINY_MODELS, TINY_SWIN
 
 import lipsformer  # noqa: F401
 from lipsformer.training import load_config
@@ -26,9 +27,6 @@ pytestmark = pytest.mark.usefixtures('one_thread')
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 
-TINY_KWARGS = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 2, 2], num_classes=10, img_size=32)
-
-
 def _groups_by_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[float, set[str]]:
     names = {id(p): n for n, p in model.named_parameters()}
     return {group['weight_decay']: {names[id(p)] for p in group['params']} for group in optimizer.param_groups}
@@ -41,7 +39,7 @@ def _groups_by_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -
 ])
 def test_weight_decay_skips_alpha_norms_biases_and_position_tables(model_name, config_file, no_decay):
     config = load_config(os.path.join(CONFIGS, config_file))
-    model = timm.create_model(model_name, **TINY_KWARGS)
+    model = timm.create_model(model_name, num_classes=10, **TINY_MODELS[model_name])
     groups = _groups_by_decay(create_optimizer(model, config, global_batch=2048), model)
     decayed, skipped = groups[config.optimizer.weight_decay], groups[no_decay]
     assert decayed | skipped == {n for n, _ in model.named_parameters()} and not decayed & skipped
@@ -56,7 +54,7 @@ def test_lr_follows_the_global_batch_from_the_paper_reference_of_2048():
                                                                               'train.grad_accum_steps=2'])
     global_batch = global_batch_size(config, num_processes=8)
     assert global_batch == 1024 and lr_scale(config, global_batch) == 0.5
-    model = timm.create_model('lipsformer_swin_tiny', **TINY_KWARGS)
+    model = timm.create_model('lipsformer_swin_tiny', num_classes=10, **TINY_SWIN)
     optimizer = create_optimizer(model, config, global_batch)
     assert all(group['lr'] == pytest.approx(1e-3) for group in optimizer.param_groups)
     assert lr_scale(load_config(None, ['optimizer.lr_scaling=sqrt']), 512) == pytest.approx(0.5)
@@ -65,7 +63,7 @@ def test_lr_follows_the_global_batch_from_the_paper_reference_of_2048():
 
 def test_no_warmup_cosine_stepped_per_update():
     config = load_config(os.path.join(CONFIGS, 'lipsformer_swin_tiny.yaml'), ['train.epochs=4'])
-    model = timm.create_model('lipsformer_swin_tiny', **TINY_KWARGS)
+    model = timm.create_model('lipsformer_swin_tiny', num_classes=10, **TINY_SWIN)
     optimizer = create_optimizer(model, config, global_batch=2048)
     scheduler = create_scheduler(optimizer, config, updates_per_epoch=25, global_batch=2048)
     peak, floor, total = 2e-3, config.scheduler.min_lr, 100

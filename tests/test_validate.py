@@ -21,6 +21,7 @@ from accelerate.state import AcceleratorState
 from imagenet_trees import build_tree, val_file_name, write_jpegs
 from timm.models import save_for_hf
 from timm.models._registry import _model_pretrained_cfgs
+from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN, SMALLEST_SWIN_KWARGS
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.checkpoint import load_model_weights
@@ -197,8 +198,7 @@ def _export(model: torch.nn.Module, folder: str, ema: torch.nn.Module | None = N
 
 
 def _tiny_lipsformer() -> torch.nn.Module:
-    return timm.create_model('lipsformer_swin_tiny', img_size=32, embed_dim=16, depths=(1, 1, 1, 1),
-                             num_heads=(1, 2, 2, 4)).eval()
+    return timm.create_model(SMALLEST_MODEL, **SMALLEST_SWIN).eval()
 
 
 def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -248,8 +248,7 @@ def test_run_folder_best_and_ema_weights(vit, tmp_path, capsys):
     safetensors.torch.save_file(ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
     os.utime(saved / 'step_100' / 'model.safetensors', (1_000_000, 1_000_000))
     (checkpoints_run / 'config.yaml').write_text(yaml.safe_dump({
-        'model': {'name': 'lipsformer_swin_tiny', 'kwargs': {'embed_dim': 16, 'depths': [1, 1, 1, 1],
-                                                             'num_heads': [1, 2, 2, 4]},
+        'model': {'name': SMALLEST_MODEL, 'kwargs': SMALLEST_SWIN_KWARGS,
                   'img_size': 32, 'in_chans': 3, 'num_classes': None},
         'data': {'mean': None, 'std': None, 'interpolation': 'bicubic', 'crop_pct': None}}))
     record = run_validate(['--checkpoint', str(checkpoints_run), '--use-ema', '--data-dir', val], tmp_path, capsys)

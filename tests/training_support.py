@@ -14,11 +14,10 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.models import register_model
+from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS
 from torch import nn
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
-TINY_MODEL = 'lipsformer_swin_tiny'
-TINY_MODEL_KWARGS = '{embed_dim: 16, depths: [1, 1, 1, 1], num_heads: [1, 1, 1, 1], window_size: 4}'
 
 
 @contextlib.contextmanager
@@ -106,7 +105,7 @@ def make_webdataset(root: str, num_classes: int = 4, train_per_class: int = 12, 
 def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
     """Overrides that make any config a seconds-long CPU run on a :func:`make_image_folder` tree."""
     settings: dict[str, object] = {
-        'model.name': TINY_MODEL, 'model.kwargs': TINY_MODEL_KWARGS, 'model.img_size': 32, 'model.in_chans': 1,
+        'model.name': SMALLEST_MODEL, 'model.kwargs': SMALLEST_SWIN_KWARGS, 'model.img_size': 32, 'model.in_chans': 1,
         'model.drop_path_rate': 0.1, 'data.dataset': "''", 'data.data_dir': data_dir, 'data.train_split': 'train',
         'data.val_split': 'validation', 'data.num_workers': 0, 'data.mean': '[0.5]',
         'data.std': '[0.5]', 'data.crop_pct': 1.0, 'augment.auto_augment': 'null', 'augment.reprob': 0.25,
