@@ -15,8 +15,7 @@ import os
 import sys
 
 from lipsformer.checkpoint import CheckpointError
-from lipsformer.training import ConfigError, NonFiniteLossError, config_to_dict, load_config, train
-from lipsformer.training.config import reference_yaml
+from lipsformer.training import ConfigError, NonFiniteLossError, config_to_dict, load_config, reference_yaml, train
 from lipsformer.training.sources import DatasetNotFoundError
 
 _logger = logging.getLogger('lipsformer.train')

@@ -9,7 +9,7 @@ import timm
 import torch
 
 import lipsformer  # noqa: F401  (registers the models)
-from lipsformer.training.config import config_to_dict, load_config
+from lipsformer.training import config_to_dict, load_config
 
 ABLATIONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'ablations')
 

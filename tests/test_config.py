@@ -9,7 +9,8 @@ import pytest
 import timm
 
 import lipsformer  # noqa: F401  (registers the models)
-from lipsformer.training.config import ConfigError, config_from_dict, load_config, parse_override, reference_yaml
+from lipsformer.training import ConfigError, load_config, reference_yaml
+from lipsformer.training.config_io import config_from_dict, parse_override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, 'configs')

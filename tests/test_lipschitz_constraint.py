@@ -14,7 +14,7 @@ from lipsformer.lipschitz import LipschitzConstraint, reshaped_norm
 from lipsformer.lipschitz.analysis import network_bound
 from lipsformer.lipschitz.sources import MeasuredNorms
 from lipsformer.lipschitz.structure import describe
-from lipsformer.training.config_schema import LipschitzConfig
+from lipsformer.training.config import LipschitzConfig
 from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
 
 pytestmark = pytest.mark.usefixtures('one_thread')

@@ -121,7 +121,7 @@ def test_ema_averages_the_weights_after_the_lipschitz_constraint():
 
 
 def test_a_constraint_rejecting_its_settings_is_a_config_error():
-    from lipsformer.training.config import ConfigError
+    from lipsformer.training import ConfigError
     from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
     config = load_config(None, ['lipschitz.enabled=true', 'lipschitz.kwargs={power_iterations: 0}'])
     model = torch.nn.Linear(2, 2)

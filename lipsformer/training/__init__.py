@@ -4,10 +4,10 @@
 command-line front; :func:`train` with a :class:`Config` from :func:`load_config` is the same from Python.
 """
 from .checkpoints import latest_checkpoint
-from .config import ConfigError, config_to_dict, load_config
-from .config_schema import Config
+from .config import Config, ConfigError
+from .config_io import config_to_dict, load_config, reference_yaml
 from .loop import NonFiniteLossError
 from .trainer import train
 
 __all__ = ['Config', 'ConfigError', 'NonFiniteLossError', 'config_to_dict', 'latest_checkpoint', 'load_config',
-           'train']
+           'reference_yaml', 'train']

@@ -17,7 +17,7 @@ from timm.data.loader import PrefetchLoader, fast_collate
 from timm.models import get_pretrained_cfg
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .config_schema import Config
+from .config import Config
 from .samplers import PAD_INDEX, ShardedEvalSampler, ShardedTrainSampler
 from .sources import prepare_dataset
 

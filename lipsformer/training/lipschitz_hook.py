@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .config import ConfigError
-from .config_schema import LipschitzConfig
+from .config import ConfigError, LipschitzConfig
 
 
 def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Module) -> Callable[[], None]:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .config import load_config
+from .config_io import load_config
 from .loop import train_epoch
 from .session import Session, create_accelerator, create_session
 from .signals import StopSignal

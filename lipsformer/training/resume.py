@@ -5,9 +5,8 @@ from typing import Any
 
 from ..checkpoint import CheckpointError
 from .checkpoints import latest_checkpoint, list_checkpoints, load_checkpoint, mark_best, read_meta
-from .config import config_to_dict
+from .config_io import config_to_dict, flat_dict
 from .optim import best_metric_name
-from .run_folder import flat_dict
 from .session import Session
 
 _logger = logging.getLogger(__name__)

@@ -2,12 +2,11 @@
 import logging
 import os
 import time
-from typing import Any
 
 import yaml
 
-from .config import config_to_dict, dump_config
-from .config_schema import Config
+from .config import Config
+from .config_io import config_to_dict, dump_config
 
 
 def write_config(config: Config, run_dir: str) -> None:
@@ -30,13 +29,3 @@ def attach_log_file(run_dir: str, is_main: bool) -> logging.Handler | None:
     logging.getLogger('lipsformer').addHandler(handler)
     return handler
 
-
-def flat_dict(data: dict[str, Any], prefix: str = '') -> dict[str, Any]:
-    """Nested config data as ``{'section.key': value}`` with plain values (for trackers and comparisons)."""
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(flat_dict(value, f'{prefix}{key}.'))
-        else:
-            flat[f'{prefix}{key}'] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return flat

@@ -20,8 +20,7 @@ from timm.utils import ModelEmaV3
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
 from .checkpoints import Progress, TrainingObjects
-from .config import ConfigError
-from .config_schema import Config
+from .config import Config, ConfigError
 from .data import (
     InputSpec,
     TrainBatches,

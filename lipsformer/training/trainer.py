@@ -9,14 +9,14 @@ from accelerate import Accelerator
 
 from ..utils.env import peak_memory_mb
 from .checkpoints import mark_best, prune_checkpoints, save_checkpoint
-from .config import config_to_dict
-from .config_schema import Config
+from .config import Config
+from .config_io import config_to_dict, flat_dict
 from .finish import finish_run
 from .loop import EpochResult, evaluate, train_epoch
 from .metrics import MetricsFile, alpha_statistics
 from .optim import best_metric_name, total_epochs
 from .resume import checkpoint_to_resume, resume_session
-from .run_folder import attach_log_file, flat_dict, write_config
+from .run_folder import attach_log_file, write_config
 from .session import Session, create_accelerator, create_session, release_accelerator
 from .signals import StopSignal
 
