@@ -15,7 +15,7 @@ import lipsformer  # noqa: F401
 from lipsformer.checkpoint import CheckpointError
 from lipsformer.checkpoint import load_file as load_file_any
 from lipsformer.training import ConfigError, load_config, train
-from lipsformer.training.checkpoints import list_checkpoints
+from lipsformer.training.train_state import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

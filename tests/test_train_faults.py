@@ -14,7 +14,7 @@ from training_support import NAN_AT_CALLS, make_image_folder, subprocess_env, ti
 
 from lipsformer.checkpoint import load_file
 from lipsformer.training import NonFiniteLossError, load_config, train
-from lipsformer.training.checkpoints import latest_checkpoint, list_checkpoints, read_meta
+from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -110,9 +110,9 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_the_run_continues(data_dir, t
 # Runs train() with the optimizer file of the epoch-2 checkpoint never finishing, as if the machine died mid-save.
 _HANG_IN_SAVE = '''
 import os, sys, time
-import lipsformer.training.checkpoints as checkpoints
+import lipsformer.training.train_state as train_state
 from lipsformer.training import load_config, train
-write = checkpoints.save_torch
+write = train_state.save_torch
 def hanging_write(obj, path):
     if path.endswith(os.path.join('.tmp-epoch_0002', 'optimizer.pt')):
         with open(path, 'wb') as f:
@@ -120,7 +120,7 @@ def hanging_write(obj, path):
         print('HANGING IN SAVE', flush=True)
         time.sleep(600)
     write(obj, path)
-checkpoints.save_torch = hanging_write
+train_state.save_torch = hanging_write
 train(load_config(None, sys.argv[2:]), sys.argv[1])
 '''
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from training_support import make_image_folder, single_thread, subprocess_env, tiny_overrides
 
 from lipsformer.training import load_config, train
-from lipsformer.training.checkpoints import list_checkpoints, read_meta
+from lipsformer.training.train_state import list_checkpoints, read_meta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

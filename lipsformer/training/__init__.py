@@ -3,10 +3,10 @@
 ``python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x`` is the
 command-line front; :func:`train` with a :class:`Config` from :func:`load_config` is the same from Python.
 """
-from .checkpoints import latest_checkpoint
 from .config import Config, ConfigError
 from .config_io import config_to_dict, load_config, reference_yaml
 from .loop import NonFiniteLossError
+from .train_state import latest_checkpoint
 from .trainer import train
 
 __all__ = ['Config', 'ConfigError', 'NonFiniteLossError', 'config_to_dict', 'latest_checkpoint', 'load_config',

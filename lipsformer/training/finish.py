@@ -8,12 +8,11 @@ import torch
 from accelerate.utils import gather_object
 
 from ..utils.io import write_json
-from .checkpoints import best_checkpoint
-from .distributed_state import is_sharded
 from .export import export_checkpoint
 from .optim import best_metric_name
 from .plots import write_plots
 from .session import Session
+from .train_state import best_checkpoint, is_sharded
 
 _logger = logging.getLogger(__name__)
 

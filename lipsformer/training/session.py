@@ -19,7 +19,6 @@ from timm.utils import ModelEmaV3
 
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
-from .checkpoints import Progress, TrainingObjects
 from .config import Config, ConfigError
 from .data import (
     InputSpec,
@@ -30,9 +29,9 @@ from .data import (
     num_classes_of,
     resolve_input_spec,
 )
-from .distributed_state import is_sharded
 from .lipschitz_hook import create_lipschitz_constraint
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
+from .train_state import Progress, TrainingObjects, is_sharded
 
 _logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The training run: epochs, evaluation, metrics, checkpoints, resume, graceful stop and the final export."""
+"""The training run: epochs, evaluation, metrics, checkpoints, resuming, graceful stop and the final export."""
 import logging
 import os
 import time
@@ -7,18 +7,25 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from ..checkpoint import CheckpointError
 from ..utils.env import peak_memory_mb
-from .checkpoints import mark_best, prune_checkpoints, save_checkpoint
 from .config import Config
 from .config_io import config_to_dict, flat_dict
 from .finish import finish_run
 from .loop import EpochResult, evaluate, train_epoch
 from .metrics import MetricsFile, alpha_statistics
 from .optim import best_metric_name, total_epochs
-from .resume import checkpoint_to_resume, resume_session
 from .run_folder import attach_log_file, write_config
 from .session import Session, create_accelerator, create_session, release_accelerator
 from .signals import StopSignal
+from .train_state import (
+    checkpoint_to_resume,
+    load_checkpoint,
+    mark_best,
+    prune_checkpoints,
+    read_meta,
+    save_checkpoint,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -122,6 +129,42 @@ def _end_epoch(session: Session, result: EpochResult) -> dict[str, Any]:
     _logger.info('epoch %d: %s', progress.epoch, ', '.join(f'{k} {v:.4g}' for k, v in line.items()
                                                            if isinstance(v, float) and not k.startswith('alpha')))
     return line
+
+
+def resume_session(session: Session, checkpoint: str) -> None:
+    """Restore ``checkpoint`` into the session, after checking that it was saved with the same batch layout."""
+    meta = read_meta(checkpoint)
+    _check_geometry(meta, session, checkpoint)
+    session.progress, _ = load_checkpoint(checkpoint, session.training_objects())
+    session.scheduler.step_update(num_updates=session.progress.step)
+    session.last_checkpoint = checkpoint
+    changed = _changed_keys(meta.get('config', {}), config_to_dict(session.config))
+    if changed:
+        _logger.warning('resuming with config keys changed since the checkpoint: %s', ', '.join(changed))
+    progress = session.progress
+    if session.accelerator.is_main_process and progress.best_checkpoint:
+        if os.path.isdir(os.path.join(session.run_dir, 'checkpoints', progress.best_checkpoint)):
+            mark_best(session.run_dir, progress.best_checkpoint, best_metric_name(session.config),
+                      progress.best_value, progress.best_epoch)
+    _logger.info('resumed from %s: epoch %d, micro-batch %d, step %d', checkpoint, progress.epoch + 1,
+                 progress.batch_in_epoch, progress.step)
+
+
+def _check_geometry(meta: dict[str, Any], session: Session, checkpoint: str) -> None:
+    saved, now = meta.get('geometry', {}), session.geometry()
+    mid_epoch = meta['progress']['batch_in_epoch'] > 0
+    keys = ('world_size', 'batch_size', 'grad_accum_steps', 'updates_per_epoch') if mid_epoch else (
+        'global_batch_size', 'updates_per_epoch')
+    different = [f'{k} {saved.get(k)} -> {now[k]}' for k in keys if saved.get(k) != now[k]]
+    if different:
+        where = 'mid-epoch' if mid_epoch else 'at an epoch boundary'
+        raise CheckpointError(f'{checkpoint!r} was saved {where} with another batch layout ({"; ".join(different)}); '
+                              f'resume with the same processes, train.batch_size and train.grad_accum_steps')
+
+
+def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    saved_flat, current_flat = flat_dict(saved), flat_dict(current)
+    return sorted(k for k in set(saved_flat) | set(current_flat) if saved_flat.get(k) != current_flat.get(k))
 
 
 def _periodic_checkpoint(session: Session) -> None:

@@ -1,4 +1,4 @@
-"""Resumable training checkpoints in ``<run>/checkpoints/<name>/``, written atomically.
+"""A run's resumable training state: checkpoint folders in ``<run>/checkpoints/<name>/``, written atomically.
 
 A checkpoint folder holds ``model.safetensors`` (and ``ema.safetensors``): plain state dicts any tool can read;
 ``optimizer.pt`` and ``trainer_state.pt`` (optimizer keyed by parameter name, scheduler, loss scaler, only tensors
@@ -7,22 +7,39 @@ the position in training (epoch, micro-batch within it, optimizer update), the b
 and the resolved config.
 
 Everything is first written into ``checkpoints/.tmp-<name>``, flushed to disk, and the folder is then renamed into
-place, so a process killed at any moment leaves every earlier checkpoint complete. ``best.json`` names
-the best checkpoint, which pruning never deletes.
+place, so a process killed at any moment leaves every earlier checkpoint complete. ``best.json`` names the best
+checkpoint, which pruning never deletes. The newest checkpoint is the most advanced one by its recorded progress
+(:func:`latest_checkpoint`; validate.py picks it the same way).
+
+Model and optimizer states are full ones, gathered from a model that may be wrapped (DDP, torch.compile) or sharded
+(FSDP); optimizer states are keyed by parameter name (``torch.distributed.checkpoint.state_dict``), so a checkpoint
+depends neither on the order in which parameters were handed to the optimizer nor on how the model was sharded. RNG
+states are plain tensors and numbers.
 """
 import dataclasses
 import json
 import logging
 import os
+import random
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from ..checkpoint import CheckpointError, load_file
+from ..checkpoint import CheckpointError, check_state_dict, load_file
 from ..utils.io import replace_dir, save_safetensors, save_torch, write_json
-from .distributed_state import model_state_dict, optimizer_state_dict, set_model_state, set_optimizer_state
+
+__all__ = ['Progress', 'TrainingObjects', 'best_checkpoint', 'checkpoint_to_resume', 'is_sharded', 'latest_checkpoint',
+           'list_checkpoints', 'load_checkpoint', 'mark_best', 'prune_checkpoints', 'read_meta', 'save_checkpoint']
 
 _logger = logging.getLogger(__name__)
 
@@ -94,7 +111,6 @@ def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a process killed while saving
         os.makedirs(tmp_dir)
     accelerator.wait_for_everyone()
-    from .rng import capture_rng_state
     save_torch(capture_rng_state(), os.path.join(tmp_dir, f'rng_state_{accelerator.process_index}.pt'))
     model_state = model_state_dict(accelerator, objects.model)
     optimizer_state = optimizer_state_dict(accelerator, objects.model, objects.optimizer)
@@ -144,7 +160,6 @@ def load_checkpoint(checkpoint_dir: str, objects: TrainingObjects) -> tuple[Prog
             _logger.warning('%s has no EMA weights; the EMA restarts from the current weights', checkpoint_dir)
             objects.ema.module.load_state_dict(accelerator.unwrap_model(objects.model).state_dict())
     if os.path.isfile(rank_file):
-        from .rng import restore_rng_state
         restore_rng_state(load_file(rank_file))
     else:
         _logger.warning('%s has no RNG state for process %d (saved with %d processes); random streams restart',
@@ -192,6 +207,28 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def checkpoint_to_resume(run_dir: str, resume: str | None) -> str | None:
+    """The checkpoint folder to continue from; refuses to start over a run that already has checkpoints."""
+    if resume is None:
+        if list_checkpoints(run_dir):
+            raise CheckpointError(f'{run_dir!r} already holds checkpoints of a run; continue it with --resume auto, '
+                                  f'or give another --output')
+        return None
+    if resume == 'auto':
+        found = latest_checkpoint(run_dir)
+        _logger.info('resume auto: %s', f'continuing from {found}' if found else 'no checkpoint yet, starting fresh')
+        return found
+    if not os.path.isdir(resume):
+        raise CheckpointError(f'--resume {resume!r}: no such folder; give a checkpoint folder, a run folder or auto')
+    if os.path.isfile(os.path.join(resume, META_FILE)):
+        return resume
+    found = latest_checkpoint(resume)
+    if found is None:
+        raise CheckpointError(f'--resume {resume!r}: neither a checkpoint folder (with meta.json) nor a run folder '
+                              f'with checkpoints/')
+    return found
+
+
 def mark_best(run_dir: str, name: str, metric: str, value: float, epoch: int) -> None:
     """Record which checkpoint is the best (an atomic pointer file; the folder itself is not copied)."""
     write_json(os.path.join(checkpoints_root(run_dir), BEST_POINTER),
@@ -235,3 +272,70 @@ def _trainer_state(objects: TrainingObjects) -> dict[str, Any]:
     scaler = objects.accelerator.scaler
     return dict(scheduler=objects.scheduler.state_dict(), scaler=scaler.state_dict() if scaler is not None else None,
                 extra={key: target.state_dict() for key, target in objects.extra_states.items()})
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The states of Python's, NumPy's, torch's CPU and (if present) CUDA generators of this process."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        'python': random.getstate(),
+        'numpy': {'kind': kind, 'keys': torch.from_numpy(keys.astype(np.int64)), 'position': int(position),
+                  'has_gauss': int(has_gauss), 'cached_gaussian': float(cached_gaussian)},
+        'torch': torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng_state` returned."""
+    version, internal, gauss_next = state['python']
+    random.setstate((version, tuple(internal), gauss_next))
+    numpy_state = state['numpy']
+    np.random.set_state((numpy_state['kind'], numpy_state['keys'].numpy().astype(np.uint32),
+                         numpy_state['position'], numpy_state['has_gauss'], numpy_state['cached_gaussian']))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state['cuda'])
+
+
+def is_sharded(accelerator: Any) -> bool:
+    """Whether the model is sharded over processes (FSDP), so that full states must be gathered."""
+    return str(accelerator.distributed_type) in ('DistributedType.FSDP', 'FSDP')
+
+
+def model_state_dict(accelerator: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict with plain parameter names (call on every process: FSDP gathers)."""
+    if is_sharded(accelerator):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
+
+
+def set_model_state(accelerator: Any, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict into the (possibly wrapped or sharded) model; mismatches raise CheckpointError."""
+    if is_sharded(accelerator):
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True))
+        return
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    check_state_dict(unwrapped, state_dict, source='checkpoint model.safetensors')
+    unwrapped.load_state_dict(state_dict)
+
+
+def optimizer_state_dict(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's full state keyed by parameter name (call on every process: FSDP gathers)."""
+    sharded = is_sharded(accelerator)
+    owner = model if sharded else accelerator.unwrap_model(model, keep_torch_compile=False)
+    return get_optimizer_state_dict(owner, getattr(optimizer, 'optimizer', optimizer),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=sharded))
+
+
+def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """Load what :func:`optimizer_state_dict` returned; a state for other parameters raises CheckpointError."""
+    owner = model if is_sharded(accelerator) else accelerator.unwrap_model(model, keep_torch_compile=False)
+    try:
+        set_optimizer_state_dict(owner, getattr(optimizer, 'optimizer', optimizer), state_dict,
+                                 options=StateDictOptions(full_state_dict=True))
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f'the optimizer state does not fit this model / optimizer ({e}); was the checkpoint '
+                              f'saved with another model or optimizer.name?') from e
