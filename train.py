@@ -15,8 +15,15 @@ import os
 import sys
 
 from lipsformer.checkpoint import CheckpointError
-from lipsformer.training import ConfigError, NonFiniteLossError, config_to_dict, load_config, reference_yaml, train
-from lipsformer.training.sources import DatasetNotFoundError
+from lipsformer.training import (
+    ConfigError,
+    DatasetNotFoundError,
+    NonFiniteLossError,
+    config_to_dict,
+    load_config,
+    reference_yaml,
+    train,
+)
 
 _logger = logging.getLogger('lipsformer.train')
 

@@ -8,13 +8,18 @@ import torch
 from training_support import make_image_folder, tiny_overrides
 
 from lipsformer.training import load_config
-from lipsformer.training.data import RobustDataset, TrainBatches, create_split, resolve_input_spec
-from lipsformer.training.samplers import PAD_INDEX, ShardedEvalSampler, ShardedTrainSampler
-from lipsformer.training.sources import (
+from lipsformer.training.data import (
     DEBIAN_FASHION_MNIST,
     FASHION_MNIST_FILES,
+    PAD_INDEX,
     DatasetNotFoundError,
+    RobustDataset,
+    ShardedEvalSampler,
+    ShardedTrainSampler,
+    TrainBatches,
+    create_split,
     prepare_dataset,
+    resolve_input_spec,
 )
 
 QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'quickstart.yaml')

@@ -1,11 +1,17 @@
-"""Training and evaluation data: timm datasets and transforms, reproducible sharding, device prefetch.
+"""Training and evaluation data: where datasets come from, how they are sharded, and batches on the device.
 
-Images leave the workers as uint8 and are normalised (and randomly erased) on the device by timm's
-``PrefetchLoader``; mixup is applied later in the step, once the batch is on the device.
+- Sources: timm datasets (``create_dataset``) with their transforms; Fashion-MNIST is unpacked from the Debian
+  package when it is installed, so no network is needed; unreadable images are skipped without ending a run.
+- Samplers: the training order depends only on (seed, epoch), never on global RNG state, so a resumed run visits the
+  same images in the same order, and resuming mid-epoch yields exactly the images this process had not yet seen.
+  Evaluation covers every image once over all processes.
+- Batches: images leave the workers as uint8 and are normalised (and randomly erased) on the device by timm's
+  ``PrefetchLoader``; mixup is applied later in the step, once the batch is on the device.
 """
+import gzip
 import logging
 import os
-import signal
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,16 +21,26 @@ from PIL import Image
 from timm.data import create_dataset, create_transform, resolve_data_config
 from timm.data.loader import PrefetchLoader, fast_collate
 from timm.models import get_pretrained_cfg
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torchvision import transforms
 
+from ..utils.io import atomic_open
 from .config import Config
-from .samplers import PAD_INDEX, ShardedEvalSampler, ShardedTrainSampler
-from .sources import prepare_dataset
+from .signals import ignore_stop_signals
 
 _logger = logging.getLogger(__name__)
 
 # How many following images to try in place of an unreadable one before giving up.
 _MAX_CONSECUTIVE_BAD_IMAGES = 50
+# Index the evaluation sampler yields for padding; the dataset wrapper answers it with a sample labelled -1.
+PAD_INDEX = -1
+DEBIAN_FASHION_MNIST = '/usr/share/datasets/fashion-mnist'
+FASHION_MNIST_FILES = ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte', 't10k-images-idx3-ubyte',
+                       't10k-labels-idx1-ubyte')
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The dataset is not on disk and cannot be fetched; the message says how to get it."""
 
 
 @dataclass
@@ -131,6 +147,50 @@ def class_names_of(dataset: Dataset) -> list[str] | None:
     return [str(c) for c in classes] if classes else None
 
 
+def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str = DEBIAN_FASHION_MNIST) -> None:
+    """Make a torchvision dataset readable offline when a local copy exists.
+
+    torchvision's ``FashionMNIST(root)`` reads the four uncompressed IDX files from ``<root>/FashionMNIST/raw``; the
+    Debian package ``dataset-fashion-mnist`` ships them gzipped in :data:`DEBIAN_FASHION_MNIST`, from where they are
+    unpacked into the root.
+
+    Args:
+        name: The config's ``data.dataset``; only ``torch/fashion_mnist`` needs preparing.
+        root: The dataset root (``data.data_dir``).
+        download: Whether torchvision may download what is missing.
+        debian_dir: Where the Debian package keeps its gzipped IDX files.
+
+    Raises:
+        DatasetNotFoundError: Fashion-MNIST is neither in the root nor in the Debian package and ``download`` is off.
+    """
+    if name.lower() != 'torch/fashion_mnist':
+        return
+    if root is None:
+        raise DatasetNotFoundError('data.data_dir is not set; give the folder Fashion-MNIST lives in (or should be '
+                                   'unpacked / downloaded to) with --data-dir or data.data_dir=PATH')
+    raw_dir = os.path.join(root, 'FashionMNIST', 'raw')
+    missing = [f for f in FASHION_MNIST_FILES if not os.path.isfile(os.path.join(raw_dir, f))]
+    if not missing:
+        return
+    packaged = [os.path.join(debian_dir, f + '.gz') for f in missing]
+    if all(os.path.isfile(p) for p in packaged):
+        os.makedirs(raw_dir, exist_ok=True)
+        for name_, source in zip(missing, packaged, strict=True):
+            _gunzip_atomically(source, os.path.join(raw_dir, name_))
+        return
+    if download:
+        return
+    raise DatasetNotFoundError(
+        f'Fashion-MNIST is not in {raw_dir} (missing {", ".join(missing)}). Install the Debian package '
+        f'(apt-get install dataset-fashion-mnist, files in {debian_dir}), or set data.download=true to let '
+        f'torchvision download it, or put the four IDX files there yourself.')
+
+
+def _gunzip_atomically(source: str, target: str) -> None:
+    with gzip.open(source, 'rb') as src, atomic_open(target, 'wb') as dst:
+        shutil.copyfileobj(src, dst)
+
+
 def create_split(config: Config, spec: InputSpec, is_training: bool) -> Dataset:
     """A timm dataset for the training or validation split with its transform attached."""
     data = config.data
@@ -179,18 +239,70 @@ def create_eval_transform(spec: InputSpec) -> Any:
 
 
 def _compose(first: Any, rest: Any) -> Any:
-    from torchvision import transforms
     return transforms.Compose([first, *getattr(rest, 'transforms', [rest])])
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """Loader workers leave SIGTERM / SIGINT to the main process, which saves a checkpoint before stopping them.
+class ShardedTrainSampler(Sampler[int]):
+    """This process's share of a per-epoch permutation, every process getting the same number of samples.
 
-    A cluster preempting a job signals every process in it; a worker that died of it would end the run before the
-    checkpoint is written.
+    The permutation of ``range(dataset_size)`` is seeded by ``seed + epoch``; the first
+    ``dataset_size // num_replicas * num_replicas`` entries are dealt round-robin to the processes (the few left
+    over are dropped for this epoch, as DistributedSampler does), so no process waits on another at the end.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def __init__(self, dataset_size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True):
+        if dataset_size < num_replicas:
+            raise ValueError(f'the training set has {dataset_size} images, fewer than the {num_replicas} processes')
+        self.dataset_size = dataset_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's permutation and skip this process's first ``start`` samples of it."""
+        self.epoch = epoch
+        self.start = start
+
+    def epoch_indices(self) -> list[int]:
+        """All of this process's indices for the current epoch, from the beginning."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator)
+        else:
+            order = torch.arange(self.dataset_size)
+        usable = self.dataset_size // self.num_replicas * self.num_replicas
+        return order[self.rank:usable:self.num_replicas].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_indices()[self.start:])
+
+    def __len__(self) -> int:
+        return self.dataset_size // self.num_replicas - self.start
+
+
+class ShardedEvalSampler(Sampler[int]):
+    """Every sample exactly once over all processes, padded with :data:`PAD_INDEX` to equal counts.
+
+    Equal counts keep collective operations inside a sharded model's forward (FSDP) in step; padded entries are
+    labelled -1 by the dataset wrapper and ignored by the metrics, so no image is counted twice.
+    """
+
+    def __init__(self, dataset_size: int, num_replicas: int = 1, rank: int = 0):
+        self.dataset_size = dataset_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[int]:
+        padded = -(-self.dataset_size // self.num_replicas) * self.num_replicas
+        indices = list(range(self.dataset_size)) + [PAD_INDEX] * (padded - self.dataset_size)
+        return iter(indices[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return -(-self.dataset_size // self.num_replicas)
 
 
 class TrainBatches:

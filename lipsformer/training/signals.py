@@ -2,7 +2,7 @@
 
 Clusters preempt jobs with SIGTERM and a grace period; Ctrl-C sends SIGINT. The first signal only sets a flag that
 the loop polls after every optimizer update (agreed across processes), so the checkpoint is consistent. A second
-Ctrl-C interrupts immediately.
+Ctrl-C interrupts immediately. Data loader workers ignore both signals and leave them to the main process.
 """
 import logging
 import signal
@@ -40,3 +40,13 @@ class StopSignal:
         self.received = signal.Signals(signum).name
         _logger.warning('received %s: saving a checkpoint after the current update, then exiting '
                         '(press Ctrl-C again to abort without saving)', self.received)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave SIGTERM / SIGINT to the main process, which saves a checkpoint before stopping them.
+
+    A cluster preempting a job signals every process in it; a worker that died of it would end the run before the
+    checkpoint is written.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

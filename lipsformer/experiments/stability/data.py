@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...training.sources import prepare_dataset
+from ...training.data import prepare_dataset
 
 __all__ = ['Batches', 'Subsets', 'load_subsets', 'synthetic_subsets']
 
