@@ -15,7 +15,7 @@ from lipsformer.lipschitz.analysis import network_bound
 from lipsformer.lipschitz.sources import MeasuredNorms
 from lipsformer.lipschitz.structure import describe
 from lipsformer.training.config import LipschitzConfig
-from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
+from lipsformer.training.session import create_lipschitz_constraint
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

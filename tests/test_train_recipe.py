@@ -2,16 +2,20 @@
 decay and losses, checked against the paper's numbers and first principles."""
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import timm
 import torch
+from accelerate.state import AcceleratorState
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.utils import ModelEmaV3
 from tiny_models import TINY_MODELS, TINY_SWIN
 
-import lipsformer  # noqa: F401
-from lipsformer.training import load_config
+import lipsformer.training.session as session
+from lipsformer.training import ConfigError, load_config
+from lipsformer.training.loop import _apply_update
 from lipsformer.training.optim import (
     create_mixup,
     create_optimizer,
@@ -21,6 +25,7 @@ from lipsformer.training.optim import (
     global_batch_size,
     lr_scale,
 )
+from lipsformer.training.session import create_lipschitz_constraint
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -97,11 +102,6 @@ def test_losses_and_mixup_follow_the_recipe():
 def test_ema_averages_the_weights_after_the_lipschitz_constraint():
     """The constraint projects the weights after each update; the EMA must average projected weights, or its copy
     (the one evaluated and exported as best) would not satisfy the constraint."""
-    from types import SimpleNamespace
-
-    from timm.utils import ModelEmaV3
-
-    from lipsformer.training.loop import _apply_update
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     ema = ModelEmaV3(model, decay=0.5)
@@ -109,20 +109,18 @@ def test_ema_averages_the_weights_after_the_lipschitz_constraint():
     def cap_weights():
         with torch.no_grad():
             model.weight.clamp_(-0.1, 0.1)
-    session = SimpleNamespace(
+    stub = SimpleNamespace(
         model=model, unwrapped_model=model, optimizer=optimizer, ema=ema, lipschitz=cap_weights,
         accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
         config=SimpleNamespace(optimizer=SimpleNamespace(clip_grad=None)), progress=SimpleNamespace(step=1))
     cap_weights()
     ema.set(model)
     model(torch.full((8, 4), 10.0)).sum().backward()  # a large step takes the weights far past the cap
-    _apply_update(session)
+    _apply_update(stub)
     assert model.weight.abs().max() <= 0.1 and ema.module.weight.abs().max() <= 0.1
 
 
 def test_a_constraint_rejecting_its_settings_is_a_config_error():
-    from lipsformer.training import ConfigError
-    from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
     config = load_config(None, ['lipschitz.enabled=true', 'lipschitz.kwargs={power_iterations: 0}'])
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match='lipschitz.kwargs: .*power_iterations must be >= 1, got 0'):
@@ -132,9 +130,6 @@ def test_a_constraint_rejecting_its_settings_is_a_config_error():
 @pytest.mark.parametrize('retain', [True, False])
 def test_cpu_runs_retain_freed_memory_unless_switched_off(retain, monkeypatch, tmp_path):
     """train.cpu_retain_freed_memory (default on) applies lipsformer.cpu_memory's malloc settings on a CPU run."""
-    from accelerate.state import AcceleratorState
-
-    import lipsformer.training.session as session
     calls = []
     monkeypatch.setattr(session, 'retain_freed_memory', lambda: calls.append(True) or True)
     config = load_config(None, [f'train.cpu_retain_freed_memory={str(retain).lower()}', 'log.tensorboard=false'])

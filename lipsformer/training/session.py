@@ -4,22 +4,30 @@ The model is created with the same seed on every process, moved to the device, c
 out of ``accelerator.prepare``), given to the optimizer, and only then prepared. Data loaders are not prepared:
 their sharding is done by this package's samplers so that resuming is exact. The scheduler is stepped by hand after
 every update and saved with the checkpoints.
+
+The optional Lipschitz constraint (``lipschitz.*`` in the config) is built here too: ``lipschitz.target`` names a
+factory as ``module:callable``, called once as ``factory(model, **kwargs)`` with the unwrapped model; what it returns
+is called with no arguments after every update, and saved with the checkpoints when it has ``state_dict`` /
+``load_state_dict`` (cached power-iteration vectors, say).
 """
+import importlib
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, set_seed
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, is_tensorboard_available, set_seed
 from timm.utils import ModelEmaV3
 
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
-from .config import Config, ConfigError
+from .config import Config, ConfigError, LipschitzConfig
 from .data import (
     InputSpec,
     TrainBatches,
@@ -29,7 +37,6 @@ from .data import (
     num_classes_of,
     resolve_input_spec,
 )
-from .lipschitz_hook import create_lipschitz_constraint
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
 from .train_state import Progress, TrainingObjects, is_sharded
 
@@ -78,7 +85,6 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop."""
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
-    from accelerate.utils import is_tensorboard_available
     tensorboard = config.log.tensorboard
     if tensorboard is None:
         tensorboard = is_tensorboard_available()
@@ -98,7 +104,6 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
 def release_accelerator() -> None:
     """Forget Accelerate's per-process settings (precision, plugins) so that another run in this process may use
     other ones; the device and any process group stay as they are."""
-    from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
 
@@ -192,8 +197,27 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     _logger.info('initial weights from %s', path)
 
 
+def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Module) -> Callable[[], None]:
+    """Build the constraint named by ``settings.target`` for ``model``."""
+    module_name, _, attribute = settings.target.partition(':')
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f'lipschitz.target: cannot import {settings.target!r} ({e}); give module:callable, or set '
+                          f'lipschitz.enabled=false') from e
+    try:
+        constraint = factory(model, **settings.kwargs)
+    except TypeError as e:
+        raise ConfigError(f'lipschitz.kwargs: {settings.target} does not accept {settings.kwargs} ({e})') from e
+    except ValueError as e:
+        raise ConfigError(f'lipschitz.kwargs: {settings.target} rejects {settings.kwargs}: {e}') from e
+    if not callable(constraint):
+        raise ConfigError(f'lipschitz.target: {settings.target}(model, ...) returned a {type(constraint).__name__}, '
+                          f'which cannot be called after each update')
+    return constraint
+
+
 def _check_model_name(name: str) -> None:
-    import lipsformer  # noqa: F401  (registers the lipsformer_* models with timm)
     if not timm.is_model(name):
         close = timm.list_models(f'*{name.split("_")[0]}*')[:12] or timm.list_models('lipsformer*')
         raise ConfigError(f'model.name: {name!r} is not a timm model; for example: {", ".join(close)}')
