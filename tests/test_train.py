@@ -7,6 +7,7 @@ import sys
 import pytest
 import timm
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 from tiny_models import SMALLEST_MODEL
 from training_support import make_webdataset, tiny_overrides
@@ -15,6 +16,8 @@ import lipsformer  # noqa: F401
 from lipsformer.checkpoint import CheckpointError
 from lipsformer.checkpoint import load_file as load_file_any
 from lipsformer.training import ConfigError, load_config, train
+from lipsformer.training.finish import write_plots
+from lipsformer.training.overhead import main as overhead_main
 from lipsformer.training.train_state import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -159,9 +162,6 @@ def test_accumulation_precision_memory_options_and_the_lipschitz_hook(data_dir, 
 
 
 def test_plots_of_loss_accuracy_and_alpha(reference_run, tmp_path, monkeypatch, caplog):
-    from PIL import Image
-
-    from lipsformer.training.plots import write_plots
     run_dir, _ = reference_run
     history = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     with monkeypatch.context() as patch:
@@ -191,8 +191,7 @@ def test_webdataset_shards_train_and_resume_mid_epoch(tmp_path):
 
 
 def test_loop_overhead_tool_measures_both_rates(data_dir, capsys):
-    from lipsformer.training.overhead import main
-    result = main(['--config', os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.yaml'),
+    result = overhead_main(['--config', os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.yaml'),
                    '--updates', '5', '--warmup', '2', *tiny_overrides(data_dir)])
     assert result['bare_step_images_per_s'] > 0 and result['full_loop_images_per_s'] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['model'] == SMALLEST_MODEL
