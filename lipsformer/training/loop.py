@@ -1,4 +1,4 @@
-"""One training epoch and one evaluation pass.
+"""One training epoch, one evaluation pass, and the alpha statistics logged after each epoch.
 
 Accumulation is explicit: gradients are synchronised only on the last micro-batch of each window
 (``accelerator.no_sync`` before it), epochs hold whole windows, and checkpoints fall on window boundaries, so a
@@ -6,8 +6,10 @@ resumed run splits its batches into the same windows. The host synchronises once
 processes on a non-finite loss or a stop signal; the running loss stays on the device between log lines.
 """
 import logging
+import re
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,7 +23,6 @@ from .session import Session
 from .signals import StopSignal
 
 _logger = logging.getLogger(__name__)
-
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive updates had a non-finite loss; the message names the step and the last checkpoint."""
@@ -196,7 +197,7 @@ def _report(session: Session, bar: tqdm | None, tally: _Tally) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator) -> dict[str, float]:
+def validate(model: torch.nn.Module, loader, accelerator) -> dict[str, float]:
     """Top-1 / top-5 accuracy (percent) and mean loss over the whole validation set, all processes together.
 
     Targets of -1 (padding, unreadable images) are left out; ``val_samples`` is the number of images counted.
@@ -223,3 +224,28 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict[str, float]:
     denominator = max(count, 1)
     return dict(top1=100 * top1_hits / denominator, top5=100 * top5_hits / denominator, loss=loss_sum / denominator,
                 samples=int(count))
+
+
+# The weighted-residual scales: alpha1 / alpha2 of attention and MLP, conv_shortcuts.N.alpha of the conv branches.
+_ALPHA_PARAM = re.compile(r'(?:^|\.)alpha\d*\.gamma$')
+_STAGE = re.compile(r'(?:^|\.)(?:layers|stages)\.(\d+)\.')
+
+
+def alpha_statistics(model: torch.nn.Module) -> dict[str, float]:
+    """Mean and standard deviation of every alpha entry per stage, as ``alpha/stage<i>/mean`` and ``.../std``.
+
+    Models without alpha parameters give an empty dict.
+    """
+    per_stage: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for name, param in model.named_parameters():
+        if _ALPHA_PARAM.search(name):
+            match = _STAGE.search(name)
+            per_stage[f'stage{match.group(1)}' if match else 'other'].append(param.detach().float().flatten())
+    stats = {}
+    for stage, values in sorted(per_stage.items()):
+        flat = torch.cat(values)
+        if flat.numel() == 0:  # a shard without this stage's alphas (FSDP)
+            continue
+        stats[f'alpha/{stage}/mean'] = flat.mean().item()
+        stats[f'alpha/{stage}/std'] = flat.std().item() if flat.numel() > 1 else 0.0
+    return stats

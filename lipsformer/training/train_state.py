@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 from ..checkpoint import CheckpointError, check_state_dict, load_file
 from ..utils.io import replace_dir, save_safetensors, save_torch, write_json
 
-__all__ = ['Progress', 'TrainingObjects', 'best_checkpoint', 'checkpoint_to_resume', 'is_sharded', 'latest_checkpoint',
-           'list_checkpoints', 'load_checkpoint', 'mark_best', 'prune_checkpoints', 'read_meta', 'save_checkpoint']
+__all__ = ['Progress', 'TrainingObjects', 'best_checkpoint', 'checkpoint_to_resume', 'checkpoints_root', 'is_sharded',
+           'latest_checkpoint', 'list_checkpoints', 'load_checkpoint', 'mark_best', 'prune_checkpoints', 'read_meta',
+           'save_checkpoint']
 
 _logger = logging.getLogger(__name__)
 

@@ -12,14 +12,14 @@ from ..utils.env import peak_memory_mb
 from .config import Config
 from .config_io import config_to_dict, flat_dict
 from .finish import finish_run
-from .loop import EpochResult, evaluate, train_epoch
-from .metrics import MetricsFile, alpha_statistics
+from .loop import EpochResult, alpha_statistics, train_epoch, validate
 from .optim import best_metric_name, total_epochs
-from .run_folder import attach_log_file, write_config
+from .run_files import MetricsFile, attach_log_file, write_config
 from .session import Session, create_accelerator, create_session, release_accelerator
 from .signals import StopSignal
 from .train_state import (
     checkpoint_to_resume,
+    checkpoints_root,
     load_checkpoint,
     mark_best,
     prune_checkpoints,
@@ -108,10 +108,10 @@ def _end_epoch(session: Session, result: EpochResult) -> dict[str, Any]:
                                 images_per_s=result.images / max(result.seconds, 1e-9),
                                 epoch_time_s=result.seconds)
     if (progress.epoch + 1) % config.train.eval_interval == 0 or last_epoch:
-        raw = evaluate(session.model, session.val_loader, accelerator)
+        raw = validate(session.model, session.val_loader, accelerator)
         line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'])
         if session.ema is not None:
-            ema = evaluate(session.ema.module, session.val_loader, accelerator)
+            ema = validate(session.ema.module, session.val_loader, accelerator)
             line.update(ema_val_loss=ema['loss'], ema_val_top1=ema['top1'], ema_val_top5=ema['top5'])
     line.update(peak_memory_mb=_max_over_processes(accelerator, peak_memory_mb(accelerator.device)),
                 nonfinite_steps=progress.nonfinite_total, **alpha_statistics(session.unwrapped_model))
@@ -143,7 +143,7 @@ def resume_session(session: Session, checkpoint: str) -> None:
         _logger.warning('resuming with config keys changed since the checkpoint: %s', ', '.join(changed))
     progress = session.progress
     if session.accelerator.is_main_process and progress.best_checkpoint:
-        if os.path.isdir(os.path.join(session.run_dir, 'checkpoints', progress.best_checkpoint)):
+        if os.path.isdir(os.path.join(checkpoints_root(session.run_dir), progress.best_checkpoint)):
             mark_best(session.run_dir, progress.best_checkpoint, best_metric_name(session.config),
                       progress.best_value, progress.best_epoch)
     _logger.info('resumed from %s: epoch %d, micro-batch %d, step %d', checkpoint, progress.epoch + 1,
