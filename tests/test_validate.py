@@ -22,6 +22,7 @@ from imagenet_trees import build_tree, val_file_name, write_jpegs
 from timm.models import save_for_hf
 from timm.models._registry import _model_pretrained_cfgs
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN, SMALLEST_SWIN_KWARGS
+from training_support import write_checkpoint_meta
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.checkpoint import load_model_weights
@@ -246,7 +247,8 @@ def test_run_folder_best_and_ema_weights(vit, tmp_path, capsys):
         os.makedirs(saved / name)
         safetensors.torch.save_file(weights.state_dict(), str(saved / name / 'model.safetensors'))
     safetensors.torch.save_file(ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
-    os.utime(saved / 'step_100' / 'model.safetensors', (1_000_000, 1_000_000))
+    write_checkpoint_meta(saved / 'step_200', step=200)
+    write_checkpoint_meta(saved / 'step_100', step=100)
     (checkpoints_run / 'config.yaml').write_text(yaml.safe_dump({
         'model': {'name': SMALLEST_MODEL, 'kwargs': SMALLEST_SWIN_KWARGS,
                   'img_size': 32, 'in_chans': 3, 'num_classes': None},

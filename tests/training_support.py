@@ -4,6 +4,7 @@ Images come from Fashion-MNIST (the Debian package's IDX files, /usr/share/datas
 installed; otherwise from class-dependent synthetic patterns, so the tests never skip for lack of data.
 """
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
@@ -16,6 +17,8 @@ from PIL import Image
 from timm.models import register_model
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS
 from torch import nn
+
+from lipsformer.training.train_state import FORMAT_VERSION, META_FILE, Progress
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 
@@ -100,6 +103,14 @@ def make_webdataset(root: str, num_classes: int = 4, train_per_class: int = 12, 
     with open(os.path.join(root, '_info.json'), 'w') as f:
         json.dump(info, f)
     return root
+
+
+def write_checkpoint_meta(folder: str | os.PathLike, step: int) -> None:
+    """A training checkpoint's ``meta.json`` at optimizer update ``step``: what makes a folder a checkpoint."""
+    os.makedirs(folder, exist_ok=True)
+    meta = dict(format=FORMAT_VERSION, name=os.path.basename(folder), progress=dataclasses.asdict(Progress(step=step)))
+    with open(os.path.join(folder, META_FILE), 'w') as f:
+        json.dump(meta, f)
 
 
 def tiny_overrides(data_dir: str, **extra: object) -> list[str]:

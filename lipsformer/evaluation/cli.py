@@ -19,11 +19,11 @@ from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
 from ..checkpoint import CheckpointError
+from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
 from .real import load_real_labels
 from .results import format_table, model_record, write_results
-from .run import DataRequest, PlannedPass, evaluate, plan_datasets
 
 __all__ = ['build_parser', 'run', 'main']
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              'when --checkpoint has a config.json / run config.yaml')
     model.add_argument('--checkpoint', help='weights file (.safetensors, .pth.tar, authors\' .pth), a folder with '
                                             'model.safetensors, or a training run folder (export/best, export/last, '
-                                            'else newest checkpoints/*); without it, timm pretrained weights')
+                                            'else the newest checkpoint); without it, timm pretrained weights')
     model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
     model.add_argument('--num-classes', type=int, help='classifier size, if not the model default')
     model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',

@@ -1,7 +1,7 @@
 """The results of a validate.py run: one record per model, printed as a table and written as JSON or CSV.
 
 A record holds the model, checkpoint, evaluation settings, package versions and a ``results`` list with one entry
-per data set (see :class:`~lipsformer.evaluation.run.DatasetResult`). The JSON file holds the record, or a list of
+per data set (see :class:`~lipsformer.evaluation.datasets.DatasetResult`). The JSON file holds the record, or a list of
 records when several models were evaluated; the CSV has one row per model and data set. Files are written
 atomically, so an interrupted run never leaves a half-written results file over an earlier one.
 """
@@ -14,7 +14,7 @@ from dataclasses import asdict
 from importlib import metadata
 
 from ..utils.io import write_text
-from .run import DatasetResult
+from .datasets import DatasetResult
 
 __all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
 
