@@ -19,7 +19,7 @@ Sized to run the whole grid in about 80 core-minutes on a 2-core CPU (one thread
   1 s per Lipschitz-bound measurement (every 50 steps and at the end) and 2 s for the test evaluation: about 110 s per
   run with conv shortcuts, 60 s without.
 
-Records per run (``OUT/<arm>/lr<lr>/seed<seed>/``, see :mod:`.runs`): per step the loss, gradient norm, largest
+Records per run (``OUT/<arm>/lr<lr>/seed<seed>/``, see :mod:`.training_run`): per step the loss, gradient norm, largest
 per-token activation norm over block outputs and learning rate; every 50 steps the log10 of Theorem 2's product bound
 over the parts of the network that have a bound (with the authors' SCSA, whose values are not normalised, and with
 LayerNorm or dot-product attention, the full product is infinite); at the end the test accuracy. A non-finite loss

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from .arms import ARMS, ModelShape
-from .data import load_subsets, synthetic_subsets
 from .grid import run_grid
-from .trainer import RunSettings
+from .report import write_report
+from .subsets import load_subsets, synthetic_subsets
+from .training_run import RunSettings
 
 __all__ = ['main']
 
@@ -74,7 +75,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s')
     if args.report is not None:
-        from .report import write_report
         write_report(args.out, args.report)
         return
     torch.set_num_threads(args.threads)

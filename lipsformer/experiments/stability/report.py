@@ -11,7 +11,7 @@ from typing import Any
 
 from ...utils.io import read_json, write_text
 from .arms import ARMS
-from .runs import RunFiles
+from .training_run import RunFiles
 
 __all__ = ['LOSS_THRESHOLD', 'SMOOTHING_STEPS', 'steps_to_loss', 'summarize', 'write_report']
 

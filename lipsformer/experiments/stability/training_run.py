@@ -1,14 +1,21 @@
 """One run of the stability grid: an arm at a learning rate and seed, trained with resumption and measured per step.
 
+Its folder holds ``config.json`` (the run's settings; resuming with different settings is refused), ``steps.jsonl``
+(one JSON record per optimizer step, appended every log interval), ``checkpoint.pt`` (model, optimizer, scheduler,
+RNG and step, replaced atomically; deleted when the run finishes) and ``result.json`` (written atomically last; its
+presence means the run is done).
+
 Per step: training loss, total gradient norm (L2 over all parameters, before the update; no clipping), the largest
 per-token L2 norm over all block outputs, and the learning rate. Every ``bound_every`` steps (from the first): the
 log10 of the Lipschitz product bound (Theorem 2) over the parts of the network that have a bound. A non-finite loss
 ends the run as diverged at that step.
 """
+import itertools
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,12 +27,11 @@ from timm.scheduler import CosineLRScheduler
 from ...lipschitz import describe, network_bound
 from ...lipschitz.sources import MeasuredNorms
 from ...utils.env import cpu_name
-from ...utils.io import read_json, save_torch, write_json
+from ...utils.io import JsonLines, read_json, save_torch, write_json
 from .arms import Arm, ModelShape, build_model
-from .data import Batches, Subsets
-from .runs import RunFiles
+from .subsets import Batches, Subsets
 
-__all__ = ['RunSettings', 'train_run']
+__all__ = ['RunFiles', 'RunSettings', 'train_run']
 
 _logger = logging.getLogger(__name__)
 
@@ -50,6 +56,31 @@ class RunSettings:
         settings = asdict(self)
         settings['shape'] = {k: list(v) if isinstance(v, tuple) else v for k, v in settings['shape'].items()}
         return settings
+
+
+class RunFiles:
+    """Paths of one run's files and the reading and writing of its step records."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.config = self.directory / 'config.json'
+        self.steps = self.directory / 'steps.jsonl'
+        self.checkpoint = self.directory / 'checkpoint.pt'
+        self.result = self.directory / 'result.json'
+
+    def done(self) -> bool:
+        return self.result.exists()
+
+    def append_steps(self, records: list[dict[str, Any]]) -> None:
+        JsonLines(self.steps).append(records)
+
+    def read_steps(self) -> list[dict[str, Any]]:
+        return JsonLines(self.steps).read()
+
+    def truncate_steps(self, last_step: int) -> None:
+        """Keep the records of steps up to ``last_step`` (those a checkpoint covers); drop a torn last line too."""
+        steps = JsonLines(self.steps)
+        steps.rewrite(itertools.takewhile(lambda record: record['step'] <= last_step, steps.read()))
 
 
 class ActivationMonitor:
@@ -80,7 +111,9 @@ def lipschitz_log10(model: nn.Module, img_size: int) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> dict[str, float]:
+def score_test_set(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                   batch_size: int = 500) -> dict[str, float]:
+    """Accuracy (a fraction) and mean cross-entropy on the test subset."""
     model.eval()
     correct, loss = 0, 0.0
     for start in range(0, len(labels), batch_size):
@@ -171,7 +204,7 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
               'warmup_steps': warmup_steps, 'steps_per_epoch': batches.steps_per_epoch}
     if diverged_step is None:
         start = time.perf_counter()
-        result.update(evaluate(model, subsets.test_images, subsets.test_labels))
+        result.update(score_test_set(model, subsets.test_images, subsets.test_labels))
         seconds['eval'] += time.perf_counter() - start
         start = time.perf_counter()
         result['final_lipschitz'] = lipschitz_log10(model, settings.shape.img_size)
