@@ -15,17 +15,20 @@ import torch.nn.functional as F
 
 from ..layers import spectral_norm as weight_spectral_norm
 
-__all__ = ['activation_lipschitz', 'conv_operator_norm', 'conv_overlap_factor', 'is_patchwise', 'reshaped_norm',
-           'spectral_norm']
+__all__ = ['activation_lipschitz', 'conv_operator_norm', 'conv_overlap_factor', 'is_patchwise',
+           'largest_singular_value', 'reshaped_norm']
 
 
 @torch.no_grad()
-def spectral_norm(matrix: torch.Tensor) -> float:
-    """Largest singular value of a matrix, or the largest over a stack of matrices (exact, float64)."""
-    matrix = matrix.detach()
-    if matrix.dim() == 2:
-        return weight_spectral_norm(matrix).item()
-    return max(weight_spectral_norm(m).item() for m in matrix.reshape(-1, *matrix.shape[-2:]))
+def largest_singular_value(matrices: torch.Tensor) -> float:
+    """The largest singular value of a matrix, or the largest over a stack of matrices (exact, float64).
+
+    One matrix's value is :func:`lipsformer.layers.spectral_norm` (a tensor, of the (out, -1) reshape) as a float.
+    """
+    matrices = matrices.detach()
+    if matrices.dim() == 2:
+        return weight_spectral_norm(matrices).item()
+    return max(weight_spectral_norm(m).item() for m in matrices.reshape(-1, *matrices.shape[-2:]))
 
 
 @torch.no_grad()

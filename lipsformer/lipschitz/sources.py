@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from .norms import conv_operator_norm, spectral_norm
+from .norms import conv_operator_norm, largest_singular_value
 
 __all__ = ['MeasuredNorms', 'NormSource']
 
@@ -60,7 +60,7 @@ class MeasuredNorms(NormSource):
         key = ('matrix', id(weight), None if rows is None else tuple((r.start, r.stop) for r in rows))
         if key not in self.cache:
             block = weight if rows is None else torch.cat([weight[r] for r in rows])
-            self.cache[key] = spectral_norm(block.reshape(block.shape[0], -1) if block.dim() == 4 else block)
+            self.cache[key] = largest_singular_value(block.reshape(block.shape[0], -1) if block.dim() == 4 else block)
         return self.cache[key]
 
     def conv(self, conv: nn.Conv2d, input_size: tuple[int, int]) -> float:
