@@ -19,7 +19,7 @@ from lipsformer.training import (
     ConfigError,
     DatasetNotFoundError,
     NonFiniteLossError,
-    config_to_dict,
+    config_to_yaml,
     load_config,
     reference_yaml,
     train,
@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         _logger.error('config error: %s', e)
         return 2
     if args.print_config:
-        import yaml
-        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end='')
+        print(config_to_yaml(config), end='')
         return 0
     config_name = os.path.splitext(os.path.basename(args.config))[0] if args.config else 'default'
     output = args.output or os.path.join('runs', config_name)

@@ -136,3 +136,12 @@ def test_cli_reports_config_errors_before_training(tmp_path):
     assert result.returncode == 2
     assert 'optimizer.lr: got 0.0; allowed: a number > 0' in result.stderr
     assert not (tmp_path / 'run').exists()
+
+
+def test_cli_prints_the_resolved_config_that_loads_back(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO, 'train.py'), '--config',
+                             os.path.join(CONFIGS, 'quickstart.yaml'), '--print-config', 'optimizer.lr=1e-3'],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (tmp_path / 'printed.yaml').write_text(result.stdout)
+    assert load_config(tmp_path / 'printed.yaml') == _config('quickstart.yaml', 'optimizer.lr=1e-3')

@@ -17,11 +17,11 @@ command-line front; :func:`train` with a :class:`Config` from :func:`load_config
 - :mod:`.overhead`: what the loop costs on top of the model (``python -m lipsformer.training.overhead``).
 """
 from .config import Config, ConfigError
-from .config_io import config_to_dict, load_config, reference_yaml
+from .config_io import config_to_dict, config_to_yaml, load_config, reference_yaml
 from .data import DatasetNotFoundError
 from .loop import NonFiniteLossError
 from .train_state import latest_checkpoint
 from .trainer import train
 
-__all__ = ['Config', 'ConfigError', 'DatasetNotFoundError', 'NonFiniteLossError', 'config_to_dict', 'latest_checkpoint',
-           'load_config', 'reference_yaml', 'train']
+__all__ = ['Config', 'ConfigError', 'DatasetNotFoundError', 'NonFiniteLossError', 'config_to_dict', 'config_to_yaml',
+           'latest_checkpoint', 'load_config', 'reference_yaml', 'train']

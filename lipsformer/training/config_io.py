@@ -18,8 +18,8 @@ import yaml
 from ..utils.io import write_text
 from .config import Config, ConfigError, Rule, check_config
 
-__all__ = ['config_from_dict', 'config_to_dict', 'dump_config', 'flat_dict', 'load_config', 'parse_override',
-           'reference_yaml']
+__all__ = ['config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config', 'flat_dict', 'load_config',
+           'parse_override', 'reference_yaml']
 
 _BASE_KEY = 'base'
 
@@ -72,9 +72,14 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def config_to_yaml(config: Config) -> str:
+    """The fully resolved config as YAML (what ``config.yaml`` holds and ``train.py --print-config`` prints)."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None)
+
+
 def dump_config(config: Config, path: str | os.PathLike) -> None:
     """Write the fully resolved config as YAML, atomically."""
-    write_text(path, yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None))
+    write_text(path, config_to_yaml(config))
 
 
 def flat_dict(data: dict[str, Any], prefix: str = '') -> dict[str, Any]:
