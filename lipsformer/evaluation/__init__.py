@@ -12,13 +12,12 @@ from .errors import EvaluationError
 from .layouts import ImageList, imagenet_synsets, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
 from .models import ResolvedCheckpoint, SavedModelConfig, create_eval_model, expand_model_names, resolve_checkpoint
-from .predict import Predictions, predict
+from .predict import InferenceSettings, Predictions, predict
 from .real import load_real_labels, real_labels_for
 
 __all__ = [
-    'EvaluationError', 'ImageList', 'imagenet_synsets', 'list_image_folder', 'list_imagenet_v2',
-    'list_imagenet_val', 'Score', 'score_label_sets', 'score_labels', 'ResolvedCheckpoint', 'SavedModelConfig',
-    'create_eval_model',
-    'expand_model_names', 'resolve_checkpoint', 'Predictions', 'predict', 'load_real_labels', 'real_labels_for',
-    'DataRequest', 'DatasetResult', 'evaluate', 'plan_datasets',
+    'DataRequest', 'DatasetResult', 'EvaluationError', 'ImageList', 'InferenceSettings', 'Predictions',
+    'ResolvedCheckpoint', 'SavedModelConfig', 'Score', 'create_eval_model', 'evaluate', 'expand_model_names',
+    'imagenet_synsets', 'list_image_folder', 'list_imagenet_v2', 'list_imagenet_val', 'load_real_labels',
+    'plan_datasets', 'predict', 'real_labels_for', 'resolve_checkpoint', 'score_label_sets', 'score_labels',
 ]

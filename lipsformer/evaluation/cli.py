@@ -22,6 +22,7 @@ from ..checkpoint import CheckpointError
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
+from .predict import InferenceSettings
 from .real import load_real_labels
 from .results import format_table, model_record, write_results
 
@@ -121,8 +122,8 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
         model = model.to(memory_format=torch.channels_last)
     _logger.info('%s: %.2fM params, data config %s', model_name, sum(p.numel() for p in model.parameters()) / 1e6,
                  data_config)
-    results = evaluate(model, passes, data_config, accelerator, args.batch_size, args.workers,
-                       channels_last=args.channels_last, log_every=args.log_every)
+    inference = InferenceSettings(args.batch_size, args.workers, args.channels_last, args.log_every)
+    results = evaluate(model, passes, data_config, accelerator, inference)
     settings = dict(data_config, batch_size=args.batch_size, amp=args.amp, channels_last=args.channels_last,
                     use_ema=args.use_ema, num_processes=accelerator.num_processes, device=str(accelerator.device))
     return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results)

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from .errors import EvaluationError
 from .layouts import ImageList, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
-from .predict import predict
+from .predict import InferenceSettings, predict
 from .real import real_labels_for
 
 __all__ = ['DataRequest', 'DatasetResult', 'PlannedPass', 'plan_datasets', 'evaluate']
@@ -102,10 +102,7 @@ def evaluate(
         passes: list[PlannedPass],
         data_config: dict,
         accelerator: Accelerator,
-        batch_size: int,
-        workers: int,
-        channels_last: bool = False,
-        log_every: int = 50,
+        settings: InferenceSettings = InferenceSettings(),
 ) -> list[DatasetResult]:
     """Predict on each planned image list and score it (ReaL from the val pass's predictions).
 
@@ -119,8 +116,7 @@ def evaluate(
                 f'{planned.images.num_classes} classes; evaluate a checkpoint trained on this label space')
     results = []
     for planned in passes:
-        predictions = predict(model, planned.images.paths, data_config, accelerator, batch_size, workers,
-                              channels_last=channels_last, log_every=log_every, name=planned.dataset)
+        predictions = predict(model, planned.images.paths, data_config, accelerator, settings, name=planned.dataset)
         skipped = [path for path, ok in zip(planned.images.paths, predictions.readable.tolist()) if not ok]
         if skipped:
             _logger.warning('%s: skipped %d unreadable images, e.g. %s', planned.dataset, len(skipped), skipped[0])

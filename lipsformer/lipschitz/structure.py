@@ -117,11 +117,7 @@ def _attention(name: str, block: nn.Module, size: tuple[int, int]) -> Entry:
     if hasattr(attn, 'branches'):
         parts += [(f'{name}.branches.{index}.lepe', branch.lepe, stripe)
                   for index, (branch, stripe) in enumerate(zip(attn.branches, stripe_sizes(attn, size)))]
-    if getattr(block, 'pre_norm', False):
-        function, bound = _pre_normed(block.norm1, attn, bound)
-        return Entry(name, 'attention', bound, parts, Residual(block.alpha1, _drop_prob(block.drop_path1), function,
-                                                               block.norm1))
-    return Entry(name, 'attention', bound, parts, Residual(block.alpha1, _drop_prob(block.drop_path1), attn, attn))
+    return _branch(name, 'attention', block, attn, bound, parts, block.norm1, block.alpha1, block.drop_path1)
 
 
 def _mlp(name: str, block: nn.Module) -> Entry:
@@ -134,11 +130,16 @@ def _mlp(name: str, block: nn.Module) -> Entry:
         return Bound(value * norms.matrix(mlp.fc1, mlp.fc1.weight), 'fc2 o GELU o fc1')
 
     parts = [(f'{name}.fc1', mlp.fc1, None), (f'{name}.fc2', mlp.fc2, None)]
+    return _branch(name, 'mlp', block, mlp, bound, parts, block.norm2, block.alpha2, block.drop_path2)
+
+
+def _branch(name: str, kind: str, block: nn.Module, function: nn.Module, bound: Callable[[NormSource], Bound],
+            parts: list, norm: nn.Module, alpha: ScaleLayer, drop_path: nn.Module) -> Entry:
+    """A block's weighted residual branch around ``function``, with ``norm`` inside it in a pre-norm block."""
     if getattr(block, 'pre_norm', False):
-        function, bound = _pre_normed(block.norm2, mlp, bound)
-        return Entry(name, 'mlp', bound, parts, Residual(block.alpha2, _drop_prob(block.drop_path2), function,
-                                                         block.norm2))
-    return Entry(name, 'mlp', bound, parts, Residual(block.alpha2, _drop_prob(block.drop_path2), mlp, mlp))
+        normed, normed_bound = _pre_normed(norm, function, bound)
+        return Entry(name, kind, normed_bound, parts, Residual(alpha, _drop_prob(drop_path), normed, norm))
+    return Entry(name, kind, bound, parts, Residual(alpha, _drop_prob(drop_path), function, function))
 
 
 def _norm(name: str, norm: nn.Module) -> Entry:
