@@ -102,6 +102,10 @@ def test_caps_per_module_and_without_a_bound():
         constraint()
     assert reshaped_norm(model.head.fc.weight) == pytest.approx(3.0, rel=1e-4)
     assert torch.all(model.norm.weight == 2.0)
+
+
+def test_a_bound_that_cannot_be_kept_is_refused():
+    model = timm.create_model('lipsformer_swin_tiny', **TINY_SWIN)  # the authors' SCSA: not Lipschitz
     with pytest.raises(ValueError, match='not Lipschitz: stages.0.blocks.0.attn'):
         LipschitzConstraint(model, max_bound=1e6)
     with pytest.raises(ValueError, match='below'):

@@ -212,51 +212,78 @@ def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return other
 
 
-def test_run_folder_best_and_ema_weights(vit, tmp_path, capsys):
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """A training run's three weights of one tiny LipsFormer, a val tree filed by the raw weights' predictions and the
+    accuracies each set of weights must score on it."""
+    raw: torch.nn.Module
+    ema: torch.nn.Module
+    last: torch.nn.Module
+    val: str
+    expected_raw: dict
+    expected_ema: dict
+
+
+@pytest.fixture(scope='module')
+def run_weights(vit, tmp_path_factory) -> RunSetup:
     raw = _tiny_lipsformer()
     ema, last = _perturbed(raw, 1), _perturbed(raw, 2)
-    run = tmp_path / 'run'
-    _export(raw, str(run / 'export' / 'best'), ema=ema)
-    _export(last, str(run / 'export' / 'last'))
     photos = vit.photos[:12]
     data_config = dict(VIT_DATA_CONFIG, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.875)
     raw_topk, ema_topk = reference_topk(raw, photos, data_config), reference_topk(ema, photos, data_config)
     classes = file_by_prediction(raw_topk)
-    val = build_tree(str(tmp_path / 'val'), dict(zip(photos, classes)))
+    val = build_tree(str(tmp_path_factory.mktemp('run_val')), dict(zip(photos, classes)))
     expected_raw = reference_accuracy(raw_topk, [[c] for c in classes])
     expected_ema = reference_accuracy(ema_topk, [[c] for c in classes])
     assert expected_raw == {'count': 12, 'top1': 100.0 / 3, 'top5': 200.0 / 3} and expected_ema != expected_raw
+    return RunSetup(raw, ema, last, val, expected_raw, expected_ema)
 
-    # No --model: the export's config.json rebuilds the tiny architecture and its 32px preprocessing.
-    record = run_validate(['--checkpoint', str(run), '--data-dir', val], tmp_path, capsys)
+
+def _exported_run(weights: RunSetup, run) -> None:
+    _export(weights.raw, str(run / 'export' / 'best'), ema=weights.ema)
+    _export(weights.last, str(run / 'export' / 'last'))
+
+
+def test_run_folder_best_export_rebuilt_from_its_config_json(run_weights, tmp_path, capsys):
+    """No --model: the export's config.json rebuilds the tiny architecture and its 32px preprocessing."""
+    run = tmp_path / 'run'
+    _exported_run(run_weights, run)
+    record = run_validate(['--checkpoint', str(run), '--data-dir', run_weights.val], tmp_path, capsys)
     assert record['model'] == 'lipsformer_swin_tiny'
     assert record['checkpoint'] == str(run / 'export' / 'best' / 'model.safetensors')
     assert record['settings']['input_size'] == [3, 32, 32]
-    assert {k: record['results'][0][k] for k in expected_raw} == expected_raw
+    assert {k: record['results'][0][k] for k in run_weights.expected_raw} == run_weights.expected_raw
 
+
+def test_run_folder_ema_weights_of_the_best_export(run_weights, tmp_path, capsys):
+    run = tmp_path / 'run'
+    _exported_run(run_weights, run)
     record = run_validate(['--model', 'lipsformer_swin_tiny', '--checkpoint', str(run), '--use-ema',
-                           '--data-dir', val], tmp_path, capsys)
+                           '--data-dir', run_weights.val], tmp_path, capsys)
     assert record['checkpoint'] == str(run / 'export' / 'best' / 'model_ema.safetensors')
     assert record['settings']['use_ema'] is True
-    assert {k: record['results'][0][k] for k in expected_ema} == expected_ema
+    assert {k: record['results'][0][k] for k in run_weights.expected_ema} == run_weights.expected_ema
 
-    # A run with resumable checkpoints only: the newest one, rebuilt from the run's resolved config.yaml.
-    checkpoints_run = tmp_path / 'checkpoints_run'
-    saved = checkpoints_run / 'checkpoints'
-    for name, weights in (('step_200', raw), ('step_100', last)):
+
+def test_run_folder_with_checkpoints_only_takes_the_newest(run_weights, tmp_path, capsys):
+    """A run with resumable checkpoints only: the newest one, rebuilt from the run's resolved config.yaml."""
+    run = tmp_path / 'checkpoints_run'
+    saved = run / 'checkpoints'
+    for name, weights in (('step_200', run_weights.raw), ('step_100', run_weights.last)):
         os.makedirs(saved / name)
         safetensors.torch.save_file(weights.state_dict(), str(saved / name / 'model.safetensors'))
-    safetensors.torch.save_file(ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
+    safetensors.torch.save_file(run_weights.ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
     write_checkpoint_meta(saved / 'step_200', step=200)
     write_checkpoint_meta(saved / 'step_100', step=100)
-    (checkpoints_run / 'config.yaml').write_text(yaml.safe_dump({
+    (run / 'config.yaml').write_text(yaml.safe_dump({
         'model': {'name': SMALLEST_MODEL, 'kwargs': SMALLEST_SWIN_KWARGS,
                   'img_size': 32, 'in_chans': 3, 'num_classes': None},
         'data': {'mean': None, 'std': None, 'interpolation': 'bicubic', 'crop_pct': None}}))
-    record = run_validate(['--checkpoint', str(checkpoints_run), '--use-ema', '--data-dir', val], tmp_path, capsys)
+    record = run_validate(['--checkpoint', str(run), '--use-ema', '--data-dir', run_weights.val], tmp_path,
+                          capsys)
     assert record['checkpoint'] == str(saved / 'step_200' / 'ema.safetensors')
     assert record['settings']['input_size'] == [3, 32, 32]
-    assert {k: record['results'][0][k] for k in expected_ema} == expected_ema
+    assert {k: record['results'][0][k] for k in run_weights.expected_ema} == run_weights.expected_ema
 
 
 def test_training_checkpoint_with_ema_entry(vit, tmp_path, capsys):

@@ -192,6 +192,13 @@ def test_run_folder_prefers_export_best_then_last_then_newest_checkpoint(tmp_pat
     assert resolve_checkpoint(tmp_path).weights == last
     best = _save(model, tmp_path / 'export' / 'best' / 'model.safetensors')
     assert resolve_checkpoint(tmp_path).weights == best
+    with pytest.raises(EvaluationError, match='holds no weights'):
+        resolve_checkpoint(tmp_path / 'checkpoints')
+
+
+def test_ema_weights_of_a_folder_an_export_file_and_a_torch_file(tmp_path):
+    model = timm.create_model('test_vit')
+    best = _save(model, tmp_path / 'export' / 'best' / 'model.safetensors')
     with pytest.raises(EvaluationError, match='no EMA weights'):
         resolve_checkpoint(tmp_path, use_ema=True)
     best_ema = _save(model, tmp_path / 'export' / 'best' / 'model_ema.safetensors')
@@ -201,8 +208,6 @@ def test_run_folder_prefers_export_best_then_last_then_newest_checkpoint(tmp_pat
     torch_file = tmp_path / 'last.pth.tar'
     torch.save({'state_dict': model.state_dict(), 'state_dict_ema': model.state_dict()}, torch_file)
     assert resolve_checkpoint(torch_file, use_ema=True) == ResolvedCheckpoint(str(torch_file), True, None)
-    with pytest.raises(EvaluationError, match='holds no weights'):
-        resolve_checkpoint(tmp_path / 'checkpoints')
 
 
 def _run_with_config(run_dir, *overrides: str) -> None:
