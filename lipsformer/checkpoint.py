@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from safetensors.torch import load_file as load_safetensors
 
 __all__ = ['CheckpointError', 'load_file', 'extract_state_dict', 'load_model_weights', 'check_state_dict']
 
@@ -51,7 +52,6 @@ def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu')
     if not os.path.isfile(path):
         raise CheckpointError(f'checkpoint {path!r} does not exist or is not a file')
     if path.endswith('.safetensors'):
-        from safetensors.torch import load_file as load_safetensors
         try:
             return load_safetensors(path, device=str(map_location))
         except Exception as e:
