@@ -75,7 +75,7 @@ def test_replace_dir_swaps_a_whole_folder(tmp_path):
 
 def test_machine_facts():
     assert cpu_name().strip()
-    resident_mb = next(int(line.split()[1]) / 1024 for line in open('/proc/self/status') if line.startswith('VmRSS:'))
-    touched = torch.ones(2 ** 26 // 4)  # 64 MiB written, so resident
-    assert peak_rss_mb() >= resident_mb + 48 and touched.sum() == 2 ** 24
+    # The kernel's own high-water mark of this process, in kB (Linux); the two agree up to its counters' lag.
+    high_water_mb = next(int(line.split()[1]) / 1024 for line in open('/proc/self/status') if line.startswith('VmHWM:'))
+    assert peak_rss_mb() == pytest.approx(high_water_mb, abs=4)
     assert peak_memory_mb(torch.device('cpu')) == peak_rss_mb()

@@ -34,7 +34,7 @@ def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, 
     """Train (or continue training) a model as ``config`` says, writing everything into ``run_dir``.
 
     Args:
-        config: A validated config (:func:`~lipsformer.training.config.load_config`).
+        config: A validated config (:func:`~lipsformer.training.config_io.load_config`).
         run_dir: The run folder (created if needed).
         resume: None for a new run; ``'auto'`` to continue from the newest checkpoint in ``run_dir`` if there is
             one; or a checkpoint folder (or run folder) to continue from.

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...utils.io import read_json, write_text
+from ...utils.io import atomic_open, read_json, write_text
 from .arms import ARMS
 from .training_run import RunFiles
 
@@ -173,7 +173,8 @@ def plot(runs: dict[tuple[str, float], list[Run]], metric: str, path: Path) -> N
     axes[0][-1].legend(fontsize=7, loc='best')
     fig.suptitle('x / dotted line: a seed diverged (non-finite loss) at that step', fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_open(path, 'wb') as f:
+        fig.savefig(f, format='png', dpi=110)
     plt.close(fig)
 
 
