@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import set_fused_attn, use_fused_attn
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import lipsformer  # noqa: F401  (registers the lipsformer models)
@@ -75,9 +76,17 @@ def test_built_module_is_counted_where_it_lives_and_left_as_it_was():
 # q k^T is Lq x d_qk times d_qk x Lk and attn @ v is Lq x Lk times Lk x d_v. A fused backward recomputes q k^T, then
 # forms dV = P^T dO (Lk x Lq times Lq x d_v), dP = dO V^T (Lq x d_v times d_v x Lk), dQ = dS K and dK = dS^T Q.
 BATCH, HEADS, LEN_Q, LEN_K, DIM_QK, DIM_V = 2, 3, 10, 14, 8, 5
-SDPA_MACS = BATCH * HEADS * (LEN_Q * DIM_QK * LEN_K + LEN_Q * LEN_K * DIM_V)
-SDPA_BACKWARD_MACS = BATCH * HEADS * (LEN_Q * DIM_QK * LEN_K + LEN_K * LEN_Q * DIM_V + LEN_Q * DIM_V * LEN_K +
-                                      LEN_Q * LEN_K * DIM_QK + LEN_K * LEN_Q * DIM_QK)
+
+
+def hand_counted_macs(dim_v: int) -> tuple[int, int]:
+    """Forward and fused-backward MACs of attention over (BATCH, HEADS, LEN_Q/LEN_K, DIM_QK/dim_v) tensors."""
+    forward = LEN_Q * DIM_QK * LEN_K + LEN_Q * LEN_K * dim_v
+    backward = LEN_Q * DIM_QK * LEN_K + LEN_K * LEN_Q * dim_v + LEN_Q * dim_v * LEN_K + LEN_Q * LEN_K * DIM_QK + (
+        LEN_K * LEN_Q * DIM_QK)
+    return BATCH * HEADS * forward, BATCH * HEADS * backward
+
+
+SDPA_MACS, SDPA_BACKWARD_MACS = hand_counted_macs(DIM_V)
 
 
 def attention_inputs(device: str, dim_v: int = DIM_V, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
@@ -104,43 +113,53 @@ def test_sdpa_counts_equal_explicit_matmuls(device, dim_v, with_mask):
         logits = query @ key.transpose(-2, -1)
         (logits if mask is None else logits + mask).softmax(-1) @ value
 
-    expected = BATCH * HEADS * LEN_Q * LEN_K * (DIM_QK + dim_v)
-    assert sum(fused.values()) == sum(macs_by_op(explicit).values()) == expected, fused
+    assert sum(fused.values()) == sum(macs_by_op(explicit).values()) == hand_counted_macs(dim_v)[0], fused
 
 
-# Every kernel F.scaled_dot_product_attention may dispatch to, called as its dispatcher calls it. Each has a meta
-# kernel, so all of them (CUDA ones included) run here; backward goes through the kernel's own autograd formula.
-FUSED_SDPA_CALLS = {
-    '_scaled_dot_product_flash_attention': lambda q, k, v: aten._scaled_dot_product_flash_attention(q, k, v),
-    '_scaled_dot_product_flash_attention_for_cpu':
-        lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v),
-    '_scaled_dot_product_efficient_attention':
-        lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, True),
-    '_scaled_dot_product_cudnn_attention':
-        lambda q, k, v: aten._scaled_dot_product_cudnn_attention(q, k, v, None, True),
-    '_scaled_dot_product_fused_attention_overrideable':
-        lambda q, k, v: aten._scaled_dot_product_fused_attention_overrideable(q, k, v),
-    '_scaled_dot_product_attention_math_for_mps':
-        lambda q, k, v: aten._scaled_dot_product_attention_math_for_mps(q, k, v),
-}
-NO_BACKWARD_KERNEL = {'_scaled_dot_product_attention_math_for_mps'}  # inference only: autograd has no formula
+# Every kernel F.scaled_dot_product_attention may dispatch to (the math one decomposes into counted matmuls).
+FUSED_SDPA_KERNELS = ['_scaled_dot_product_flash_attention', '_scaled_dot_product_flash_attention_for_cpu',
+                      '_scaled_dot_product_efficient_attention', '_scaled_dot_product_cudnn_attention',
+                      '_scaled_dot_product_fused_attention_overrideable', '_scaled_dot_product_attention_math_for_mps']
 
 
-@pytest.mark.parametrize('kernel', sorted(FUSED_SDPA_CALLS))
-def test_every_fused_attention_kernel_counts_the_hand_counted_macs(kernel):
+@pytest.mark.parametrize('kernel', FUSED_SDPA_KERNELS)
+def test_every_fused_attention_kernel_has_the_hand_counted_formula(kernel):
     if getattr(aten, kernel, None) is None:
         pytest.skip(f'torch {torch.__version__} has no {kernel}')
-    query, key, value = attention_inputs('meta', requires_grad=kernel not in NO_BACKWARD_KERNEL)
+    query, key, value = (tensor.shape for tensor in attention_inputs('meta'))
+    grad_out = torch.Size([BATCH, HEADS, LEN_Q, DIM_V])
+    assert SDPA_FLOP_FORMULAS[getattr(aten, kernel)](query, key, value) == 2 * SDPA_MACS
+    backward = getattr(aten, f'{kernel}_backward', None)  # MPS's kernel is inference only
+    if backward is not None:
+        assert SDPA_FLOP_FORMULAS[backward](grad_out, query, key, value) == 2 * SDPA_BACKWARD_MACS
+
+
+# The kernels this machine can run as the dispatcher runs them: the CUDA ones on meta (they have meta kernels), the
+# CPU one on CPU. Backward goes through each kernel's own autograd formula. Their kernels need dim_v == dim_qk.
+RUNNABLE_KERNELS = {
+    '_scaled_dot_product_flash_attention': lambda q, k, v: aten._scaled_dot_product_flash_attention(q, k, v)[0],
+    '_scaled_dot_product_efficient_attention':
+        lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[0],
+    '_scaled_dot_product_cudnn_attention':
+        lambda q, k, v: aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[0],
+}
+
+
+@pytest.mark.parametrize('kernel', sorted(RUNNABLE_KERNELS) + ['_scaled_dot_product_flash_attention_for_cpu'])
+def test_fused_attention_kernels_are_counted_with_the_formula(kernel):
+    on_cpu = kernel not in RUNNABLE_KERNELS
+    query, key, value = attention_inputs('cpu' if on_cpu else 'meta', DIM_QK, requires_grad=True)
 
     def forward_and_backward():
-        out = FUSED_SDPA_CALLS[kernel](query, key, value)[0]
-        if out.requires_grad:
-            out.backward(torch.ones_like(out))
+        if on_cpu:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(query, key, value)
+        else:
+            out = RUNNABLE_KERNELS[kernel](query, key, value)
+        out.backward(torch.ones_like(out))
 
-    expected = {kernel: SDPA_MACS}
-    if kernel not in NO_BACKWARD_KERNEL:
-        expected[f'{kernel}_backward'] = SDPA_BACKWARD_MACS
-    assert macs_by_op(forward_and_backward) == expected
+    forward, backward = hand_counted_macs(DIM_QK)
+    assert macs_by_op(forward_and_backward) == {kernel: forward, f'{kernel}_backward': backward}
 
 
 def test_no_attention_kernel_of_this_torch_is_left_uncounted():
@@ -148,7 +167,7 @@ def test_no_attention_kernel_of_this_torch_is_left_uncounted():
     kernels = {name for name in dir(aten) if name.startswith('_scaled_dot_product_')} - {
         '_scaled_dot_product_attention_math'}
     assert kernels - {str(op).removeprefix('aten.') for op in SDPA_FLOP_FORMULAS} == set()
-    assert {name for name in kernels if not name.endswith('_backward')} <= set(FUSED_SDPA_CALLS)
+    assert {name for name in kernels if not name.endswith('_backward')} <= set(FUSED_SDPA_KERNELS)
 
 
 def test_timm_fused_and_explicit_attention_count_the_same():
