@@ -67,3 +67,16 @@ def test_every_imported_package_is_declared():
               if extra != 'dev' for line in lines}
     undeclared = imported_distributions() - set(declared_floors()) - extras
     assert not undeclared, f'lipsformer imports {sorted(undeclared)} without declaring them in pyproject.toml'
+
+
+def test_installed_accelerate_runs_the_fsdp2_recipe():
+    """configs/accelerate/fsdp.yaml asks for FSDP2 (``fsdp_version: 2``), which accelerate has from 1.6.0 on."""
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    recipe = yaml.safe_load((ROOT / 'configs' / 'accelerate' / 'fsdp.yaml').read_text())['fsdp_config']
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=recipe['fsdp_version'], reshard_after_forward=recipe['fsdp_reshard_after_forward'],
+        auto_wrap_policy=recipe['fsdp_auto_wrap_policy'].lower(),
+        transformer_cls_names_to_wrap=[recipe['fsdp_transformer_layer_cls_to_wrap']])
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
