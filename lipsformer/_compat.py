@@ -9,7 +9,7 @@ from torch import nn
 
 __all__ = ['update_model_input_size']
 
-try:  # timm >= 1.0.31 records a model's current input size, read back by timm.data.resolve_model_data_config
+try:  # timm >= 1.0.31 records a model's current input size (timm.models.get_model_input_config reads it back)
     from timm.models._input import update_model_input_size
 except ImportError:  # older timm keeps no such record: its own models' set_input_size changes the modules only
     def update_model_input_size(model: nn.Module, img_size: Optional[Union[int, Sequence[int]]],

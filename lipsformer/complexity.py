@@ -82,7 +82,7 @@ def _sdpa_formulas() -> dict:
 
 
 # Passed to FlopCounterMode as ``custom_mapping``, so every kernel is counted by the formula above whatever the
-# installed torch ships (torch 2.14 has none for the CPU kernel; older releases none for the overrideable one), and
+# installed torch ships (torch 2.14's registry, for one, has none for the CPU and overrideable kernels), and
 # torch's own registry is left as it is. Fused and explicit attention then count the same on every torch.
 SDPA_FLOP_FORMULAS = _sdpa_formulas()
 
