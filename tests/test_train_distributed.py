@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_support import subprocess_env, tiny_overrides
+from training_support import free_port, subprocess_env, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VAL_IMAGES = 24
@@ -33,7 +33,7 @@ def launch(tmp_path, run_dir: str, *args: str, env: dict[str, str] | None = None
     driver.write_text(_DRIVER)
     command = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
                '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port',
-               '0', str(driver), '--output', run_dir, *args]
+               str(free_port()), str(driver), '--output', run_dir, *args]
     environment = subprocess_env(ACCELERATE_USE_CPU='1', **(env or {}))
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

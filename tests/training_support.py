@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import os
+import socket
 import tarfile
 
 import numpy as np
@@ -37,6 +38,13 @@ def single_thread():
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a training subprocess: one thread, and this folder importable."""
     return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': os.path.dirname(os.path.abspath(__file__)), **extra}
+
+
+def free_port() -> int:
+    """A free local TCP port for ``accelerate launch --main_process_port`` (port 0 hangs torch 2.6's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
 
 
 def _read_idx(path: str) -> np.ndarray:

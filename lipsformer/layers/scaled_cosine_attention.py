@@ -15,12 +15,14 @@ partitioning, projections and positional terms belong to the caller.
 import torch
 import torch.nn as nn
 from timm.layers import use_fused_attn
+from timm.models import register_notrace_function
 
 from .dot_product_attention import softmax_attention
 
 __all__ = ['ScaledCosineAttention', 'l2_normalize']
 
 
+@register_notrace_function  # torch 2.6's fx cannot trace torch.promote_types on a traced tensor's dtype
 def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
     """``scale * F.normalize(x, dim=-1, eps=eps)``, scale * x / max(||x||, eps), as a product with a reciprocal norm.
 

@@ -17,8 +17,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, PatchEmbed, calculate_drop_path_rates, to_2tuple
 from timm.models import checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
-from timm.models._input import update_model_input_size
 
+from .._compat import update_model_input_size
 from ..layers import (
     ResidualDropPath,
     ScaledOutputMlp,
