@@ -420,7 +420,7 @@ def environment(device: str) -> dict:
         'platform': platform.platform(), 'cpu': cpu_name(), 'cpu_count': os.cpu_count(),
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',
-        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+        'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     }
     if device.startswith('cuda'):
         info['gpu'] = torch.cuda.get_device_name(device)

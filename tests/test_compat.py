@@ -5,7 +5,7 @@ import sys
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS
+from tiny_models import TINY_MODELS
 
 import lipsformer._compat
 from lipsformer.models import _base
