@@ -1,7 +1,7 @@
 """Helpers every part of the package shares, as timm keeps ``timm/utils/``.
 
-- :mod:`.io`: writes that survive a crash at any instant (text, JSON, torch and safetensors files, whole folders)
-  and JSON-lines logs;
+- :mod:`.io`: writes that survive a crash at any instant (text, JSON, torch and safetensors files, whole folders),
+  the clean-up of what a killed writer left, and JSON-lines logs;
 - :mod:`.env`: the machine a run or a measurement ran on (CPU name, peak memory).
 """
 from .env import cpu_name, peak_memory_mb, peak_rss_mb
@@ -11,6 +11,7 @@ from .io import (
     atomic_path,
     fsync_dir,
     read_json,
+    remove_stale_temporaries,
     replace_dir,
     save_safetensors,
     save_torch,
@@ -19,4 +20,5 @@ from .io import (
 )
 
 __all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'cpu_name', 'fsync_dir', 'peak_memory_mb', 'peak_rss_mb',
-           'read_json', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json', 'write_text']
+           'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json',
+           'write_text']
