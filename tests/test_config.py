@@ -129,6 +129,21 @@ def test_broken_files_are_reported(tmp_path):
         config_from_dict({'optimizer': 3})
 
 
+def test_a_key_given_twice_is_an_error(tmp_path):
+    """Plain YAML keeps the second `lr` and drops the first without a word; the user meant one of them."""
+    (tmp_path / 'twice.yaml').write_text('optimizer:\n  lr: 1.0e-3\n  weight_decay: 0.05\n  lr: 2.0e-3\n')
+    with pytest.raises(ConfigError, match="found the key 'lr' twice .first on line 2.; YAML would keep the last"):
+        load_config(tmp_path / 'twice.yaml')
+    (tmp_path / 'sections.yaml').write_text('train: {epochs: 3}\nmodel: {name: resnet18}\ntrain: {batch_size: 4}\n')
+    with pytest.raises(ConfigError, match="found the key 'train' twice"):
+        load_config(tmp_path / 'sections.yaml')
+    with pytest.raises(ConfigError, match="found the key 'a' twice"):
+        load_config(None, ['model.kwargs={a: 1, a: 2}'])
+    (tmp_path / 'anchors.yaml').write_text('model:\n  kwargs: &k {depth: 2}\n  name: test_vit\n'
+                                           'lipschitz:\n  kwargs: {<<: *k, depth: 3}\n')
+    assert load_config(tmp_path / 'anchors.yaml').lipschitz.kwargs == {'depth': 3}  # a merge key may be overridden
+
+
 def test_cli_reports_config_errors_before_training(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(REPO, 'train.py'), '--config',
                              os.path.join(CONFIGS, 'quickstart.yaml'), '--output', str(tmp_path / 'run'),

@@ -3,7 +3,8 @@
 A config is YAML with the sections of :class:`~lipsformer.training.config.Config`. A file may start from
 another with ``base: other.yaml`` (a path relative to the file); its keys are merged over the base's. Command-line
 overrides ``key.sub=value`` are parsed as YAML values and applied last. Every key, type and value is checked before
-anything is built, and a mistake raises :class:`ConfigError` naming the key, the value and what is allowed.
+anything is built, and a mistake raises :class:`ConfigError` naming the key, the value and what is allowed. A key
+given twice in one mapping is an error too (plain YAML keeps the last one and drops the other without a word).
 """
 import dataclasses
 import difflib
@@ -22,6 +23,28 @@ __all__ = ['config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config'
            'parse_override', 'reference_yaml']
 
 _BASE_KEY = 'base'
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (merge keys ``<<`` excepted)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == 'tag:yaml.org,2002:merge':
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in lines:
+                raise yaml.constructor.ConstructorError(
+                    'while reading a mapping', node.start_mark,
+                    f'found the key {key!r} twice (first on line {lines[key] + 1}); YAML would keep the last value '
+                    f'and ignore the other, so keep one of them', key_node.start_mark)
+            lines[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(stream: Any) -> Any:
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -51,7 +74,7 @@ def parse_override(override: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f'override {override!r} is not of the form key.sub=value (e.g. optimizer.lr=1e-3)')
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = _load_yaml(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f'override {override!r}: the value is not valid YAML ({e})') from e
     return key, value
@@ -133,7 +156,7 @@ def _read_yaml_with_bases(path: str, chain: tuple[str, ...]) -> dict[str, Any]:
         raise ConfigError(f'config {path!r} includes itself through base: ' + ' -> '.join(chain + (real_path,)))
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = _load_yaml(f)
     except OSError as e:
         raise ConfigError(f'cannot read config file {path!r}: {e.strerror}') from e
     except yaml.YAMLError as e:
