@@ -6,6 +6,7 @@ command-line front; :func:`train` with a :class:`Config` from :func:`load_config
 - :mod:`.config`: every config key with its type, default, documentation and allowed values; :mod:`.config_io` reads
   YAML (``base:`` files, ``key.sub=value`` overrides), checks it and writes it (and ``configs/reference.yaml``);
 - :mod:`.data`: dataset sources and transforms, the samplers that make resuming exact, batches on the device;
+  :mod:`.splits`: which images each split means and the one class map of a run;
 - :mod:`.optim`: optimizer, schedule, losses, mixup and EMA from timm, with the paper's batch-size scaling;
 - :mod:`.session`: everything a run holds (accelerator, model, EMA, optimizer, data, Lipschitz constraint), built in
   the order Accelerate needs;
@@ -18,10 +19,10 @@ command-line front; :func:`train` with a :class:`Config` from :func:`load_config
 """
 from .config import Config, ConfigError
 from .config_io import config_to_dict, config_to_yaml, load_config, reference_yaml
-from .data import DatasetNotFoundError
 from .loop import NonFiniteLossError
+from .splits import DatasetError, DatasetNotFoundError
 from .train_state import latest_checkpoint
 from .trainer import train
 
-__all__ = ['Config', 'ConfigError', 'DatasetNotFoundError', 'NonFiniteLossError', 'config_to_dict', 'config_to_yaml',
-           'latest_checkpoint', 'load_config', 'reference_yaml', 'train']
+__all__ = ['Config', 'ConfigError', 'DatasetError', 'DatasetNotFoundError', 'NonFiniteLossError', 'config_to_dict',
+           'config_to_yaml', 'latest_checkpoint', 'load_config', 'reference_yaml', 'train']

@@ -31,6 +31,7 @@ from .config import Config, ConfigError, LipschitzConfig
 from .data import (
     InputSpec,
     TrainBatches,
+    class_map_of,
     class_names_of,
     create_eval_loader,
     create_split,
@@ -116,8 +117,9 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Se
     _check_model_name(config.model.name)
     rank, world = accelerator.process_index, accelerator.num_processes
     spec = resolve_input_spec(config)
-    train_set = create_split(config, spec, is_training=True)
-    val_set = create_split(config, spec, is_training=False)
+    with accelerator.main_process_first():  # a download (data.download) or unpacking happens once, in the main process
+        train_set = create_split(config, spec, is_training=True)
+        val_set = create_split(config, spec, is_training=False, class_map=class_map_of(train_set))
     num_classes = config.model.num_classes or num_classes_of(train_set)
     if num_classes is None:
         raise ConfigError(f'model.num_classes: got null and dataset {config.data.dataset!r} does not say how many '
