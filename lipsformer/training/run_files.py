@@ -1,19 +1,56 @@
 """The files of a run folder besides checkpoints and exports: the resolved ``config.yaml``, the ``train.log`` copy of
-the package's log records and ``metrics.jsonl``, one JSON line per finished epoch."""
+the package's log records and ``metrics.jsonl``, one JSON line per scored epoch; and the check that every process of a
+run (on every node) sees the same run folder."""
 import logging
 import os
+import secrets
 import time
 from typing import Any
 
+import torch
 import yaml
+from accelerate.utils import broadcast_object_list
 
-from ..utils.io import JsonLines
-from .config import Config
+from ..utils.io import JsonLines, write_text
+from .config import Config, ConfigError
 from .config_io import config_to_dict, dump_config
 
 CONFIG_FILE = 'config.yaml'
 LOG_FILE = 'train.log'
 METRICS_FILE = 'metrics.jsonl'
+_SHARED_CHECK_FILE = '.shared-check'
+
+
+def check_run_folder_shared(accelerator: Any, run_dir: str) -> None:
+    """Refuse a run folder that some processes cannot see (a node-local path on a multi-node run).
+
+    Only the main process writes checkpoints, metrics and exports, and every process writes its RNG state into the
+    checkpoint folder and reads the checkpoints back, so all of them need the same folder. The main process writes a
+    random token there; every process reads it back. Call it on every process.
+
+    Raises:
+        ConfigError: A process does not find the token.
+    """
+    if accelerator.num_processes == 1:
+        return
+    token = broadcast_object_list([secrets.token_hex(8) if accelerator.is_main_process else None])[0]
+    path = os.path.join(run_dir, _SHARED_CHECK_FILE)
+    if accelerator.is_main_process:
+        write_text(path, token)
+    accelerator.wait_for_everyone()
+    try:
+        with open(path) as f:
+            sees = f.read() == token
+    except OSError:
+        sees = False
+    blind = accelerator.reduce(torch.tensor(float(not sees), device=accelerator.device), reduction='sum').item()
+    if accelerator.is_main_process:
+        os.remove(path)
+    if blind:
+        raise ConfigError(
+            f'the run folder {os.path.abspath(run_dir)!r} is not shared: {int(blind)} of the '
+            f'{accelerator.num_processes} processes do not see what the main process writes there. Give --output a '
+            f'folder on a file system every node mounts (checkpoints are written by the main process and read by all)')
 
 
 def write_config(config: Config, run_dir: str) -> None:

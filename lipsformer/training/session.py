@@ -66,6 +66,8 @@ class Session:
     lipschitz: Any | None = None
     progress: Progress = field(default_factory=Progress)
     last_checkpoint: str | None = None
+    saved_at: tuple[int, int, int] | None = None  # the progress position of this run's last checkpoint
+    tally: Any = None  # the running totals of the epoch in training (loop.EpochTally)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:

@@ -7,9 +7,12 @@ the position in training (epoch, micro-batch within it, optimizer update), the b
 and the resolved config.
 
 Everything is first written into ``checkpoints/.tmp-<name>``, flushed to disk, and the folder is then renamed into
-place, so a process killed at any moment leaves every earlier checkpoint complete. ``best.json`` names the best
-checkpoint, which pruning never deletes. The newest checkpoint is the most advanced one by its recorded progress
-(:func:`latest_checkpoint`; validate.py picks it the same way).
+place, so a process killed at any moment leaves every earlier checkpoint complete. An epoch's checkpoint is saved
+before its evaluation, with the epoch's training metrics in ``progress.unscored``; once scored, its ``meta.json`` is
+replaced (atomically) by one whose history holds the epoch's line. ``best.json`` names the best checkpoint, which
+pruning never deletes. The newest checkpoint is the most advanced one by its recorded progress
+(:func:`latest_checkpoint`; validate.py picks it the same way). Checkpoints a run cannot use (unreadable files, or
+newer than the one an explicit ``--resume`` went back to) are moved into ``checkpoints/<why>/``, never deleted.
 
 Model and optimizer states are full ones, gathered from a model that may be wrapped (DDP, torch.compile) or sharded
 (FSDP); optimizer states are keyed by parameter name (``torch.distributed.checkpoint.state_dict``), so a checkpoint
@@ -22,6 +25,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +40,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..checkpoint import CheckpointError, check_state_dict, load_file
-from ..utils.io import replace_dir, save_safetensors, save_torch, write_json
+from ..utils.io import fsync_dir, replace_dir, save_safetensors, save_torch, write_json
 
-__all__ = ['Progress', 'TrainingObjects', 'best_checkpoint', 'checkpoint_to_resume', 'checkpoints_root', 'is_sharded',
-           'latest_checkpoint', 'list_checkpoints', 'load_checkpoint', 'mark_best', 'prune_checkpoints', 'read_meta',
-           'save_checkpoint']
+__all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'checkpoints_to_resume', 'checkpoints_root',
+           'is_sharded', 'latest_checkpoint', 'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint',
+           'read_meta', 'restore_best_pointer', 'restore_checkpoint', 'save_checkpoint', 'set_aside', 'update_progress']
 
 _logger = logging.getLogger(__name__)
 
@@ -62,7 +66,11 @@ class Progress:
         best_epoch: Epoch (completed count) that reached it.
         best_checkpoint: Name of the checkpoint holding it.
         nonfinite_total: Updates skipped because the loss was not finite.
-        history: The metrics line of every finished epoch.
+        history: The metrics line of every finished and scored epoch.
+        unscored: The training part of the metrics line of the last finished epoch while its evaluation is pending
+            (between its checkpoint and its scores), else None.
+        epoch_totals: In a mid-epoch checkpoint, the epoch's running loss sum and count over all processes, images
+            and seconds so far (so that the resumed epoch reports what an uninterrupted one would), else None.
     """
     epoch: int = 0
     batch_in_epoch: int = 0
@@ -72,6 +80,12 @@ class Progress:
     best_checkpoint: str | None = None
     nonfinite_total: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    unscored: dict[str, Any] | None = None
+    epoch_totals: list[float] | None = None
+
+    def position(self) -> tuple[int, int, int]:
+        """Where training stands, as checkpoints are ordered: (step, epoch, batch_in_epoch)."""
+        return self.step, self.epoch, self.batch_in_epoch
 
 
 @dataclass
@@ -131,41 +145,79 @@ def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress:
     return final_dir
 
 
-def load_checkpoint(checkpoint_dir: str, objects: TrainingObjects) -> tuple[Progress, dict[str, Any]]:
-    """Restore a checkpoint into the prepared objects and this process's RNG state.
+@dataclass
+class SavedState:
+    """Everything one process reads from a checkpoint folder, before any of it is put into a model."""
+    folder: str
+    meta: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    trainer: dict[str, Any]
+    ema: dict[str, torch.Tensor] | None
+    rng: dict[str, Any] | None
 
-    Returns:
-        The saved progress and the whole ``meta.json``.
+    @property
+    def progress(self) -> Progress:
+        return Progress(**self.meta['progress'])
+
+
+def read_checkpoint(checkpoint_dir: str, process_index: int = 0) -> SavedState:
+    """Read every file of a checkpoint this process needs.
 
     Raises:
-        CheckpointError: Missing or unreadable files, or a checkpoint that does not fit the model.
+        CheckpointError: A file is missing, truncated or unreadable.
     """
     meta = read_meta(checkpoint_dir)
+    ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
+    rng_path = os.path.join(checkpoint_dir, f'rng_state_{process_index}.pt')
+    return SavedState(
+        folder=checkpoint_dir, meta=meta, model=load_file(os.path.join(checkpoint_dir, 'model.safetensors')),
+        optimizer=load_file(os.path.join(checkpoint_dir, 'optimizer.pt')),
+        trainer=load_file(os.path.join(checkpoint_dir, 'trainer_state.pt')),
+        ema=load_file(ema_path) if os.path.isfile(ema_path) else None,
+        rng=load_file(rng_path) if os.path.isfile(rng_path) else None)
+
+
+def restore_checkpoint(saved: SavedState, objects: TrainingObjects) -> list[str]:
+    """Put a checkpoint's states into the prepared objects and this process's RNG state.
+
+    The optimizer's moments and step counts come from the checkpoint; its settings (weight decay, betas, eps,
+    momentum, ...) stay those of the config, which built it.
+
+    Returns:
+        The optimizer settings that differ from the checkpoint's, as ``'group <i> <key>: <saved> -> <config>'``.
+
+    Raises:
+        CheckpointError: The checkpoint does not fit the model or the optimizer.
+    """
     accelerator = objects.accelerator
-    rank_file = os.path.join(checkpoint_dir, f'rng_state_{accelerator.process_index}.pt')
-    set_model_state(accelerator, objects.model, load_file(os.path.join(checkpoint_dir, 'model.safetensors')))
-    optimizer_state = load_file(os.path.join(checkpoint_dir, 'optimizer.pt'))
-    set_optimizer_state(accelerator, objects.model, objects.optimizer, optimizer_state)
-    trainer_state = load_file(os.path.join(checkpoint_dir, 'trainer_state.pt'))
-    _load_scheduler_state(objects.scheduler, trainer_state['scheduler'])
-    if accelerator.scaler is not None and trainer_state.get('scaler'):
-        accelerator.scaler.load_state_dict(trainer_state['scaler'])
+    set_model_state(accelerator, objects.model, saved.model)
+    changed = set_optimizer_state(accelerator, objects.model, objects.optimizer, saved.optimizer)
+    _load_scheduler_state(objects.scheduler, saved.trainer['scheduler'])
+    if accelerator.scaler is not None and saved.trainer.get('scaler'):
+        accelerator.scaler.load_state_dict(saved.trainer['scaler'])
     for key, target in objects.extra_states.items():
-        if key in trainer_state.get('extra', {}):
-            target.load_state_dict(trainer_state['extra'][key])
+        if key in saved.trainer.get('extra', {}):
+            target.load_state_dict(saved.trainer['extra'][key])
     if objects.ema is not None:
-        ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
-        if os.path.isfile(ema_path):
-            objects.ema.module.load_state_dict(load_file(ema_path))
+        if saved.ema is not None:
+            objects.ema.module.load_state_dict(saved.ema)
         else:
-            _logger.warning('%s has no EMA weights; the EMA restarts from the current weights', checkpoint_dir)
+            _logger.warning('%s has no EMA weights; the EMA restarts from the current weights', saved.folder)
             objects.ema.module.load_state_dict(accelerator.unwrap_model(objects.model).state_dict())
-    if os.path.isfile(rank_file):
-        restore_rng_state(load_file(rank_file))
+    if saved.rng is not None:
+        restore_rng_state(saved.rng)
     else:
         _logger.warning('%s has no RNG state for process %d (saved with %d processes); random streams restart',
-                        checkpoint_dir, accelerator.process_index, meta.get('world_size', 0))
-    return Progress(**meta['progress']), meta
+                        saved.folder, accelerator.process_index, saved.meta.get('world_size', 0))
+    return changed
+
+
+def update_progress(checkpoint_dir: str, progress: Progress) -> None:
+    """Replace the progress in a checkpoint's ``meta.json`` (atomically), as when its epoch has been scored."""
+    meta = read_meta(checkpoint_dir)
+    meta['progress'] = dataclasses.asdict(progress)
+    write_json(os.path.join(checkpoint_dir, META_FILE), meta)
 
 
 def read_meta(checkpoint_dir: str) -> dict[str, Any]:
@@ -208,32 +260,55 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def checkpoint_to_resume(run_dir: str, resume: str | None) -> str | None:
-    """The checkpoint folder to continue from; refuses to start over a run that already has checkpoints."""
+def checkpoints_to_resume(run_dir: str, resume: str | None) -> list[str]:
+    """The checkpoint folders to try to continue from, the preferred first ([] for a new run).
+
+    ``None`` refuses to start over a run that already has checkpoints; ``'auto'`` gives the run's checkpoints, the
+    newest first (the next is tried when one is unreadable); a folder gives that checkpoint, or the newest of that run.
+    """
     if resume is None:
         if list_checkpoints(run_dir):
             raise CheckpointError(f'{run_dir!r} already holds checkpoints of a run; continue it with --resume auto, '
                                   f'or give another --output')
-        return None
+        return []
     if resume == 'auto':
-        found = latest_checkpoint(run_dir)
-        _logger.info('resume auto: %s', f'continuing from {found}' if found else 'no checkpoint yet, starting fresh')
+        found = [folder for _, folder in reversed(list_checkpoints(run_dir))]
+        _logger.info('resume auto: %s', f'continuing from {found[0]}' if found else 'no checkpoint yet, starting fresh')
         return found
     if not os.path.isdir(resume):
         raise CheckpointError(f'--resume {resume!r}: no such folder; give a checkpoint folder, a run folder or auto')
     if os.path.isfile(os.path.join(resume, META_FILE)):
-        return resume
+        return [resume]
     found = latest_checkpoint(resume)
     if found is None:
         raise CheckpointError(f'--resume {resume!r}: neither a checkpoint folder (with meta.json) nor a run folder '
                               f'with checkpoints/')
-    return found
+    return [found]
+
+
+def set_aside(run_dir: str, folder: str, why: str) -> str:
+    """Move a checkpoint out of the run's list into ``checkpoints/<why>/<name>-<time>`` (never deleted)."""
+    target_dir = os.path.join(checkpoints_root(run_dir), why)
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, f'{os.path.basename(folder)}-{time.strftime("%Y%m%d-%H%M%S")}')
+    os.rename(folder, target)
+    fsync_dir(checkpoints_root(run_dir))
+    return target
 
 
 def mark_best(run_dir: str, name: str, metric: str, value: float, epoch: int) -> None:
     """Record which checkpoint is the best (an atomic pointer file; the folder itself is not copied)."""
     write_json(os.path.join(checkpoints_root(run_dir), BEST_POINTER),
                 dict(name=name, metric=metric, value=value, epoch=epoch))
+
+
+def restore_best_pointer(run_dir: str, progress: Progress, metric: str) -> None:
+    """Make ``best.json`` name the best checkpoint of ``progress`` (a resumed run's), or remove it if that is not in
+    this run (it may name a checkpoint of an abandoned continuation)."""
+    if progress.best_checkpoint and os.path.isdir(os.path.join(checkpoints_root(run_dir), progress.best_checkpoint)):
+        mark_best(run_dir, progress.best_checkpoint, metric, progress.best_value, progress.best_epoch)
+    elif os.path.isfile(os.path.join(checkpoints_root(run_dir), BEST_POINTER)):
+        os.remove(os.path.join(checkpoints_root(run_dir), BEST_POINTER))
 
 
 def best_checkpoint(run_dir: str) -> str | None:
@@ -331,12 +406,23 @@ def optimizer_state_dict(accelerator: Any, model: torch.nn.Module, optimizer: An
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=sharded))
 
 
-def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any, state_dict: dict[str, Any]) -> None:
-    """Load what :func:`optimizer_state_dict` returned; a state for other parameters raises CheckpointError."""
+def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any,
+                        state_dict: dict[str, Any]) -> list[str]:
+    """Load what :func:`optimizer_state_dict` returned, keeping the optimizer's own settings (its param groups'
+    hyperparameters); returns those that differ from the saved ones. A state for other parameters raises
+    CheckpointError."""
     owner = model if is_sharded(accelerator) else accelerator.unwrap_model(model, keep_torch_compile=False)
+    inner = getattr(optimizer, 'optimizer', optimizer)
+    configured = [{key: value for key, value in group.items() if key != 'params'} for group in inner.param_groups]
     try:
-        set_optimizer_state_dict(owner, getattr(optimizer, 'optimizer', optimizer), state_dict,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(owner, inner, state_dict, options=StateDictOptions(full_state_dict=True))
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f'the optimizer state does not fit this model / optimizer ({e}); was the checkpoint '
                               f'saved with another model or optimizer.name?') from e
+    changed = []
+    for index, (group, settings) in enumerate(zip(inner.param_groups, configured, strict=True)):
+        for key, value in settings.items():
+            if key not in ('lr', 'initial_lr') and group.get(key) != value:  # the schedule sets the learning rate
+                changed.append(f'group {index} {key}: {group.get(key)!r} -> {value!r}')
+            group[key] = value
+    return changed
