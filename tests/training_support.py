@@ -3,12 +3,14 @@
 Images come from Fashion-MNIST (the Debian package's IDX files, /usr/share/datasets/fashion-mnist) when it is
 installed; otherwise from class-dependent synthetic patterns, so the tests never skip for lack of data.
 """
+import collections
 import contextlib
 import dataclasses
 import gzip
 import io
 import json
 import os
+import signal
 import socket
 import tarfile
 
@@ -139,25 +141,40 @@ def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
 # Training forward calls (counted from 1) whose output the probe model turns into NaN; a subprocess reads them from
 # NAN_PROBE_CALLS ("3,9") and, when NAN_PROBE_RANK is set, only that process produces them.
 NAN_AT_CALLS: set[int] = {int(c) for c in os.environ.get('NAN_PROBE_CALLS', '').split(',') if c}
+# Signals the probe model sends its own process at a forward call: {('train' or 'eval', call): signal}; a subprocess
+# reads them from SIGNAL_PROBE ("eval:1:SIGTERM,train:4:SIGINT") and, when SIGNAL_PROBE_RANK is set, only that
+# process sends them.
+SIGNALS_AT_CALLS: dict[tuple[str, int], signal.Signals] = {
+    (mode, int(call)): signal.Signals[name] for mode, call, name in (
+        item.split(':') for item in os.environ.get('SIGNAL_PROBE', '').split(',') if item)}
+# Forward calls of the probe models of this process so far, by mode.
+PROBE_CALLS: collections.Counter = collections.Counter()
+
+
+def _this_rank(variable: str) -> bool:
+    return os.environ.get(variable) in (None, os.environ.get('RANK', '0'))
 
 
 class NanProbeNet(nn.Module):
-    """A tiny convnet that returns NaN logits on the training calls listed in :data:`NAN_AT_CALLS`."""
+    """A tiny convnet that returns NaN logits on the training calls listed in :data:`NAN_AT_CALLS` and signals its
+    process at the calls listed in :data:`SIGNALS_AT_CALLS` (both counted per model, from 1)."""
 
     def __init__(self, num_classes: int = 4, in_chans: int = 1):
         super().__init__()
         self.conv = nn.Conv2d(in_chans, 8, 3, stride=2)
         self.head = nn.Linear(8, num_classes)
-        self.calls = 0
-        self.nan_rank = os.environ.get('NAN_PROBE_RANK')
+        self.calls: collections.Counter = collections.Counter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.conv(x).relu().mean((2, 3)))
-        if self.training:
-            self.calls += 1
-            this_rank = self.nan_rank is None or self.nan_rank == os.environ.get('RANK', '0')
-            if self.calls in NAN_AT_CALLS and this_rank:
-                logits = logits * float('nan')
+        mode = 'train' if self.training else 'eval'
+        self.calls[mode] += 1
+        PROBE_CALLS[mode] += 1
+        if mode == 'train' and self.calls[mode] in NAN_AT_CALLS and _this_rank('NAN_PROBE_RANK'):
+            logits = logits * float('nan')
+        signum = SIGNALS_AT_CALLS.get((mode, self.calls[mode]))
+        if signum is not None and _this_rank('SIGNAL_PROBE_RANK'):
+            os.kill(os.getpid(), signum)
         return logits
 
 

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group('data')
     data.add_argument('--data-dir', help='ImageNet val in 1000 synset folders (any subset of the images)')
     data.add_argument('--data-layout', choices=('imagenet', 'imagefolder'), default='imagenet',
-                      help='imagefolder: any class-folder data set, classes in natural sort order')
+                      help='imagefolder: any class-folder data set, each folder labelled by its name among the '
+                           'classes saved with the checkpoint (else classes in natural sort order)')
     data.add_argument('--real-labels', nargs='?', const=_BUNDLED_REAL_LABELS, metavar='FILE',
                       help='also score --data-dir with ImageNet-ReaL labels (timm\'s bundled copy, or FILE)')
     data.add_argument('--v2-dir', nargs='+', action='extend', default=[], metavar='DIR',
@@ -143,8 +144,9 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
     real_labels = None
     if args.real_labels is not None:
         real_labels = load_real_labels(None if args.real_labels == _BUNDLED_REAL_LABELS else args.real_labels)
-    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir)))
     checkpoint = resolve_checkpoint(args.checkpoint, args.use_ema) if args.checkpoint else None
+    class_names = checkpoint.model_config.class_names if checkpoint and checkpoint.model_config else None
+    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir), class_names))
     accelerator = _make_accelerator(args)
     records = []
     for name in model_names:

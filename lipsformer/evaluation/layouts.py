@@ -9,6 +9,7 @@ read the wrong way does not crash: it silently scores at chance. The known traps
   which torchvision's ImageFolder does, scrambles 990 of the 1000 labels; here each folder maps by integer value.
 """
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -18,7 +19,10 @@ from timm.utils.misc import natural_key
 
 from .errors import EvaluationError
 
-__all__ = ['ImageList', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2', 'list_image_folder']
+__all__ = ['ImageList', 'check_imagenet_class_names', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2',
+           'list_image_folder']
+
+_logger = logging.getLogger(__name__)
 
 IMAGENET_NUM_CLASSES = 1000
 
@@ -161,13 +165,42 @@ def list_imagenet_v2(root: str | os.PathLike) -> ImageList:
     raise _explain_wrong_folders(root, folders, synsets, 'ImageNet-V2')
 
 
-def list_image_folder(root: str | os.PathLike) -> ImageList:
-    """Any class-folder data set; class index = position of the folder name in natural sort order, as timm's
-    ImageFolder reader (and so train.py) assigns it.
+def list_image_folder(root: str | os.PathLike, class_names: list[str] | None = None) -> ImageList:
+    """Any class-folder data set. With the model's ``class_names`` (saved with its weights), a folder's class index
+    is the position of its name there, and folders may be missing; without them, it is the position of the folder
+    name in natural sort order, as timm's ImageFolder reader (and so train.py) assigns it.
 
     Raises:
-        EvaluationError: The folder is missing, has no class folders or no images.
+        EvaluationError: The folder is missing, has no class folders or no images, or has a class folder that
+            ``class_names`` lacks.
     """
     root, folders = _class_folders(root, 'image')
-    class_to_idx = {name: index for index, name in enumerate(sorted(folders, key=natural_key))}
-    return _collect(root, class_to_idx, 'imagefolder', len(class_to_idx), 'image')
+    if class_names is None:
+        class_to_idx = {name: index for index, name in enumerate(sorted(folders, key=natural_key))}
+        return _collect(root, class_to_idx, 'imagefolder', len(class_to_idx), 'image')
+    index = {name: position for position, name in enumerate(class_names)}
+    unknown = [name for name in folders if name not in index]
+    if unknown:
+        raise EvaluationError(
+            f'image folder {root!r} has class folders that are not classes of the model: {_examples(unknown)} (its '
+            f'classes, saved with its weights: {_examples(class_names)}). Their images could only be scored against '
+            f'the wrong labels; rename those folders to the class they hold, or remove them')
+    missing = set(class_names) - set(folders)
+    if missing:
+        _logger.info('image folder %s has no folder for %d of the model\'s %d classes (%s); the others are scored by '
+                     'name', root, len(missing), len(class_names), _examples(missing))
+    return _collect(root, {name: index[name] for name in folders}, 'imagefolder', len(class_names), 'image')
+
+
+def check_imagenet_class_names(class_names: list[str] | None) -> None:
+    """Refuse a model whose saved classes are ImageNet synsets in another order than the layouts' (sorted) one.
+
+    Raises:
+        EvaluationError: They are.
+    """
+    synsets = imagenet_synsets()
+    if class_names is not None and set(class_names) & set(synsets) and list(class_names) != synsets:
+        raise EvaluationError(
+            f'the model\'s classes, saved with its weights ({len(class_names)}: {_examples(class_names)}), are not '
+            f'the {IMAGENET_NUM_CLASSES} ImageNet-1k synsets in sorted order, which the ImageNet layouts label by; '
+            f'score it with --data-layout imagefolder, which labels each folder by its name')

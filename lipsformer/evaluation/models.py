@@ -6,9 +6,11 @@ else ``export/last``, else the newest checkpoint (the one training would resume 
 a folder's ``model_ema.safetensors`` / ``ema.safetensors`` is used, and a torch file's EMA entry.
 
 The model is rebuilt from timm's ``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the
-run's ``config.yaml`` (read by :func:`lipsformer.training.load_config`), else from ``--model``; all weights then go
-through :func:`lipsformer.checkpoint.load_model_weights`, which never executes pickled code and names every
-mismatched key.
+run's ``config.yaml`` (read by :func:`lipsformer.training.load_config`) with the class count and architecture a
+training checkpoint's ``meta.json`` records, else from ``--model``; all weights then go through
+:func:`lipsformer.checkpoint.load_model_weights`, which never executes pickled code and names every mismatched key.
+The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along, so
+that a class-folder data set is labelled by name, as in training.
 """
 import logging
 import os
@@ -21,6 +23,7 @@ from timm.models._hub import load_model_config_from_path
 
 from ..checkpoint import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
 from ..training import ConfigError, latest_checkpoint, load_config
+from ..training.train_state import read_meta
 from .errors import EvaluationError
 
 __all__ = ['ResolvedCheckpoint', 'SavedModelConfig', 'resolve_checkpoint', 'expand_model_names', 'create_eval_model']
@@ -41,11 +44,13 @@ class SavedModelConfig:
         kwargs: Constructor arguments.
         pretrained_cfg: A complete pretrained cfg (from an export's ``config.json``), replacing the model's.
         cfg_overlay: Entries replacing those of the model's default pretrained cfg (from a run's ``config.yaml``).
+        class_names: The name of each output class, in index order, when the weights came with them.
     """
     name: str
     kwargs: dict = field(default_factory=dict)
     pretrained_cfg: dict | None = None
     cfg_overlay: dict | None = None
+    class_names: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,12 +86,13 @@ def _weights_folder(path: str) -> str:
         f'{", ".join(_RUN_EXPORTS)} or checkpoints/<name>/model.safetensors')
 
 
-def _model_config_from_run(path: str) -> SavedModelConfig:
+def _model_config_from_run(path: str, checkpoint_model: dict) -> SavedModelConfig:
     """The model and evaluation preprocessing of a training run's resolved ``config.yaml``.
 
     Takes ``model.name``, ``model.kwargs``, ``model.img_size`` / ``in_chans`` / ``num_classes`` and the ``data``
     section's ``mean``, ``std``, ``interpolation`` and ``crop_pct`` (null values keep the model's defaults; a random
-    training interpolation is evaluated bicubic, as training evaluates it).
+    training interpolation is evaluated bicubic, as training evaluates it); then the constructor arguments and class
+    names a training checkpoint recorded (``checkpoint_model``: the class count a null ``num_classes`` stood for).
     """
     try:
         config = load_config(path)
@@ -102,21 +108,39 @@ def _model_config_from_run(path: str) -> SavedModelConfig:
         overlay['interpolation'] = 'bicubic'
     if model.img_size:
         overlay['input_size'] = (model.in_chans, model.img_size, model.img_size)
-    return SavedModelConfig(model.name, kwargs, cfg_overlay=overlay or None)
+    kwargs.update(checkpoint_model.get('kwargs') or {})
+    return SavedModelConfig(model.name, kwargs, cfg_overlay=overlay or None,
+                            class_names=checkpoint_model.get('class_names'))
+
+
+def _label_names(pretrained_cfg: dict) -> list[str] | None:
+    names = pretrained_cfg.get('label_names')
+    if isinstance(names, dict):  # timm also allows {index: name}
+        names = [names[key] for key in sorted(names, key=int)]
+    return [str(name) for name in names] if names else None
 
 
 def _model_config_near(folder: str) -> SavedModelConfig | None:
     """The model described next to weights in ``folder``: its ``config.json``, or the run's ``config.yaml``
-    (in the folder or up to two levels above, as in ``RUN/checkpoints/NAME`` and ``RUN/export/best``)."""
+    (in the folder or up to two levels above, as in ``RUN/checkpoints/NAME`` and ``RUN/export/best``) with what
+    the folder's ``meta.json`` (a training checkpoint's) records."""
     if os.path.isfile(os.path.join(folder, 'config.json')):
         pretrained_cfg, name, model_args = load_model_config_from_path(folder)
         pretrained_cfg = {k: v for k, v in pretrained_cfg.items() if k not in ('file', 'source')}
-        return SavedModelConfig(name, dict(model_args), pretrained_cfg)
+        return SavedModelConfig(name, dict(model_args), pretrained_cfg, class_names=_label_names(pretrained_cfg))
     for levels in range(3):
         candidate = os.path.join(folder, *(['..'] * levels), 'config.yaml')
         if os.path.isfile(candidate):
-            return _model_config_from_run(os.path.normpath(candidate))
+            return _model_config_from_run(os.path.normpath(candidate), _checkpoint_model(folder))
     return None
+
+
+def _checkpoint_model(folder: str) -> dict:
+    """The model a training checkpoint's ``meta.json`` records (name, constructor arguments, class names), or {}."""
+    try:
+        return read_meta(folder).get('model') or {}
+    except CheckpointError:  # not a training checkpoint
+        return {}
 
 
 def _ema_in(folder: str) -> str | None:

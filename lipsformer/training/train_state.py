@@ -422,7 +422,13 @@ def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any
     changed = []
     for index, (group, settings) in enumerate(zip(inner.param_groups, configured, strict=True)):
         for key, value in settings.items():
-            if key not in ('lr', 'initial_lr') and group.get(key) != value:  # the schedule sets the learning rate
-                changed.append(f'group {index} {key}: {group.get(key)!r} -> {value!r}')
+            saved = group.get(key)
+            if key not in ('lr', 'initial_lr') and _plain(saved) != _plain(value):  # the schedule sets the lr
+                changed.append(f'group {index} {key}: {_plain(saved)!r} -> {_plain(value)!r}')
             group[key] = value
     return changed
+
+
+def _plain(value: Any) -> Any:
+    """A setting as compared and shown: a saved state turns tuples (Adam's betas) into lists."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
