@@ -115,15 +115,24 @@ def test_resume_at_an_epoch_boundary_reproduces_the_run_bit_for_bit(reference_ru
         assert continued[1][key] == original[1][key]
 
 
-def test_resume_mid_epoch_continues_with_exactly_the_unseen_images(data_dir, tmp_path):
-    settings = {'checkpoint.every_n_steps': 4, 'checkpoint.keep_last': 10, **DETERMINISTIC}
+def test_resume_mid_epoch_reproduces_the_run_with_augmentation_drop_path_and_loader_workers(data_dir, tmp_path):
+    """Random crops and flips in two loader workers, random erasing, mixup / CutMix and drop path: the resumed run
+    draws the same random numbers for the rest of the epoch, whichever worker transforms which image."""
+    settings = {'checkpoint.every_n_steps': 4, 'checkpoint.keep_last': 10, 'data.num_workers': 2,
+                'augment.hflip': 0.5, 'augment.vflip': 0.5}
     whole = str(tmp_path / 'whole')
     run(data_dir, whole, **settings)
     mid_epoch = os.path.join(whole, 'checkpoints', 'step_00000008')  # update 2 of the 6 in epoch 2
     assert json.load(open(os.path.join(mid_epoch, 'meta.json')))['progress']['batch_in_epoch'] == 2
     resumed = str(tmp_path / 'resumed')
-    run(data_dir, resumed, resume=mid_epoch, **settings)
-    _assert_same(_weights(os.path.join(whole, 'export', 'last')), _weights(os.path.join(resumed, 'export', 'last')))
+    run(data_dir, resumed, resume=mid_epoch, **{**settings, 'data.num_workers': 1})  # worker count does not matter
+    for name in ('model.safetensors', 'model_ema.safetensors'):
+        _assert_same(_weights(os.path.join(whole, 'export', 'last'), name),
+                     _weights(os.path.join(resumed, 'export', 'last'), name))
+    original = [json.loads(line) for line in open(os.path.join(whole, 'metrics.jsonl'))]
+    continued = [json.loads(line) for line in open(os.path.join(resumed, 'metrics.jsonl'))]
+    for key in ('train_loss', 'val_loss', 'val_top1', 'ema_val_top1'):  # the epoch's loss includes its first part
+        assert continued[1][key] == original[1][key]
 
 
 def test_an_existing_run_is_never_overwritten_and_resume_checks_the_batch_layout(reference_run, data_dir, tmp_path):

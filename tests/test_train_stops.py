@@ -13,9 +13,7 @@ import os
 import signal
 
 import pytest
-import torch
-from safetensors.torch import load_file
-from training_support import NAN_AT_CALLS, PROBE_CALLS, SIGNALS_AT_CALLS, tiny_overrides
+from training_support import NAN_AT_CALLS, PROBE_CALLS, SIGNALS_AT_CALLS, assert_same_run, tiny_overrides
 
 import lipsformer.training.train_state as train_state
 import lipsformer.training.trainer as trainer
@@ -66,17 +64,6 @@ def _metrics(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _assert_reproduces(run_dir, reference: str) -> None:
-    """The same final weights (raw and EMA) and the same metrics as the uninterrupted run, timings aside."""
-    for name in ('model.safetensors', 'ema.safetensors'):
-        expected = load_file(os.path.join(reference, 'checkpoints', 'epoch_0002', name))
-        actual = load_file(os.path.join(run_dir, 'checkpoints', 'epoch_0002', name))
-        assert all(torch.equal(expected[k], actual[k]) for k in expected), name
-    untimed = ('images_per_s', 'epoch_time_s', 'peak_memory_mb')
-    assert [{k: v for k, v in line.items() if k not in untimed} for line in _metrics(run_dir)] == [
-        {k: v for k, v in line.items() if k not in untimed} for line in _metrics(reference)]
-
-
 def _count_saves(monkeypatch) -> list[str]:
     saved = []
     save = trainer.save_checkpoint
@@ -104,7 +91,7 @@ def test_sigterm_on_a_periodic_step_saves_that_step_once(data_dir, tmp_path, mon
     assert summary['status'] == 'stopped' and summary['step'] == 4
     assert saved == ['step_00000002', 'step_00000004']  # not step_00000004 a second time
     _run(data_dir, tmp_path / 'run', resume='auto', **{'checkpoint.every_n_steps': 2})
-    _assert_reproduces(tmp_path / 'run', uninterrupted)
+    assert_same_run(str(tmp_path / 'run'), uninterrupted, 'epoch_0002')
 
 
 def test_sigterm_during_a_save_finishes_it_and_stops_without_another_update(data_dir, tmp_path, monkeypatch, caplog,
@@ -118,7 +105,7 @@ def test_sigterm_during_a_save_finishes_it_and_stops_without_another_update(data
     assert 'received SIGTERM again: already stopping after saving a checkpoint' in caplog.text
     monkeypatch.undo()
     _run(data_dir, tmp_path / 'run', resume='auto', **{'checkpoint.every_n_steps': 2})
-    _assert_reproduces(tmp_path / 'run', uninterrupted)
+    assert_same_run(str(tmp_path / 'run'), uninterrupted, 'epoch_0002')
 
 
 def test_sigterm_during_evaluation_cuts_it_short_and_the_continued_run_scores_that_epoch_first(data_dir, tmp_path,
@@ -133,7 +120,7 @@ def test_sigterm_during_evaluation_cuts_it_short_and_the_continued_run_scores_th
     assert read_meta(str(tmp_path / 'run' / 'checkpoints' / 'epoch_0001'))['progress']['unscored']['epoch'] == 1
     assert _metrics(tmp_path / 'run') == []
     _run(data_dir, tmp_path / 'run', resume='auto', **{'checkpoint.every_n_steps': 2})
-    _assert_reproduces(tmp_path / 'run', uninterrupted)
+    assert_same_run(str(tmp_path / 'run'), uninterrupted, 'epoch_0002')
     best = json.load(open(tmp_path / 'run' / 'checkpoints' / 'best.json'))
     assert best == json.load(open(os.path.join(uninterrupted, 'checkpoints', 'best.json')))
 
@@ -170,7 +157,7 @@ def test_sigint_stops_cleanly_and_a_second_one_aborts_without_saving(data_dir, t
     monkeypatch.undo()
     assert _cli(data_dir, run_dir, '--resume', 'auto', **{'checkpoint.every_n_steps': 2}) == 0
     assert not [name for name in os.listdir(run_dir / 'checkpoints') if name.startswith('.')]
-    _assert_reproduces(run_dir, uninterrupted)
+    assert_same_run(str(run_dir), uninterrupted, 'epoch_0002')
 
 
 def test_every_way_a_run_ends_has_its_own_exit_status_and_reason(data_dir, tmp_path, monkeypatch, caplog):

@@ -22,12 +22,13 @@ from imagenet_trees import build_tree, val_file_name, write_jpegs
 from timm.models import save_for_hf
 from timm.models._registry import _model_pretrained_cfgs
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN, SMALLEST_SWIN_KWARGS
-from training_support import write_checkpoint_meta
+from training_support import tiny_overrides, write_checkpoint_meta
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.checkpoint import load_model_weights
 from lipsformer.evaluation import imagenet_synsets, load_real_labels
 from lipsformer.evaluation.cli import main
+from lipsformer.training import load_config, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -409,3 +410,61 @@ def test_bf16_and_channels_last(vit, tmp_path, capsys):
     assert record['settings']['amp'] == 'bf16' and record['settings']['channels_last'] is True
     (result,) = record['results']
     assert {k: result[k] for k in expected} == expected
+
+
+def test_class_folders_are_labelled_by_the_class_names_saved_with_the_weights(vit, tmp_path, capsys):
+    """A model right on every image scores 100%, whatever order its classes were numbered in and whichever class
+    folders are missing; by folder position (natural sort) it would score less."""
+    torch.manual_seed(3)
+    model = timm.create_model('test_vit', img_size=32, num_classes=10).eval()
+    names = [f'kind_{(7 * i) % 10}' for i in range(10)]  # index 1 is kind_7: not the natural order of the names
+    export = str(tmp_path / 'export')
+    save_for_hf(model, export, model_config={'label_names': names}, safe_serialization=True)
+    predicted = reference_topk(model, vit.photos, VIT_DATA_CONFIG)[:, 0].tolist()
+    assert len(set(predicted)) > 1
+    data = tmp_path / 'data'
+    for photo, index in zip(vit.photos, predicted):
+        os.makedirs(data / names[index], exist_ok=True)
+        shutil.copyfile(photo, data / names[index] / os.path.basename(photo))
+    args = ['--checkpoint', export, '--img-size', '32', '--data-layout', 'imagefolder', '--data-dir', str(data)]
+    (result,) = run_validate(args, tmp_path, capsys)['results']
+    assert (result['count'], result['top1']) == (24, 100.0)
+    shutil.rmtree(data / names[predicted[0]])
+    (result,) = run_validate(args, tmp_path, capsys)['results']
+    assert result['count'] == 24 - predicted.count(predicted[0]) and result['top1'] == 100.0
+    os.makedirs(data / 'kind_x')
+    shutil.copyfile(vit.photos[0], data / 'kind_x' / 'x.jpg')
+    assert "class folders that are not classes of the model: kind_x (its classes, saved with its weights: " in _fails(
+        args, capsys)
+    err = _fails(['--checkpoint', export, '--img-size', '32', '--data-dir', vit.val], capsys)
+    assert 'the model has 10 outputs but imagenet' in err  # its names are no synsets: the layout's labels stand
+
+
+@pytest.fixture(scope='module')
+def stopped_run(data_dir, tmp_path_factory) -> str:
+    """A run with checkpoints only (no export) whose config.yaml says num_classes: null."""
+    run_dir = str(tmp_path_factory.mktemp('stopped'))
+    train(load_config(None, tiny_overrides(data_dir, **{'train.epochs': 1, 'checkpoint.export': False})), run_dir)
+    assert not os.path.exists(os.path.join(run_dir, 'export'))
+    assert load_config(os.path.join(run_dir, 'config.yaml')).model.num_classes is None
+    return run_dir
+
+
+def test_a_run_without_export_is_rebuilt_from_its_checkpoint(stopped_run, data_dir, tmp_path, capsys):
+    """The class count (and names) come from the checkpoint; the score is the training's own evaluation of it."""
+    val = str(tmp_path / 'val')
+    shutil.copytree(os.path.join(data_dir, 'validation'), val)
+    args = ['--checkpoint', stopped_run, '--data-layout', 'imagefolder', '--data-dir', val]
+    record = run_validate(args, tmp_path, capsys)
+    assert record['model'] == SMALLEST_MODEL and record['checkpoint'].endswith('epoch_0001/model.safetensors')
+    (whole,) = record['results']
+    with open(os.path.join(stopped_run, 'metrics.jsonl')) as f:
+        trained = json.loads(f.readline())
+    assert (whole['count'], whole['top1']) == (24, trained['val_top1'])
+    # Scored by class name, the images of class_1 alone and those of the other classes add up to the whole.
+    only, rest = tmp_path / 'only_class_1', tmp_path / 'without_class_1'
+    shutil.copytree(os.path.join(val, 'class_1'), only / 'class_1')
+    shutil.copytree(val, rest, ignore=lambda folder, names: ['class_1'] if folder == val else [])
+    hits = [run_validate([*args[:-1], str(folder)], tmp_path, capsys)['results'][0] for folder in (only, rest)]
+    assert [r['count'] for r in hits] == [6, 18]
+    assert sum(r['count'] * r['top1'] for r in hits) == pytest.approx(24 * whole['top1'])

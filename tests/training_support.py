@@ -17,6 +17,7 @@ import tarfile
 import numpy as np
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 from timm.models import register_model
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS
 from torch import nn
@@ -121,6 +122,18 @@ def write_checkpoint_meta(folder: str | os.PathLike, step: int) -> None:
     meta = dict(format=FORMAT_VERSION, name=os.path.basename(folder), progress=dataclasses.asdict(Progress(step=step)))
     with open(os.path.join(folder, META_FILE), 'w') as f:
         json.dump(meta, f)
+
+
+def assert_same_run(run_dir: str, reference: str, last: str) -> None:
+    """The final raw and EMA weights and the metrics of ``reference`` (an uninterrupted run), timings aside."""
+    for name in ('model.safetensors', 'ema.safetensors'):
+        expected = load_file(os.path.join(reference, 'checkpoints', last, name))
+        actual = load_file(os.path.join(run_dir, 'checkpoints', last, name))
+        assert all(torch.equal(expected[k], actual[k]) for k in expected), f'{name} differs from the reference'
+    untimed = ('images_per_s', 'epoch_time_s', 'peak_memory_mb')
+    lines = [[{k: v for k, v in json.loads(line).items() if k not in untimed} for line in open(
+        os.path.join(folder, 'metrics.jsonl'))] for folder in (run_dir, reference)]
+    assert lines[0] == lines[1]
 
 
 def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
