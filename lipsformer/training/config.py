@@ -94,9 +94,13 @@ class DataConfig:
                             '"hfids/<name>" (streamed), "wds/<name>" (WebDataset shards), "torch/<name>" '
                             '(torchvision, e.g. torch/fashion_mnist).')
     data_dir: str | None = _key(None, 'Dataset root (train.py --data-dir sets it).')
-    train_split: str = _key('train', 'Split (or sub-folder) used for training.')
-    val_split: str = _key('validation', 'Split used for evaluation; timm also finds "val" and "test" folders.')
-    class_map: str | None = _key(None, 'File mapping class folder names to indices (timm class_map).')
+    train_split: str = _key('train', 'Split (or sub-folder) used for training; its class folders number the classes '
+                                     'of every split. A split that is not there is an error (timm\'s synonyms, '
+                                     'such as training for train, are found too).')
+    val_split: str = _key('validation', 'Split used for evaluation, labelled with the training split\'s classes; '
+                                        'timm\'s synonyms val, valid, eval and evaluation are found too.')
+    class_map: str | None = _key(None, 'File mapping class folder names to indices (timm class_map), for every '
+                                       'split; a class folder it lacks is an error.')
     download: bool = _key(False, 'Let torchvision / Hugging Face download the dataset when missing.')
     train_num_samples: int | None = _key(None, 'Images per epoch of an iterable dataset (wds/, hfids/); required '
                                                'there, ignored otherwise.', _optional(_POSITIVE_INT))
