@@ -178,7 +178,7 @@ def test_a_validation_split_without_a_class_is_scored_with_the_training_indices(
         train, val = _splits(tree)
     assert class_names_of(train) == ['class_0', 'class_1', 'class_2', 'class_3']
     assert _labelled(val) == {('class_0', 0), ('class_2', 2), ('class_3', 3)} and len(val) == 18
-    assert 'has no images of 1 of the 4 classes (class_1)' in caplog.text
+    assert 'has no images of 1 of 4 classes (class_1)' in caplog.text
 
 
 @pytest.mark.parametrize('change', ['rename', 'extra'])
@@ -188,9 +188,10 @@ def test_a_validation_class_the_training_split_lacks_is_an_error(tree, change):
     else:
         shutil.copytree(tree / 'validation' / 'class_1', tree / 'validation' / 'class_9')
     unknown = 'class_one' if change == 'rename' else 'class_9'
-    with pytest.raises(DatasetError, match=f"data.val_split: '.*validation' has class folders that the training split "
-                                           f"lacks: {unknown} .the training split has class_0, class_1, class_2, "
-                                           f"class_3.. Its images could only be scored against the wrong labels"):
+    with pytest.raises(DatasetError, match=f"data.val_split: '.*validation' has class folders that are not among "
+                                           f"the training split's classes: {unknown} .the training split's classes: "
+                                           f"class_0, class_1, class_2, class_3.. Their images could only be scored "
+                                           f"against the wrong labels"):
         _splits(tree)
 
 
@@ -207,7 +208,7 @@ def test_a_class_map_file_labels_both_splits_and_must_name_every_folder(tree):
     train, val = _splits(tree, **{'data.class_map': str(tree / 'classes.txt')})
     assert _labelled(train) == _labelled(val) == {('class_3', 0), ('class_2', 1), ('class_1', 2), ('class_0', 3)}
     (tree / 'classes.txt').write_text('class_0\nclass_1\nclass_2\n')
-    with pytest.raises(DatasetError, match='data.train_split: .* has class folders that data.class_map lacks: class_3'):
+    with pytest.raises(DatasetError, match='data.train_split: .* are not among the classes of data.class_map: class_3'):
         _splits(tree, **{'data.class_map': str(tree / 'classes.txt')})
 
 

@@ -9,7 +9,6 @@ read the wrong way does not crash: it silently scores at chance. The known traps
   which torchvision's ImageFolder does, scrambles 990 of the 1000 labels; here each folder maps by integer value.
 """
 import functools
-import logging
 import os
 from dataclasses import dataclass
 
@@ -17,12 +16,11 @@ from timm.data import ImageNetInfo
 from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
+from ..training.splits import check_split_classes
 from .errors import EvaluationError
 
 __all__ = ['ImageList', 'check_imagenet_class_names', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2',
            'list_image_folder']
-
-_logger = logging.getLogger(__name__)
 
 IMAGENET_NUM_CLASSES = 1000
 
@@ -178,17 +176,9 @@ def list_image_folder(root: str | os.PathLike, class_names: list[str] | None = N
     if class_names is None:
         class_to_idx = {name: index for index, name in enumerate(sorted(folders, key=natural_key))}
         return _collect(root, class_to_idx, 'imagefolder', len(class_to_idx), 'image')
+    check_split_classes(folders, class_names, f'image folder {root!r}', 'the classes saved with the model\'s weights',
+                        error=EvaluationError)
     index = {name: position for position, name in enumerate(class_names)}
-    unknown = [name for name in folders if name not in index]
-    if unknown:
-        raise EvaluationError(
-            f'image folder {root!r} has class folders that are not classes of the model: {_examples(unknown)} (its '
-            f'classes, saved with its weights: {_examples(class_names)}). Their images could only be scored against '
-            f'the wrong labels; rename those folders to the class they hold, or remove them')
-    missing = set(class_names) - set(folders)
-    if missing:
-        _logger.info('image folder %s has no folder for %d of the model\'s %d classes (%s); the others are scored by '
-                     'name', root, len(missing), len(class_names), _examples(missing))
     return _collect(root, {name: index[name] for name in folders}, 'imagefolder', len(class_names), 'image')
 
 

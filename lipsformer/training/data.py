@@ -307,9 +307,9 @@ def _open_folder_split(config: Config, key: str, is_training: bool, class_map: M
     root = split_folder(data.data_dir, getattr(data, key), key)
     dataset = _open_split(config, key, is_training, root)
     found = class_map_of(dataset) or {}
-    reference, source = class_map, 'the training split'
+    reference, source = class_map, 'the training split\'s classes'
     if data.class_map:
-        reference, source = load_class_map(data.class_map, data.data_dir), 'data.class_map'
+        reference, source = load_class_map(data.class_map, data.data_dir), 'the classes of data.class_map'
     if reference is None:  # the training split decides the classes
         empty = class_folders_without_images(root, found)
         if empty:
@@ -318,7 +318,7 @@ def _open_folder_split(config: Config, key: str, is_training: bool, class_map: M
                 f'model never sees cannot be learned, and leaving it out would renumber the classes after it. Add '
                 f'its images, or remove the folder from every split')
         return dataset
-    check_split_classes(key, root, found, reference, source)
+    check_split_classes(found, reference, f'data.{key}: {root!r}', source)
     if any(reference[name] != index for name, index in found.items()):
         if not hasattr(dataset, 'reader'):
             raise DatasetError(f'data.{key}: {root!r} lacks some classes of {source}, and torchvision\'s ImageFolder '

@@ -9,12 +9,13 @@ numbered on its own (so a validation split without one class scores every later 
   of that name (``val`` for ``validation``, ...); anything else is an error naming what was looked for and what exists;
 - the training split's classes are the class map of the run (or ``data.class_map`` when given): the validation split
   is scored with those indices; a validation class the training split lacks (an extra or renamed folder) is an error,
-  a class missing from validation is fine; a training class folder without images is an error;
+  a class missing from validation is fine; a training class folder without images is an error (validate.py checks
+  class folders against a model's saved classes with the same :func:`check_split_classes`);
 - a torchvision dataset's split must be one of the names that select its training or test set.
 """
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
@@ -100,27 +101,27 @@ def class_folders_without_images(root: str, class_to_idx: Mapping[str, int]) -> 
     return empty
 
 
-def check_split_classes(key: str, root: str, found: Mapping[str, int], reference: Mapping[str, int],
-                        reference_source: str) -> None:
-    """Check that every class of a split is in the run's class map, so it can be scored with the right index.
+def check_split_classes(found: Iterable[str], reference: Iterable[str], where: str, source: str,
+                        error: type[Exception] = DatasetError) -> None:
+    """Check that every class of a split is among the classes it is scored with, so each gets its right index.
 
     Args:
-        key: The config key of the split (``val_split``, or ``train_split`` against ``data.class_map``).
-        root: Where the split is, for the message.
-        found: The split's own classes (name -> index as its reader numbered them).
-        reference: The run's class map.
-        reference_source: What ``reference`` is, for the message (``the training split``, ``data.class_map``).
+        found: The split's class folder names.
+        reference: The class names it is labelled with (the run's class map, a model's saved classes).
+        where: The split, for the message (``data.val_split: '<folder>'``).
+        source: What ``reference`` is, for the message (``the training split's classes``).
+        error: The exception to raise.
 
     Raises:
-        DatasetError: The split has classes the reference lacks (extra or renamed folders).
+        error: The split has classes the reference lacks (extra or renamed folders).
     """
+    found, reference = list(found), list(reference)
     unknown = [name for name in found if name not in reference]
     if unknown:
-        raise DatasetError(
-            f'data.{key}: {root!r} has class folders that {reference_source} lacks: {_listing(unknown)} '
-            f'({reference_source} has {_listing(list(reference))}). Its images could only be scored against the '
-            f'wrong labels; rename those folders to the class they hold, or remove them')
+        raise error(f'{where} has class folders that are not among {source}: {_listing(unknown)} ({source}: '
+                    f'{_listing(reference)}). Their images could only be scored against the wrong labels; rename '
+                    f'those folders to the class they hold, or remove them')
     missing = [name for name in reference if name not in found]
     if missing:
-        _logger.info('data.%s: %s has no images of %d of the %d classes (%s); it is scored with the class indices '
-                     'of %s', key, root, len(missing), len(reference), _listing(missing), reference_source)
+        _logger.info('%s has no images of %d of %d classes (%s); the others are scored by their names among %s',
+                     where, len(missing), len(reference), _listing(missing), source)
