@@ -148,11 +148,13 @@ def test_kill_at_a_random_moment_then_resume_auto_reproduces_the_uninterrupted_r
                                             'checkpoint.export': False})
     args = ['train.py', '--output', run_dir, *overrides]
     process = _start(args)
-    _wait_for(process, 'epoch 1 step 3')
-    time.sleep(random.uniform(0.0, 1.5))
+    update = random.randint(3, 3 * UPDATES_PER_EPOCH - 4)  # then a moment within about one update
+    _wait_for(process, f'epoch {(update - 1) // UPDATES_PER_EPOCH + 1} step {update}:')
+    time.sleep(random.uniform(0.0, 0.2))
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    assert latest_checkpoint(run_dir) is not None
+    stopped_at = read_meta(latest_checkpoint(run_dir))['progress']
+    assert stopped_at['step'] < 3 * UPDATES_PER_EPOCH or stopped_at['unscored'], 'the kill came after the run'
     resumed = subprocess.run([sys.executable, *args, '--resume', 'auto'], cwd=REPO, capture_output=True, text=True,
                              timeout=300, env=subprocess_env())
     assert resumed.returncode == 0, resumed.stderr
