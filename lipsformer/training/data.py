@@ -279,7 +279,7 @@ def create_split(config: Config, spec: InputSpec, is_training: bool,
     if _is_image_folder(data.dataset):
         dataset = _open_folder_split(config, key, is_training, class_map)
     else:
-        dataset = _open_split(config, key, is_training, data.data_dir)
+        dataset = _open_split(config, key, is_training, data.data_dir, class_map=data.class_map or '')
     transform = create_train_transform(config, spec) if is_training else create_eval_transform(spec)
     if data.dataset.lower().startswith('torch/'):
         transform = _compose(ImageMode(_image_mode(config)), transform)
