@@ -14,13 +14,12 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import timm
 import torch
-import yaml
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
+from timm.utils import ParseKwargs
 
 from .checkpoint import CheckpointError, load_checkpoint_dict, load_file
 from .evaluation.errors import EvaluationError
@@ -113,7 +112,8 @@ def load_source(src: str, model_name: str | None = None, model_kwargs: dict[str,
             model, _ = create_eval_model(model_name, resolved, model_kwargs=model_kwargs)
         except EvaluationError as e:
             raise ConversionError(str(e)) from e
-        return model, None, None
+        label_names = model.pretrained_cfg.get('label_names')  # from the config.json beside the weights
+        return model, None, {'label_names': label_names} if label_names else None
     name, kwargs, data_config, label_names = authors_model_config(authors_config)
     if model_name is not None:
         name = model_name
@@ -184,16 +184,6 @@ def convert(src: str, out_dir: str, model_name: str | None = None, model_kwargs:
                 params=sum(p.numel() for p in model.parameters()), max_abs_logit_difference=difference)
 
 
-def _model_kwargs(items: Sequence[str]) -> dict[str, Any]:
-    kwargs = {}
-    for item in items:
-        key, sep, value = item.partition('=')
-        if not sep or not key:
-            raise ConversionError(f'--model-kwargs {item!r} is not KEY=VALUE (e.g. num_classes=10)')
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='python -m lipsformer.convert', description=__doc__.split('\n\n')[1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -202,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('out_dir', help='timm model folder to write (new or empty; see --force)')
     parser.add_argument('--model', help='registered model name (default: from the authors\' config, the config.json '
                                         'or config.yaml beside the weights)')
-    parser.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE',
-                        help='constructor arguments, values parsed as YAML (num_classes=10 window_size=7 ...)')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='constructor arguments, as timm\'s scripts take them (num_classes=10 depths=[2,2,6,2])')
     parser.add_argument('--use-ema', action='store_true', help='convert the EMA weights')
     parser.add_argument('--force', action='store_true', help='replace OUT_DIR if it is a model folder')
     return parser
@@ -214,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
     args = build_parser().parse_args(argv)
     try:
-        result = convert(args.src, args.out_dir, args.model, _model_kwargs(args.model_kwargs), args.use_ema,
-                         args.force)
+        result = convert(args.src, args.out_dir, args.model, args.model_kwargs, args.use_ema, args.force)
     except (ConversionError, CheckpointError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2

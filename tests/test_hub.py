@@ -11,11 +11,14 @@ import pytest
 import timm
 import timm.models._hub
 import torch
+from accelerate.state import AcceleratorState
 from huggingface_hub.utils import LocalEntryNotFoundError
 from training_support import make_image_folder, tiny_overrides
 
 from lipsformer.benchmark import BenchmarkConfig, _build, parse_model_specs
 from lipsformer.checkpoint import load_file
+from lipsformer.convert import convert
+from lipsformer.evaluation.cli import main as validate_main
 from lipsformer.evaluation.models import create_eval_model, expand_model_names
 from lipsformer.hub import CardError, ModelSourceError, check_model_source, create_model, write_card
 from lipsformer.hub.__main__ import main as hub_main
@@ -190,13 +193,23 @@ def test_bad_local_dir_names_fail_before_anything_is_built(run_dir, data_dir, tm
         train(config, str(tmp_path / 'run'))
 
 
-def test_validate_lipschitz_and_benchmark_take_local_dir(run_dir, tmp_path, capsys):
+def test_validate_scores_a_local_dir_export_as_training_did(run_dir, data_dir, tmp_path):
+    export = os.path.join(run_dir, 'export', 'best')
+    results = tmp_path / 'results.json'
+    AcceleratorState._reset_state(reset_partial_state=True)  # as a new process has it
+    assert validate_main(['--model', f'local-dir:{export}', '--data-layout', 'imagefolder', '--data-dir',
+                          os.path.join(data_dir, 'validation'), '--workers', '0', '--results-file', str(results)]) == 0
+    (result,) = json.loads(results.read_text())['results']
+    summary = json.load(open(os.path.join(run_dir, 'summary.json')))
+    epochs = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
+    (best,) = [line for line in epochs if line.get('epoch') == summary['best_epoch'] and 'val_top1' in line]
+    assert result['top1'] == pytest.approx(best['val_top1']) and result['count'] == best['val_samples']
+
+
+def test_lipschitz_and_benchmark_take_local_dir(run_dir, tmp_path, capsys):
     export = os.path.join(run_dir, 'export', 'best')
     name = f'local-dir:{export}'
-    expected = _logits(_export_model(export))
     assert expand_model_names(name) == [name]
-    model, shown = create_eval_model(name, None, pretrained=True)  # what validate.py --model NAME builds
-    assert shown == name and torch.equal(_logits(model), expected)
     out = tmp_path / 'lipschitz.json'
     assert lipschitz_main(['--model', name, '--no-empirical', '--json', str(out)]) == 0
     alphas = [row['alpha'] for row in json.loads(out.read_text())['branches']]
@@ -222,15 +235,35 @@ class _FakeDownloads:
         monkeypatch.setattr(timm.models._hub, 'hf_hub_download', download)
 
 
-def test_hf_hub_names_up_to_the_download(run_dir, monkeypatch):
+def test_hf_hub_names_up_to_the_download(run_dir, data_dir, monkeypatch):
     export = os.path.join(run_dir, 'export', 'best')
+    expected = _logits(_export_model(export))
     downloads = _FakeDownloads(monkeypatch, export)
-    model, _ = create_eval_model('hf-hub:me/tiny', None, pretrained=True)
-    assert torch.equal(_logits(model), _logits(_export_model(export)))
+    model, _ = create_eval_model('hf-hub:me/tiny', None, pretrained=True)  # validate.py --model hf-hub:me/tiny
+    assert torch.equal(_logits(model), expected)
     assert downloads.requested == [('me/tiny', 'config.json'), ('me/tiny', 'model.safetensors')]
+    overrides = tiny_overrides(data_dir, **{'model.pretrained': True})
+    config = load_config(None, [o for o in overrides if not o.startswith(('model.name=', 'model.kwargs='))]
+                         + ['model.name=hf-hub:me/tiny'])
+    model, _ = create_training_model(config, 4, resolve_input_spec(config))  # train.py's model.name
+    assert torch.equal(_logits(model), expected)
     _FakeDownloads(monkeypatch, None)
     for build in (lambda: create_eval_model('hf-hub:me/tiny', None, pretrained=True),
                   lambda: create_model('hf-hub:me/tiny', pretrained=True)):
         with pytest.raises(ModelSourceError, match=r'hf-hub:me/tiny: cannot get its files from the Hugging Face Hub '
                                                    r'\(LocalEntryNotFoundError.*local-dir:FOLDER'):
             build()
+
+
+def test_convert_a_run_folder_raw_and_ema(run_dir, tmp_path):
+    export = os.path.join(run_dir, 'export', 'best')
+    convert(run_dir, str(tmp_path / 'raw'))
+    result = convert(run_dir, str(tmp_path / 'ema'), use_ema=True)
+    assert result['max_abs_logit_difference'] == 0.0
+    for name, weights in (('raw', 'model.safetensors'), ('ema', 'model_ema.safetensors')):
+        converted, exported = load_file(tmp_path / name / 'model.safetensors'), load_file(os.path.join(export, weights))
+        assert converted.keys() == exported.keys()
+        assert all(torch.equal(converted[key], exported[key]) for key in converted), name
+    saved = json.loads((tmp_path / 'ema' / 'config.json').read_text())
+    assert saved['label_names'] == ['class_0', 'class_1', 'class_2', 'class_3']
+    assert saved['pretrained_cfg']['mean'] == [0.5] and saved['model_args']['in_chans'] == 1

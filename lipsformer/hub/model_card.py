@@ -141,7 +141,7 @@ def _model_section(config_json: dict[str, Any], complexity: dict[str, Any]) -> l
     args = ', '.join(f'{k}={v}' for k, v in config_json.get('model_args', {}).items())
     return ['## Model', '',
             f'- architecture: `{config_json["architecture"]}` ({args})',
-            f'- parameters: {complexity["params"] / 1e6:.2f}M; {complexity["gmacs"]:.3f} GMACs per image at {size} '
+            f'- parameters: {complexity["params"] / 1e6:.2f}M; {complexity["gmacs"]:.3g} GMACs per image at {size} '
             f'(multiply-accumulates, attention matmuls included; `python -m lipsformer.complexity`)',
             f'- classes: {config_json["num_classes"]}' + (' (names in `config.json` `label_names`)'
                                                           if config_json.get('label_names') else ''),
