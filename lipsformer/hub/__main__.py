@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (card, upload):
         sub.add_argument('--which', choices=('best', 'last'), default='best', help='which of the run\'s exports')
         sub.add_argument('--no-lipschitz', action='store_true',
-                         help='leave the Lipschitz bounds out of the card (they take seconds for a full-size model)')
+                         help="leave the Lipschitz bounds out of the card (seconds for a full-size model)")
     return parser
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import timm
+import torch
 
 from ..complexity import model_complexity
 from ..lipschitz.analysis import analyze
@@ -90,10 +91,14 @@ def _run_facts(run_dir: str) -> tuple[Config, dict[str, Any]]:
 def _lipschitz_summary(folder: str) -> dict[str, Any] | None:
     """Bounds (no empirical estimates) of the exported weights; None for a model the analysis does not know."""
     model = timm.create_model(f'local-dir:{folder}', pretrained=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small power iterations: one thread is much faster than all on a busy CPU
     try:
         report = analyze(model, empirical=False)
     except (AttributeError, TypeError, ValueError):  # not a LipsFormer
         return None
+    finally:
+        torch.set_num_threads(threads)
     return dict(product_bound=report['product_bound'], exp_kappa_bound=report['exp_kappa_bound'],
                 kappa=report['kappa'], sum_alpha=report['sum_alpha'], unbounded=len(report['unbounded']),
                 branches=len(report['branches']))
