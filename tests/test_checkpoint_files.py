@@ -2,6 +2,7 @@
 (empty, text, unknown bytes, a truncated archive, a pickle that references code), its size and the formats read;
 never torch's advice to load it with weights_only=False, and nothing in it is ever run."""
 import io
+import json
 import os
 import pickle
 
@@ -14,6 +15,7 @@ from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 from lipsformer.checkpoint import READABLE_FORMATS, CheckpointError, load_file
 from lipsformer.convert import main as convert_main
 from lipsformer.evaluation.models import create_eval_model, resolve_checkpoint
+from lipsformer.hub import create_model
 from lipsformer.lipschitz.cli import main as lipschitz_main
 from lipsformer.training.session import load_initial_weights
 
@@ -117,3 +119,19 @@ def test_legacy_torch_save_files_still_load(tmp_path):
     path = str(tmp_path / 'legacy.pth')
     torch.save({'w': torch.arange(5.0)}, path, _use_new_zipfile_serialization=False)
     assert torch.equal(load_file(path)['w'], torch.arange(5.0))
+
+
+@pytest.mark.parametrize('kind', ['code_pickle', 'code_zip', 'truncated_safetensors', 'random'])
+def test_local_dir_weights(kind, tmp_path):
+    """A model folder whose weights file is bad: the same message through local-dir: names."""
+    folder = tmp_path / 'folder'
+    folder.mkdir()
+    (folder / 'config.json').write_text(json.dumps({'architecture': SMALLEST_MODEL, 'num_classes': 1000,
+                                                    'model_args': dict(SMALLEST_SWIN), 'pretrained_cfg': {}}))
+    made, said = _make(kind, str(folder))
+    path = str(folder / ('model.safetensors' if made.endswith('.safetensors') else 'pytorch_model.bin'))
+    os.rename(made, path)
+    with pytest.raises(CheckpointError) as error:
+        create_model(f'local-dir:{folder}', pretrained=True)
+    _check_message(str(error.value), path, said)
+    assert error.value.__cause__ is None and error.value.__suppress_context__

@@ -14,11 +14,14 @@ import timm
 import torch
 from timm.models import is_model, parse_model_name
 
-from ..checkpoint import CheckpointError
+from ..checkpoint import CheckpointError, load_file
 from ..utils.io import read_json
 
 __all__ = ['ModelSourceError', 'check_model_source', 'classifier_reset_note', 'create_model', 'hub_errors',
            'model_source']
+
+
+_WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
 
 
 class ModelSourceError(CheckpointError):
@@ -56,7 +59,7 @@ def check_model_source(name: str) -> None:
     if not architecture or not is_model(architecture):
         raise ModelSourceError(f'{name}: {config_path!r} names the architecture {architecture!r}, which is not a '
                                f'registered timm model (LipsFormer models are registered by importing lipsformer)')
-    weights = [n for n in os.listdir(location) if n.endswith(('.safetensors', '.bin', '.pth', '.pth.tar'))]
+    weights = [n for n in os.listdir(location) if n.endswith(_WEIGHT_SUFFIXES)]
     if not weights:
         raise ModelSourceError(f'{name}: {location!r} has a config.json but no weights file; {made_by}')
 
@@ -76,17 +79,39 @@ def hub_errors(name: str) -> Iterator[None]:
 
 
 def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
-    """``timm.create_model`` that checks a ``local-dir:`` folder first and explains failed ``hf-hub:`` downloads.
+    """``timm.create_model`` that checks a ``local-dir:`` folder first, gives a damaged or unsafe weights file there
+    :mod:`lipsformer.checkpoint`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
 
     Raises:
         ModelSourceError: The folder is not a timm model folder, or the Hub cannot be reached or lacks the repo.
+        CheckpointError: The folder's weights file is damaged, not a checkpoint, or references code.
     """
-    if model_source(model_name):
+    source = model_source(model_name)
+    if source:
         check_model_source(model_name)
-    cfg = kwargs.get('pretrained_cfg')
-    hub_name = f'hf-hub:{cfg["hf_hub_id"]}' if isinstance(cfg, dict) and cfg.get('source') == 'hf-hub' else model_name
-    with hub_errors(hub_name):
-        return timm.create_model(model_name, **kwargs)
+    cfg = kwargs.get('pretrained_cfg') if isinstance(kwargs.get('pretrained_cfg'), dict) else {}
+    hub_name = f'hf-hub:{cfg["hf_hub_id"]}' if cfg.get('source') == 'hf-hub' else model_name
+    folder = parse_model_name(model_name)[1] if source == 'local-dir' else (
+        cfg.get('file') if cfg.get('source') == 'local-dir' else None)
+    try:
+        with hub_errors(hub_name):
+            return timm.create_model(model_name, **kwargs)
+    except Exception:
+        problem = _unreadable_weights(folder) if folder and kwargs.get('pretrained') else None
+        if problem is None:
+            raise
+        raise problem from None  # torch's error, and its weights_only advice, left out of the traceback
+
+
+def _unreadable_weights(folder: str) -> CheckpointError | None:
+    """Our error for the first weights file in ``folder`` that :func:`lipsformer.checkpoint.load_file` refuses."""
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(_WEIGHT_SUFFIXES):
+            try:
+                load_file(os.path.join(folder, name))
+            except CheckpointError as e:
+                return e
+    return None
 
 
 def classifier_reset_note(model: torch.nn.Module) -> str | None:
