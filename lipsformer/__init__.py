@@ -2,6 +2,8 @@
 
 - :mod:`.models` (LipsFormer-Swin and -CSwin) built from :mod:`.layers` (one Lipschitz concept per file);
 - :mod:`.checkpoint`: weight files of any layout (timm, exports, the authors'), loaded without running pickled code;
+  :mod:`.convert` makes timm model folders of them, :mod:`.hub` model cards, Hub uploads and ``hf-hub:`` /
+  ``local-dir:`` names;
 - :mod:`.training` (train.py), :mod:`.evaluation` (validate.py), :mod:`.lipschitz` (bounds, estimates, constrained
   training) and :mod:`.experiments` (the paper's claims in miniature);
 - :mod:`.complexity` and :mod:`.benchmark`: parameters, MACs, speed and memory; :mod:`.cpu_memory`: CPU allocator

@@ -59,6 +59,7 @@ from torch import nn
 
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
+from lipsformer.hub.model_names import check_model_source, model_source
 from lipsformer.utils import cpu_name, peak_rss_mb, write_json
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
@@ -161,6 +162,8 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
                 raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
         elif any(char in source for char in '*?['):
             raise ValueError(f'{item!r}: the benchmark takes exact model names, not patterns')
+        elif model_source(source):  # local-dir:FOLDER / hf-hub:REPO: the architecture saved there
+            check_model_source(source)
         else:
             resolve_model_names(source)  # raises with close matches if the name is unknown
         specs.append(ModelSpec(item, source, kwargs))

@@ -134,7 +134,7 @@ def test_unreadable_files_give_clear_errors(tmp_path):
         load_file(tmp_path / 'missing.pth')
     garbage = tmp_path / 'garbage.pth'
     garbage.write_bytes(b'not a checkpoint')
-    with pytest.raises(CheckpointError, match='not a readable PyTorch checkpoint'):
+    with pytest.raises(CheckpointError, match='is not a checkpoint lipsformer can read: it is a text file'):
         load_file(garbage)
 
 

@@ -22,6 +22,7 @@ from timm.models import resolve_model_input_args, split_model_name_tag
 from timm.models._hub import load_model_config_from_path
 
 from ..checkpoint import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
+from ..hub.model_names import check_model_source, create_model, hub_errors, model_source
 from ..training import ConfigError, latest_checkpoint, load_config
 from ..training.train_state import read_meta
 from .errors import EvaluationError
@@ -191,6 +192,9 @@ def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
                     f'evaluate one of them with --checkpoint' if found else
                     f'--model {part!r} matches no registered model')
             names.extend(matches)
+        elif model_source(part):  # hf-hub:REPO / local-dir:FOLDER, weights included
+            check_model_source(part)
+            names.append(part)
         elif timm.is_model(split_model_name_tag(part)[0]):
             names.append(part)
         else:
@@ -235,10 +239,11 @@ def create_eval_model(
     """
     saved = _choose_model_config(model_name, checkpoint)
     kwargs = {**saved.kwargs, **(model_kwargs or {})}
-    create_args = resolve_model_input_args(
-        saved.name, args={'img_size': img_size}, pretrained_cfg=saved.pretrained_cfg,
-        pretrained_cfg_overlay=saved.cfg_overlay, **kwargs)
-    model = timm.create_model(pretrained=pretrained and checkpoint is None, **create_args)
+    with hub_errors(saved.name):  # an hf-hub: name downloads its config.json here
+        create_args = resolve_model_input_args(
+            saved.name, args={'img_size': img_size}, pretrained_cfg=saved.pretrained_cfg,
+            pretrained_cfg_overlay=saved.cfg_overlay, **kwargs)
+    model = create_model(pretrained=pretrained and checkpoint is None, **create_args)
     if checkpoint is not None:
         _logger.info('loading %s%s', checkpoint.weights, ' (EMA entry)' if checkpoint.ema_entry else '')
         _load_weights(model, checkpoint)

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from ..checkpoint import CheckpointError, load_model_weights
+from ..hub.model_names import create_model, model_source
 from ..utils.io import write_json
 from .analysis import analyze
 
@@ -25,7 +26,8 @@ __all__ = ['build_parser', 'format_report', 'main', 'to_json']
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='python -m lipsformer.lipschitz', description=__doc__.split('\n\n')[1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny')
+    parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny, or one with its '
+                                                       'weights: local-dir:FOLDER, hf-hub:REPO_ID')
     parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.checkpoint reads); default: '
                                              'the model at initialisation')
     parser.add_argument('--use-ema', action='store_true', help='take the EMA weights from the checkpoint')
@@ -118,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = _model_kwargs(args.model_kwargs)
         if args.img_size is not None:
             kwargs['img_size'] = args.img_size
-        if not timm.is_model(args.model):
+        if not model_source(args.model) and not timm.is_model(args.model):
             names = ', '.join(timm.list_models('lipsformer*'))
             raise ValueError(f'unknown model {args.model!r}; LipsFormer models: {names}')
-        model = timm.create_model(args.model, **kwargs)
+        # A local-dir: or hf-hub: name means its weights, unless --checkpoint gives others.
+        model = create_model(args.model, pretrained=bool(model_source(args.model)) and not args.checkpoint, **kwargs)
         if args.checkpoint:
             load_model_weights(model, args.checkpoint, use_ema=args.use_ema)
         report = analyze(model, args.img_size, empirical=not args.no_empirical, iterations=args.iterations,

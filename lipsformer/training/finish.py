@@ -3,10 +3,11 @@
 ``export/<which>/model.safetensors`` (+ ``model_ema.safetensors``) and the ``config.json`` that
 ``timm.models.save_for_hf`` writes, so that both
 
-    timm.create_model('local-dir:<run>/export/best')
+    timm.create_model('local-dir:<run>/export/best', pretrained=True)
     timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file='<run>/export/best/model.safetensors'))
 
-rebuild the trained network (the second needs the same architecture kwargs as the training config). The plots (loss,
+rebuild the trained network (the second needs the same architecture kwargs as the training config, and for a class
+count other than 1000 ``num_classes`` in the overlay too, or timm drops the trained classifier). The plots (loss,
 accuracy, alpha per stage) need matplotlib, an optional dependency.
 """
 import hashlib

@@ -27,6 +27,8 @@ from timm.utils import ModelEmaV3
 
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
+from ..hub.model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
+from ..hub.model_names import create_model as create_timm_model
 from .config import Config, ConfigError, LipschitzConfig
 from .data import (
     InputSpec,
@@ -164,11 +166,15 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
         kwargs['img_size'] = settings.img_size
     runtime = dict(drop_rate=settings.drop_rate, drop_path_rate=settings.drop_path_rate)
     try:
-        model = timm.create_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
+        model = create_timm_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
     except TypeError as e:
         raise ConfigError(f'model.kwargs: {settings.name} does not accept {sorted(settings.kwargs)} ({e})') from e
+    except ModelSourceError as e:
+        raise ConfigError(f'model.name: {e}') from e
     except ValueError as e:
         raise ConfigError(f'model: {settings.name} cannot be built with {kwargs} ({e})') from e
+    if settings.pretrained and classifier_reset_note(model):
+        _logger.info('model.pretrained: %s', classifier_reset_note(model))
     if settings.init_checkpoint:
         load_initial_weights(model, settings.init_checkpoint)
     if settings.grad_checkpointing:
@@ -222,7 +228,12 @@ def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Modul
 
 
 def _check_model_name(name: str) -> None:
-    if not timm.is_model(name):
+    if model_source(name):  # hf-hub:REPO / local-dir:FOLDER
+        try:
+            check_model_source(name)
+        except ValueError as e:
+            raise ConfigError(f'model.name: {e}') from e
+    elif not timm.is_model(name):
         close = timm.list_models(f'*{name.split("_")[0]}*')[:12] or timm.list_models('lipsformer*')
         raise ConfigError(f'model.name: {name!r} is not a timm model; for example: {", ".join(close)}')
 
