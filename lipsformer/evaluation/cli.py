@@ -19,6 +19,7 @@ from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
 from ..checkpoint import CheckpointError
+from ..training.session import end_processes
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
@@ -171,5 +172,5 @@ def main(argv: list[str] | None = None) -> int:
             _logger.info('results written to %s', args.results_file)
     # Shut a launched run's process group down before the interpreter exits: gloo's threads, torn down at exit
     # instead, can abort a rank (SIGABRT) after its results were written.
-    accelerator.end_training()
+    end_processes(accelerator)
     return 0

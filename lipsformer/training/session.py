@@ -10,9 +10,11 @@ factory as ``module:callable``, called once as ``factory(model, **kwargs)`` with
 is called with no arguments after every update, and saved with the checkpoints when it has ``state_dict`` /
 ``load_state_dict`` (cached power-iteration vectors, say).
 """
+import gc
 import importlib
 import logging
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +106,24 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
         retain_freed_memory()
     return accelerator
+
+
+def end_processes(accelerator: Accelerator) -> None:
+    """Finish the trackers and leave the process group, once this process holds nothing prepared by ``accelerator``.
+
+    Call it with the run's models, optimizers and loaders already released by the caller. A DDP wrapper keeps the
+    process group alive; when the wrapper holds its last reference, gloo's destructor runs as the wrapper is freed,
+    joining its worker threads with the GIL held (torch releases it there only from 2.8). A worker that is still
+    dropping a finished collective's tensors needs the GIL to do so: both wait forever, after the run's files are
+    written. So the prepared objects go first, then every process agrees that the last collective is done, and the
+    GIL is left free a moment for the workers before the group is destroyed.
+    """
+    accelerator.free_memory()
+    gc.collect()
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+        time.sleep(0.1)  # sleeping releases the GIL: gloo's workers drop what they hold
+    accelerator.end_training()
 
 
 def release_accelerator() -> None:

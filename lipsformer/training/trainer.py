@@ -23,7 +23,7 @@ from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, valid
 from .optim import best_metric_name, total_epochs
 from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
-from .session import Session, create_accelerator, create_session, release_accelerator
+from .session import Session, create_accelerator, create_session, end_processes, release_accelerator
 from .signals import StopSignal
 from .train_state import (
     checkpoints_root,
@@ -84,7 +84,8 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         with StopSignal() as stop:
             status = _run_epochs(session, stop, metrics)
         summary = finish_run(session, status, time.perf_counter() - start_time)
-        accelerator.end_training()
+        del session  # the DDP wrapper, before the process group goes
+        end_processes(accelerator)
         return summary
     finally:
         if log_handler is not None:
