@@ -19,8 +19,8 @@ import yaml
 from ..utils.io import write_text
 from .config import Config, ConfigError, Rule, check_config
 
-__all__ = ['config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config', 'flat_dict', 'load_config',
-           'parse_override', 'reference_yaml']
+__all__ = ['coerce_key', 'config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config', 'flat_dict',
+           'load_config', 'parse_override', 'reference_yaml']
 
 _BASE_KEY = 'base'
 
@@ -78,6 +78,25 @@ def parse_override(override: str) -> tuple[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f'override {override!r}: the value is not valid YAML ({e})') from e
     return key, value
+
+
+def coerce_key(key: str, value: Any) -> Any:
+    """``value`` checked and converted as the config reads ``key`` (``'1e-3'`` -> 0.001 for a float key).
+
+    A key inside a mapping-valued key (``model.kwargs.depth``) is returned as given.
+
+    Raises:
+        ConfigError: An unknown key, or a value of the wrong type.
+    """
+    cls, prefix = Config, ''
+    for part in key.split('.'):
+        if not dataclasses.is_dataclass(cls):
+            return value
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if part not in fields:
+            raise ConfigError(_unknown_key_message(prefix, part, fields))
+        cls, prefix = typing.get_type_hints(cls)[part], f'{prefix}{part}.'
+    return value if dataclasses.is_dataclass(cls) or typing.get_origin(cls) is dict else _coerce(key, value, cls)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
