@@ -33,6 +33,7 @@ EXIT_UNEXPECTED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OS_ERROR, EXIT_ABORTED = 1,
 _DESCRIPTION = """Train a LipsFormer (or any timm model) with the paper's no-warmup recipe.
 
     python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x
+    lipsformer-train --config lipsformer_cswin_tiny --data-dir /data/imagenet --output runs/x   # a packaged config
     accelerate launch train.py --config ... --output runs/x            # several GPUs / nodes
     python train.py --config configs/quickstart.yaml optimizer.lr=1e-3 --output runs/q train.epochs=2
     python train.py --config configs/quickstart.yaml --lr 1e-3 -b 64 --epochs 2 --output runs/q   # timm's flags
@@ -172,7 +173,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='train.py', description=_DESCRIPTION, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--config', help='YAML config (configs/*.yaml); defaults apply to keys it does not set')
+    parser.add_argument('--config', help='YAML config: a path, or the name of a packaged config '
+                                         '(lipsformer_cswin_tiny, quickstart, ablations/alpha_0.1, ...); defaults '
+                                         'apply to keys it does not set')
     parser.add_argument('--data-dir', help='dataset root (sets data.data_dir)')
     parser.add_argument('--output', help='run folder (default: runs/<config name>); with --experiment, the folder '
                                          'that holds the run folder, as in timm')
