@@ -38,6 +38,8 @@ TIMM_FLAGS = [
     (['--workers', '5'], 'data.num_workers', 5),
     (['--scale', '0.5', '1'], 'augment.scale', [0.5, 1.0]),
     (['--opt', 'sgd'], 'optimizer.name', 'sgd'),
+    (['--log-wandb'], 'log.trackers', ['tensorboard', 'wandb']),  # null: TensorBoard (installed), + wandb
+    (['--log-wandb', 'log.trackers=[all]'], 'log.trackers', ['all']),
 ]
 
 
@@ -97,6 +99,8 @@ def test_a_flag_and_an_override_that_disagree_are_an_error(caplog):
     assert _print_config('--lr', '1e-3', '--lr-base', '2e-3')[1] == 2
     assert '--lr-base sets optimizer.lr=0.002 but --lr sets it to 0.001' in caplog.text
     assert _print_config('--no-amp', 'train.mixed_precision=bf16')[1] == 2
+    assert _print_config('--log-wandb', 'log.trackers=[tensorboard]')[1] == 2
+    assert '--log-wandb adds wandb but the override log.trackers' in caplog.text
 
 
 def test_unknown_options_are_refused_with_the_closest_one(capsys):

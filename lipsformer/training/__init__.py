@@ -14,6 +14,7 @@ command-line front; :func:`train` with a :class:`Config` from :func:`load_config
   the order Accelerate needs;
 - :mod:`.loop`: one training epoch and one evaluation pass; :mod:`.signals`: graceful stop on SIGTERM / SIGINT;
 - :mod:`.train_state`: resumable checkpoints with RNG and distributed states, the newest and the best of a run;
+- :mod:`.trackers`: TensorBoard, wandb and MLflow through Accelerate (``log.trackers``);
 - :mod:`.run_files`: a run folder's ``config.yaml``, ``train.log`` and ``metrics.jsonl``;
 - :mod:`.trainer`: :func:`train`, a run from its start or a checkpoint to its end; :mod:`.finish`: timm-format exports,
   plots and ``summary.json``;

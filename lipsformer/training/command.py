@@ -22,6 +22,7 @@ from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
 from .splits import DatasetError
+from .trackers import chosen_trackers
 from .trainer import train
 
 __all__ = ['TIMM_ALIASES', 'Alias', 'main', 'parse_args', 'resolve_overrides']
@@ -191,6 +192,8 @@ def _parser() -> argparse.ArgumentParser:
                             '--no-amp to no')
     group.add_argument('--amp-dtype', choices=tuple(_AMP_DTYPES),
                        help='train.mixed_precision with --amp: float16 -> fp16, bfloat16 -> bf16 (implies --amp)')
+    group.add_argument('--log-wandb', action='store_true',
+                       help='log.trackers: adds wandb to the trackers the config chooses')
     for alias in TIMM_ALIASES:
         text = f'{alias.key}: {alias.note}' if alias.note else alias.key
         if alias.switch:
@@ -257,7 +260,20 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     explicit = [*args.overrides, *([f'data.data_dir={args.data_dir}'] if args.data_dir else [])]
     parsed = dict(parse_override(o) for o in explicit)
     flags = resolve_overrides(args, parsed)
+    if args.log_wandb:
+        flags.append(f'log.trackers={_yaml_text(_with_wandb(args.config, [*flags, *explicit], parsed))}')
     return flags + explicit
+
+
+def _with_wandb(config_path: str | None, overrides: list[str], parsed: dict[str, Any]) -> list[str]:
+    """``--log-wandb``: the trackers the config chooses (null: TensorBoard when installed), and wandb."""
+    trackers = load_config(config_path, overrides).log.trackers
+    if 'log.trackers' in parsed and not {'wandb', 'all'} & set(trackers or ()):
+        raise ConfigError(f'--log-wandb adds wandb but the override log.trackers={trackers} leaves it out; give one '
+                          f'of them')
+    if trackers is None:
+        trackers = chosen_trackers(load_config(config_path, overrides))
+    return trackers if {'wandb', 'all'} & set(trackers) else [*trackers, 'wandb']
 
 
 def run_folder(args: argparse.Namespace) -> str:

@@ -25,6 +25,7 @@ from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .session import Session, create_accelerator, create_session, release_accelerator
 from .signals import StopSignal
+from .trackers import chosen_trackers, tracker_init_kwargs
 from .train_state import (
     checkpoints_root,
     checkpoints_to_resume,
@@ -80,7 +81,8 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         if accelerator.is_main_process:
             write_config(config, run_dir)
             metrics.reset(session.progress.history)
-        accelerator.init_trackers('tensorboard', config=flat_dict(config_to_dict(config)))  # <run>/tensorboard
+        accelerator.init_trackers(config.log.project, config=flat_dict(config_to_dict(config)),
+                                  init_kwargs=tracker_init_kwargs(chosen_trackers(config), run_dir))
         with StopSignal() as stop:
             status = _run_epochs(session, stop, metrics)
         summary = finish_run(session, status, time.perf_counter() - start_time)
