@@ -52,9 +52,9 @@ def run_validate(argv: list[str], tmp_path, capsys) -> dict:
     with open(results_file) as f:
         record = json.load(f)
     assert header.split()[:4] == ['model', 'dataset', 'name', 'images']
-    assert [row.split()[:7] for row in rows] == [
+    assert [row.split()[:8] for row in rows] == [
         [record['model'], r['dataset'], r['name'], str(r['images']), str(r['count']), str(len(r['skipped'])),
-         f'{r["top1"]:.3f}'] for r in record['results']]
+         f'{r["classes"]}/{r["num_classes"]}', f'{r["top1"]:.3f}'] for r in record['results']]
     return record
 
 
@@ -122,6 +122,27 @@ def test_val_real_and_v2_in_one_run(vit, tmp_path, capsys):
     assert {k: results[('imagenet-real', 'val')][k] for k in expected_real} == expected_real
 
 
+def test_subsets_of_the_synset_and_v2_folders_are_scored_by_name(vit, tmp_path, capsys):
+    """An Imagenette-style tree (only the synset folders that hold images) and a V2 tree with only some numbered
+    folders: each folder's name fixes its class, so the scores equal those of the full trees."""
+    placements = dict(zip(vit.photos, vit.classes))
+    val = build_tree(str(tmp_path / 'imagenette'), placements, subset=True)
+    v2 = build_tree(str(tmp_path / 'v2-part'), placements, layout='numeric', subset=True)
+    present = len(set(vit.classes))
+    assert 3 <= present < 1000 and len(os.listdir(val)) == len(os.listdir(v2)) == present
+    record = run_validate([*vit.args, '--data-dir', val, '--real-labels', '--v2-dir', v2], tmp_path, capsys)
+    expected = reference_accuracy(vit.topk, [[c] for c in vit.classes])
+    for result in record['results']:
+        assert (result['classes'], result['num_classes']) == (present, 1000), result['dataset']
+        if result['dataset'] != 'imagenet-real':
+            assert {k: result[k] for k in expected} == expected, result['dataset']
+    os.makedirs(os.path.join(val, 'n99999999'))  # a name that is no synset stays an error
+    err = _fails([*vit.args, '--data-dir', val], capsys)
+    assert '1 of its' in err and 'not ImageNet-1k synsets: n99999999' in err and 'any subset' in err
+    os.makedirs(os.path.join(v2, '1000'))
+    assert 'not class indices: 1000' in _fails([*vit.args, '--v2-dir', v2], capsys)
+
+
 def test_v2_numeric_folders_are_not_string_sorted(vit, tmp_path, capsys):
     top1 = vit.topk[:, 0].tolist()
     string_sorted = sorted(str(i) for i in range(1000))
@@ -186,10 +207,11 @@ def test_csv_results(vit, tmp_path):
     assert run_main([*vit.args, '--data-dir', vit.val, '--real-labels', '--workers', '0',
                      '--results-file', str(csv_file), '--results-format', 'csv']) == 0
     header, *rows = [line.split(',') for line in csv_file.read_text().splitlines()]
-    assert header[:10] == ['model', 'checkpoint', 'use_ema', 'dataset', 'name', 'path', 'images', 'count', 'top1',
-                           'top5']
+    assert header[:12] == ['model', 'checkpoint', 'use_ema', 'dataset', 'name', 'path', 'images', 'count',
+                           'classes', 'num_classes', 'top1', 'top5']
     assert [row[3] for row in rows] == ['imagenet', 'imagenet-real']
-    assert rows[0][6:10] == [str(NUM_IMAGES), str(NUM_IMAGES), str(100.0 / 3), str(200.0 / 3)]
+    assert rows[0][6:12] == [str(NUM_IMAGES), str(NUM_IMAGES), str(len(set(vit.classes))), '1000', str(100.0 / 3),
+                             str(200.0 / 3)]
 
 
 def _export(model: torch.nn.Module, folder: str, ema: torch.nn.Module | None = None) -> None:

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                        help='extra model constructor arguments')
     data = parser.add_argument_group('data')
-    data.add_argument('--data-dir', help='ImageNet val in 1000 synset folders (any subset of the images)')
+    data.add_argument('--data-dir', help='ImageNet val in synset folders (any subset of the 1000 folders and of '
+                                               'the images)')
     data.add_argument('--data-layout', choices=('imagenet', 'imagefolder'), default='imagenet',
                       help='imagefolder: any class-folder data set, each folder labelled by its name among the '
                            'classes saved with the checkpoint (else classes in natural sort order)')

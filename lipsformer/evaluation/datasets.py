@@ -53,6 +53,8 @@ class DatasetResult:
         top1: Top-1 accuracy in percent (``None`` if nothing counted).
         top5: Top-5 accuracy in percent (top-k with k = number of classes below 5).
         images_per_s: Throughput of the pass that produced the predictions.
+        classes: Classes with at least one image in the data set (a subset of ImageNet has fewer than 1000).
+        num_classes: Classes of the label space (1000 for the ImageNet layouts).
         skipped: Unreadable image files, left out.
     """
     dataset: str
@@ -63,6 +65,8 @@ class DatasetResult:
     top1: float | None
     top5: float | None
     images_per_s: float
+    classes: int
+    num_classes: int
     skipped: list[str] = field(default_factory=list)
 
 
@@ -91,6 +95,10 @@ def plan_datasets(request: DataRequest) -> list[PlannedPass]:
         else:
             passes.append(PlannedPass('imagefolder', list_image_folder(request.data_dir, request.class_names)))
     passes.extend(PlannedPass('imagenet-v2', list_imagenet_v2(path)) for path in request.v2_dirs)
+    for planned in passes:
+        if planned.images.classes_present < planned.images.num_classes:
+            _logger.info('%s at %s: %d of the %d classes present, %d images', planned.dataset, planned.images.root,
+                         planned.images.classes_present, planned.images.num_classes, len(planned.images.paths))
     return passes
 
 
@@ -98,7 +106,7 @@ def _result(dataset: str, images: ImageList, score: Score, images_per_s: float, 
     return DatasetResult(
         dataset=dataset, name=os.path.basename(os.path.normpath(images.root)), path=images.root,
         images=len(images.paths), count=score.count, top1=score.top1, top5=score.topk, images_per_s=images_per_s,
-        skipped=skipped)
+        classes=images.classes_present, num_classes=images.num_classes, skipped=skipped)
 
 
 def evaluate(

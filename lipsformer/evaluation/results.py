@@ -19,7 +19,8 @@ from .datasets import DatasetResult
 __all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
 
 _PACKAGES = ('lipsformer', 'timm', 'torch', 'torchvision', 'accelerate', 'pillow')
-_CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'top1', 'top5', 'images_per_s')
+_CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'classes', 'num_classes', 'top1', 'top5',
+                      'images_per_s')
 _CSV_SETTING_FIELDS = ('input_size', 'crop_pct', 'crop_mode', 'interpolation', 'amp')
 
 
@@ -51,12 +52,13 @@ def _percent(value: float | None) -> str:
 
 def format_table(records: list[dict]) -> str:
     """A plain-text table, one line per model and data set."""
-    header = ('model', 'dataset', 'name', 'images', 'count', 'skipped', 'top1', 'top5', 'img/s')
+    header = ('model', 'dataset', 'name', 'images', 'count', 'skipped', 'classes', 'top1', 'top5', 'img/s')
     rows = [header]
     for record in records:
         for r in record['results']:
             rows.append((record['model'], r['dataset'], r['name'], str(r['images']), str(r['count']),
-                         str(len(r['skipped'])), _percent(r['top1']), _percent(r['top5']), f'{r["images_per_s"]:.1f}'))
+                         str(len(r['skipped'])), f'{r["classes"]}/{r["num_classes"]}', _percent(r['top1']),
+                         _percent(r['top5']), f'{r["images_per_s"]:.1f}'))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return '\n'.join('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
