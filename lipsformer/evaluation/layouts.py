@@ -13,6 +13,7 @@ read the wrong way does not crash: it silently scores at chance. The known traps
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from timm.data import ImageNetInfo
 from timm.data.readers.img_extensions import get_img_extensions
@@ -35,14 +36,17 @@ class ImageList:
         root: The data set folder.
         paths: Image files, naturally sorted by their path relative to ``root``.
         targets: Class index of each file.
-        layout: How class folders were read (``synset``, ``v2-numeric`` or ``imagefolder``).
+        layout: How class folders were read (``synset``, ``v2-numeric`` or ``imagefolder``), or ``dataset``.
         num_classes: Number of classes the layout defines.
+        source: For ``dataset``: the timm / torchvision dataset the images and their labels are read from (then
+            ``paths`` only name its samples and ``targets`` is empty).
     """
     root: str
     paths: list[str]
     targets: list[int]
     layout: str
     num_classes: int
+    source: Any = None
 
     @property
     def classes_present(self) -> int:
