@@ -123,3 +123,12 @@ def test_choosing_trackers(monkeypatch):
         chosen_trackers(load_config(None, ['log.trackers=[mlflow, wandb]']))
     with pytest.raises(ConfigError, match='log.trackers: got .*comet.*allowed: null or a list of tensorboard'):
         load_config(None, ['log.trackers=[comet]'])
+
+
+def test_run_folders_written_with_log_tensorboard_still_load():
+    """config.yaml of runs from before log.trackers (validate.py and model cards read it)."""
+    assert load_config(None, ['log.tensorboard=true']).log.trackers == ['tensorboard']
+    assert load_config(None, ['log.tensorboard=false']).log.trackers == []
+    assert load_config(None, ['log.tensorboard=null']).log.trackers is None
+    with pytest.raises(ConfigError, match='log.tensorboard is replaced by log.trackers'):
+        load_config(None, ['log.tensorboard=true', 'log.trackers=[wandb]'])

@@ -141,10 +141,25 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested plain data (missing keys take their defaults)."""
     if not isinstance(raw, dict):
         raise ConfigError(f'a config must be a mapping of sections, got {type(raw).__name__}')
-    raw = {k: v for k, v in raw.items() if k != _BASE_KEY}
+    raw = _upgrade_legacy_keys({k: v for k, v in raw.items() if k != _BASE_KEY})
     config = _build_dataclass(Config, raw, prefix='')
     check_config(config)
     return config
+
+
+def _upgrade_legacy_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """Read the keys of earlier versions as the keys that replaced them, so that older run folders' ``config.yaml``
+    still load (validate.py, model cards): ``log.tensorboard`` true / false / null is ``log.trackers`` [tensorboard] /
+    [] / null."""
+    log = raw.get('log')
+    if not isinstance(log, dict) or 'tensorboard' not in log:
+        return raw
+    if 'trackers' in log:
+        raise ConfigError('log.tensorboard is replaced by log.trackers; give only log.trackers (e.g. [tensorboard])')
+    log = dict(log)
+    tensorboard = log.pop('tensorboard')
+    log['trackers'] = None if tensorboard is None else (['tensorboard'] if tensorboard else [])
+    return {**raw, 'log': log}
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
