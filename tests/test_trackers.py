@@ -32,10 +32,19 @@ def _tensorboard_scalars(folder: str) -> dict[str, dict[int, float]]:
 
 
 def _wandb_history(run_dir: str) -> dict[str, dict[int, float]]:
-    """The history rows of an offline run, read from its transaction log (a LevelDB-style log of protobuf records:
-    a 7-byte file header, 32 KiB blocks, each chunk with a 7-byte header: checksum, length, type)."""
+    """The history rows of the offline run (of each of its starts, for a resumed run)."""
+    history: dict[str, dict[int, float]] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, 'wandb', 'offline-run-*', 'run-*.wandb'))):
+        for key, values in _wandb_log_history(path).items():
+            history.setdefault(key, {}).update(values)
+    return history
+
+
+def _wandb_log_history(path: str) -> dict[str, dict[int, float]]:
+    """The history rows of one offline run's transaction log (a LevelDB-style log of protobuf records: a 7-byte file
+    header, 32 KiB blocks, each chunk with a 7-byte header: checksum, length, type)."""
     from wandb.proto import wandb_internal_pb2
-    data = open(glob.glob(os.path.join(run_dir, 'wandb', 'offline-run-*', 'run-*.wandb'))[0], 'rb').read()
+    data = open(path, 'rb').read()
     assert data[:4] == b':W&B'
     history: dict[str, dict[int, float]] = {}
     position, pending = 7, b''
@@ -69,13 +78,18 @@ def _mlflow_metrics(run_dir: str) -> dict[str, dict[int, float]]:
             for key in run.data.metrics}
 
 
-def test_one_run_logged_to_three_trackers_offline(tmp_path, monkeypatch):
+@pytest.fixture
+def offline_trackers(monkeypatch):
     for package in ('tensorboard', 'wandb', 'mlflow'):
         pytest.importorskip(package, reason=f'pip install "lipsformer[{package}]" for its tracker')
     monkeypatch.setenv('WANDB_MODE', 'offline')
     monkeypatch.setenv('WANDB_SILENT', 'true')
     for variable in ('WANDB_DIR', 'MLFLOW_TRACKING_URI', 'MLFLOW_EXPERIMENT_NAME', 'MLFLOW_RUN_ID'):
         monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.mark.usefixtures('offline_trackers')
+def test_one_run_logged_to_three_trackers_offline(tmp_path):
     data_dir = make_image_folder(str(tmp_path / 'data'))
     run_dir = str(tmp_path / 'three')
     lines = _train(data_dir, run_dir, **{'log.trackers': '[tensorboard, wandb, mlflow]'})
@@ -100,6 +114,24 @@ def test_one_run_logged_to_three_trackers_offline(tmp_path, monkeypatch):
     for key in STEP_KEYS:  # the three hold the same numbers
         assert logged['wandb'][key] == pytest.approx(logged['tensorboard'][key], rel=1e-6)
         assert logged['mlflow'][key] == pytest.approx(logged['tensorboard'][key], rel=1e-6)
+
+
+@pytest.mark.usefixtures('offline_trackers')
+def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(tmp_path, caplog):
+    data_dir = make_image_folder(str(tmp_path / 'data'))
+    run_dir = str(tmp_path / 'resumed')
+    trackers = {'log.trackers': '[wandb, mlflow]', 'train.log_interval': 3}
+    _train(data_dir, run_dir, **trackers, **{'train.epochs': 1})
+    ids = json.load(open(os.path.join(run_dir, 'trackers.json')))
+    with single_thread():  # the same run, two epochs long now: resumed from the first epoch's checkpoint
+        longer = tiny_overrides(data_dir, **trackers, **{'train.epochs': 2, 'checkpoint.export': False})
+        train(load_config(None, longer), run_dir, resume='auto')
+    assert json.load(open(os.path.join(run_dir, 'trackers.json'))) == ids
+    assert 'changed since this run started: train.epochs 1 -> 2' in caplog.text  # MLflow keeps a param's first value
+    starts = glob.glob(os.path.join(run_dir, 'wandb', 'offline-run-*'))
+    assert len(starts) == 2 and all(path.endswith('-' + ids['wandb']['id']) for path in starts)
+    for history in (_wandb_history(run_dir), _mlflow_metrics(run_dir)):  # _mlflow_metrics: exactly one run
+        assert sorted(history['train/step_loss']) == [3, 6, 9, 12] and sorted(history['val_top1']) == [6, 12]
 
 
 def test_grad_norm_is_measured_before_clipping_and_only_every_log_interval(tmp_path):
