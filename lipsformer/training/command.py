@@ -166,13 +166,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         known = [s for action in parser._actions for s in action.option_strings]
         close = difflib.get_close_matches(unknown[0].split('=')[0], known, n=1)
         hint = f' (did you mean {close[0]}?)' if close else ''
-        parser.error(f'unknown option {unknown[0]}{hint}; train.py --help lists the options, and any config key is '
-                     f'set as key.sub=value (configs/reference.yaml documents them)')
+        parser.error(f'unknown option {unknown[0]}{hint}; {parser.prog} --help lists the options, and any config key '
+                     f'is set as key.sub=value (configs/reference.yaml documents them)')
     return args
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='train.py', description=_DESCRIPTION, allow_abbrev=False,
+    parser = argparse.ArgumentParser(description=_DESCRIPTION, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--config', help='YAML config: a path, or the name of a packaged config '
                                          '(lipsformer_cswin_tiny, quickstart, ablations/alpha_0.1, ...); defaults '
