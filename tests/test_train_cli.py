@@ -74,7 +74,8 @@ def test_help_names_the_key_each_flag_sets(capsys):
     for argv, key, _ in TIMM_FLAGS:
         assert argv[0] in text
     for alias in TIMM_ALIASES:
-        assert f'{", ".join(f"{f} V" for f in alias.flags)}' in text or alias.switch, alias.flags
+        metavar = alias.key.split('.')[-1].upper()
+        assert f'{", ".join(f"{f} {metavar}" for f in alias.flags)}' in text or alias.switch, alias.flags
         assert alias.key in text
     assert 'train.mixed_precision' in text and 'the absolute peak lr' in text
 

@@ -200,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
             group.add_argument(*alias.flags, dest=_dest(alias), action=argparse.BooleanOptionalAction, default=None,
                                help=f'{text} (true; --no-{alias.flags[-1][2:]}: false)')
         else:
-            group.add_argument(*alias.flags, dest=_dest(alias), nargs=alias.nargs, metavar='V', help=text)
+            group.add_argument(*alias.flags, dest=_dest(alias), nargs=alias.nargs, help=text,
+                               metavar=alias.key.split('.')[-1].upper())
     return parser
 
 
