@@ -519,6 +519,12 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def cli() -> int:
+    """The ``lipsformer-benchmark`` command: :func:`main`, exiting 0 once the table is printed."""
+    main()
+    return 0
+
+
 if __name__ == '__main__':
     # Run through the package module so the memory child processes can import the same functions by name.
     from lipsformer.benchmark import main as package_main

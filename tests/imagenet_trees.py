@@ -47,18 +47,21 @@ def val_file_name(number: int) -> str:
     return f'ILSVRC2012_val_{number:08d}.JPEG'
 
 
-def build_tree(root: str, placements: dict[str, int], layout: str = 'synset') -> str:
-    """Copy images into a class-folder tree with all 1000 class folders.
+def build_tree(root: str, placements: dict[str, int], layout: str = 'synset', subset: bool = False) -> str:
+    """Copy images into a class-folder tree with all 1000 class folders (or, with ``subset``, only the folders of
+    the classes placed, as an Imagenette-style tree).
 
     Args:
         root: Folder to create.
         placements: Source image path -> class index it is filed under.
         layout: ``synset`` (ImageNet val, older V2) or ``numeric`` (ImageNet-V2 folders 0..999).
+        subset: Create only the folders that receive images.
     """
     synsets = imagenet_synsets()
     folder_names = synsets if layout == 'synset' else [str(i) for i in range(len(synsets))]
-    for name in folder_names:
-        os.makedirs(os.path.join(root, name), exist_ok=True)
+    for index, name in enumerate(folder_names):
+        if not subset or index in placements.values():
+            os.makedirs(os.path.join(root, name), exist_ok=True)
     for source, class_index in placements.items():
         shutil.copyfile(source, os.path.join(root, folder_names[class_index], os.path.basename(source)))
     return root

@@ -22,7 +22,7 @@ from imagenet_trees import build_tree, val_file_name, write_jpegs
 from timm.models import save_for_hf
 from timm.models._registry import _model_pretrained_cfgs
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN, SMALLEST_SWIN_KWARGS
-from training_support import tiny_overrides, write_checkpoint_meta
+from training_support import make_image_folder, tiny_overrides, write_checkpoint_meta
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.checkpoint import load_model_weights
@@ -52,9 +52,9 @@ def run_validate(argv: list[str], tmp_path, capsys) -> dict:
     with open(results_file) as f:
         record = json.load(f)
     assert header.split()[:4] == ['model', 'dataset', 'name', 'images']
-    assert [row.split()[:7] for row in rows] == [
+    assert [row.split()[:8] for row in rows] == [
         [record['model'], r['dataset'], r['name'], str(r['images']), str(r['count']), str(len(r['skipped'])),
-         f'{r["top1"]:.3f}'] for r in record['results']]
+         f'{r["classes"]}/{r["num_classes"]}', f'{r["top1"]:.3f}'] for r in record['results']]
     return record
 
 
@@ -122,6 +122,27 @@ def test_val_real_and_v2_in_one_run(vit, tmp_path, capsys):
     assert {k: results[('imagenet-real', 'val')][k] for k in expected_real} == expected_real
 
 
+def test_subsets_of_the_synset_and_v2_folders_are_scored_by_name(vit, tmp_path, capsys):
+    """An Imagenette-style tree (only the synset folders that hold images) and a V2 tree with only some numbered
+    folders: each folder's name fixes its class, so the scores equal those of the full trees."""
+    placements = dict(zip(vit.photos, vit.classes))
+    val = build_tree(str(tmp_path / 'imagenette'), placements, subset=True)
+    v2 = build_tree(str(tmp_path / 'v2-part'), placements, layout='numeric', subset=True)
+    present = len(set(vit.classes))
+    assert 3 <= present < 1000 and len(os.listdir(val)) == len(os.listdir(v2)) == present
+    record = run_validate([*vit.args, '--data-dir', val, '--real-labels', '--v2-dir', v2], tmp_path, capsys)
+    expected = reference_accuracy(vit.topk, [[c] for c in vit.classes])
+    for result in record['results']:
+        assert (result['classes'], result['num_classes']) == (present, 1000), result['dataset']
+        if result['dataset'] != 'imagenet-real':
+            assert {k: result[k] for k in expected} == expected, result['dataset']
+    os.makedirs(os.path.join(val, 'n99999999'))  # a name that is no synset stays an error
+    err = _fails([*vit.args, '--data-dir', val], capsys)
+    assert '1 of its' in err and 'not ImageNet-1k synsets: n99999999' in err and 'any subset' in err
+    os.makedirs(os.path.join(v2, '1000'))
+    assert 'not class indices: 1000' in _fails([*vit.args, '--v2-dir', v2], capsys)
+
+
 def test_v2_numeric_folders_are_not_string_sorted(vit, tmp_path, capsys):
     top1 = vit.topk[:, 0].tolist()
     string_sorted = sorted(str(i) for i in range(1000))
@@ -186,10 +207,11 @@ def test_csv_results(vit, tmp_path):
     assert run_main([*vit.args, '--data-dir', vit.val, '--real-labels', '--workers', '0',
                      '--results-file', str(csv_file), '--results-format', 'csv']) == 0
     header, *rows = [line.split(',') for line in csv_file.read_text().splitlines()]
-    assert header[:10] == ['model', 'checkpoint', 'use_ema', 'dataset', 'name', 'path', 'images', 'count', 'top1',
-                           'top5']
+    assert header[:12] == ['model', 'checkpoint', 'use_ema', 'dataset', 'name', 'path', 'images', 'count',
+                           'classes', 'num_classes', 'top1', 'top5']
     assert [row[3] for row in rows] == ['imagenet', 'imagenet-real']
-    assert rows[0][6:10] == [str(NUM_IMAGES), str(NUM_IMAGES), str(100.0 / 3), str(200.0 / 3)]
+    assert rows[0][6:12] == [str(NUM_IMAGES), str(NUM_IMAGES), str(len(set(vit.classes))), '1000', str(100.0 / 3),
+                             str(200.0 / 3)]
 
 
 def _export(model: torch.nn.Module, folder: str, ema: torch.nn.Module | None = None) -> None:
@@ -468,3 +490,54 @@ def test_a_run_without_export_is_rebuilt_from_its_checkpoint(stopped_run, data_d
     hits = [run_validate([*args[:-1], str(folder)], tmp_path, capsys)['results'][0] for folder in (only, rest)]
     assert [r['count'] for r in hits] == [6, 18]
     assert sum(r['count'] * r['top1'] for r in hits) == pytest.approx(24 * whole['top1'])
+
+
+def test_timm_flags_amp_dtype_torchcompile_and_result_columns(vit, tmp_path, capsys):
+    """timm's bare --amp with --amp-dtype, --torchcompile, and timm's result columns."""
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        topk = reference_topk(vit.model, vit.photos, VIT_DATA_CONFIG, min_margin=None)
+    expected = reference_accuracy(topk, [[c] for c in vit.classes])
+    record = run_validate([*vit.args, '--data-dir', vit.val, '--amp', '--amp-dtype', 'bfloat16', '--torchcompile',
+                           'eager'], tmp_path, capsys)
+    assert record['settings']['amp'] == 'bf16' and record['settings']['torchcompile'] == 'eager'
+    (result,) = record['results']
+    assert {k: result[k] for k in expected} == expected
+    params = round(sum(p.numel() for p in vit.model.parameters()) / 1e6, 2)
+    assert record['param_count'] == params
+    assert {k: result[k] for k in ('top1_err', 'top5_err', 'param_count', 'img_size', 'crop_pct', 'interpolation')} \
+        == {'top1_err': round(100 - expected['top1'], 4), 'top5_err': round(100 - expected['top5'], 4),
+            'param_count': params, 'img_size': 32, 'crop_pct': 0.95, 'interpolation': 'bicubic'}
+    assert 'runs only on a GPU' in _fails([*vit.args, '--data-dir', vit.val, '--amp'], capsys)  # float16, as timm
+    assert 'disagree' in _fails([*vit.args, '--data-dir', vit.val, '--amp', 'bf16', '--amp-dtype', 'float16'], capsys)
+    assert 'not a torch.compile backend' in _fails([*vit.args, '--data-dir', vit.val, '--torchcompile', 'nope'],
+                                                   capsys)
+    csv_file = tmp_path / 'results.csv'
+    assert run_main([*vit.args, '--data-dir', vit.val, '--workers', '0', '--results-file', str(csv_file),
+                     '--results-format', 'csv']) == 0
+    header = csv_file.read_text().splitlines()[0].split(',')
+    assert {'top1', 'top1_err', 'top5', 'top5_err', 'param_count', 'img_size', 'crop_pct', 'interpolation'} <= set(
+        header)
+
+
+def test_a_torchvision_dataset_through_timms_create_dataset(tmp_path, capsys):
+    """--dataset torch/image_folder (torchvision's ImageFolder, opened by timm's create_dataset) scores the same as
+    the class-folder layout over the same folder: labels from the dataset, predictions from the same model."""
+    data = make_image_folder(str(tmp_path / 'data'))
+    torch.manual_seed(5)
+    model = timm.create_model('test_vit', img_size=32, num_classes=4).eval()
+    checkpoint = str(tmp_path / 'vit4.safetensors')
+    safetensors.torch.save_file(model.state_dict(), checkpoint)
+    args = ['--model', 'test_vit', '--checkpoint', checkpoint, '--img-size', '32', '--num-classes', '4',
+            '--data-dir', os.path.join(data, 'validation')]
+    folder = run_validate([*args, '--data-layout', 'imagefolder'], tmp_path, capsys)['results'][0]
+    (result,) = run_validate([*args, '--dataset', 'torch/image_folder', '--split', 'validation'], tmp_path,
+                             capsys)['results']
+    assert result['dataset'] == 'torch/image_folder' and result['name'] == 'validation'
+    assert (result['images'], result['classes'], result['num_classes']) == (24, 4, 4)
+    assert {k: result[k] for k in ('count', 'top1', 'top5')} == {k: folder[k] for k in ('count', 'top1', 'top5')}
+    assert 0 < result['top5'] and result['top1'] < 100
+    err = _fails([*args, '--dataset', 'torch/image_folder', '--real-labels'], capsys)
+    assert '--real-labels scores ImageNet val' in err
+    err = _fails(['--model', 'test_vit', '--checkpoint', checkpoint, '--num-classes', '4', '--dataset',
+                  'torch/fashion_mnist', '--split', 'dev', '--data-dir', str(tmp_path / 'fm')], capsys)
+    assert "--dataset torch/fashion_mnist: data.split: 'dev' is not a split" in err

@@ -99,14 +99,21 @@ def test_v2_layout_passed_as_val_points_to_v2_dir(tmp_path, photos):
         list_imagenet_val(root)
 
 
-def test_other_class_count_is_rejected(tmp_path, photos):
-    for synset in imagenet_synsets()[:10]:
-        os.makedirs(tmp_path / synset)
-    with pytest.raises(EvaluationError, match=r'10 class folders where ImageNet-1k has 1000.*missing: n01530575'):
-        list_imagenet_val(tmp_path)
-    os.makedirs(tmp_path / 'not_a_synset')
-    with pytest.raises(EvaluationError, match='not ImageNet-1k synsets: not_a_synset'):
-        list_imagenet_val(tmp_path)
+def test_a_subset_of_the_synsets_is_labelled_by_name_and_unknown_folders_are_rejected(tmp_path, photos):
+    synsets = imagenet_synsets()
+    chosen = [0, 217, 482, 491, 497, 566, 569, 571, 574, 701]  # Imagenette's ten classes
+    images = list_imagenet_val(build_tree(str(tmp_path / 'val'), dict(zip(photos, chosen[:6])), subset=True))
+    assert images.targets == chosen[:6] and (images.classes_present, images.num_classes) == (6, 1000)
+    assert sorted(os.listdir(tmp_path / 'val')) == [synsets[i] for i in chosen[:6]]
+    os.makedirs(tmp_path / 'val' / 'not_a_synset')
+    with pytest.raises(EvaluationError, match='1 of its 7 class folders are not ImageNet-1k synsets: not_a_synset'):
+        list_imagenet_val(tmp_path / 'val')
+    v2 = list_imagenet_v2(build_tree(str(tmp_path / 'v2'), dict(zip(photos, chosen[:6])), layout='numeric',
+                                     subset=True))
+    assert v2.targets == chosen[:6] and v2.classes_present == 6
+    os.makedirs(tmp_path / 'v2' / '0042')
+    with pytest.raises(EvaluationError, match='not class indices: 0042'):
+        list_imagenet_v2(tmp_path / 'v2')
 
 
 def test_loose_images_are_rejected(tmp_path, photos):

@@ -145,7 +145,7 @@ def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
         'data.std': '[0.5]', 'data.crop_pct': 1.0, 'augment.auto_augment': 'null', 'augment.reprob': 0.25,
         'augment.scale': '[0.6, 1.0]', 'train.batch_size': 8, 'train.epochs': 2, 'train.progress_bar': False,
         'train.log_interval': 2, 'optimizer.lr': 2e-3, 'optimizer.lr_base_batch_size': 'null',
-        'ema.decay': 0.9, 'ema.reference_batch_size': 'null', 'log.tensorboard': False, 'log.plots': False,
+        'ema.decay': 0.9, 'ema.reference_batch_size': 'null', 'log.trackers': '[]', 'log.plots': False,
     }
     settings.update(extra)
     return [f'{key}={value}' for key, value in settings.items()]

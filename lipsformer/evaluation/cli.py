@@ -32,6 +32,15 @@ __all__ = ['build_parser', 'run', 'main']
 _logger = logging.getLogger('lipsformer.evaluation')
 _BUNDLED_REAL_LABELS = 'bundled'
 _DATA_CONFIG_KEYS = ('img_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+_AMP_DTYPES = {'float16': 'fp16', 'bfloat16': 'bf16'}
+
+
+def _amp_precision(value: str) -> str:
+    """``--amp``'s value: bf16 / fp16 (or timm's dtype names)."""
+    value = _AMP_DTYPES.get(value, value)
+    if value not in ('bf16', 'fp16'):
+        raise argparse.ArgumentTypeError(f'{value!r}: use bf16 or fp16 (or a bare --amp with --amp-dtype)')
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                        help='extra model constructor arguments')
     data = parser.add_argument_group('data')
-    data.add_argument('--data-dir', help='ImageNet val in 1000 synset folders (any subset of the images)')
+    data.add_argument('--data-dir', help='ImageNet val in synset folders (any subset of the 1000 folders and of '
+                                               'the images)')
     data.add_argument('--data-layout', choices=('imagenet', 'imagefolder'), default='imagenet',
                       help='imagefolder: any class-folder data set, each folder labelled by its name among the '
                            'classes saved with the checkpoint (else classes in natural sort order)')
@@ -58,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help='also score --data-dir with ImageNet-ReaL labels (timm\'s bundled copy, or FILE)')
     data.add_argument('--v2-dir', nargs='+', action='extend', default=[], metavar='DIR',
                       help='ImageNet-V2 variant folders (0..999 or synset layout); repeatable')
+    data.add_argument('--dataset', help='a dataset timm\'s create_dataset opens, as timm\'s --dataset: torch/<name> '
+                                        '(torchvision: torch/cifar10, torch/fashion_mnist, ...) or hfds/<name> '
+                                        '(Hugging Face datasets), rooted at --data-dir')
+    data.add_argument('--split', default='validation', help='the --dataset split (validation)')
+    data.add_argument('--dataset-download', action='store_true', help='let --dataset download what is missing')
     settings = parser.add_argument_group('evaluation settings (default: the model\'s pretrained cfg)')
     settings.add_argument('--img-size', type=int, help='input resolution')
     settings.add_argument('--crop-pct', type=float, help='centre crop fraction')
@@ -67,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument('--std', type=float, nargs='+', help='normalisation std')
     settings.add_argument('--batch-size', '-b', type=int, default=256, help='images per batch and process (256)')
     settings.add_argument('--workers', '-j', type=int, default=4, help='data loading workers per process (4)')
-    settings.add_argument('--amp', choices=('bf16', 'fp16'), help='mixed precision (fp16 needs a GPU)')
+    settings.add_argument('--amp', nargs='?', const=True, type=_amp_precision, metavar='{bf16,fp16}',
+                          help='mixed precision: bare --amp uses --amp-dtype, as timm (fp16 needs a GPU)')
+    settings.add_argument('--amp-dtype', choices=tuple(_AMP_DTYPES),
+                          help='--amp precision: float16 (the default, as timm) or bfloat16; implies --amp')
+    settings.add_argument('--torchcompile', nargs='?', const='inductor', metavar='BACKEND',
+                          help='torch.compile the model, with this backend (inductor), as timm')
     settings.add_argument('--channels-last', action='store_true', help='NHWC memory layout')
     settings.add_argument('--cpu', action='store_true', help='run on CPU even if a GPU is available')
     settings.add_argument('--log-every', type=int, default=50, help='progress log every N batches (50; 0: off)')
@@ -78,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    args.amp = _resolve_amp(args.amp, args.amp_dtype)
     if args.batch_size < 1 or args.workers < 0:
         raise EvaluationError('--batch-size must be at least 1 and --workers at least 0')
     if args.use_ema and not args.checkpoint:
@@ -86,13 +107,24 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EvaluationError('give --model, --checkpoint, or both')
 
 
+def _resolve_amp(amp: str | bool | None, amp_dtype: str | None) -> str | None:
+    """The precision of ``--amp [bf16|fp16]`` and ``--amp-dtype`` (bare ``--amp``: float16, as timm)."""
+    dtype = _AMP_DTYPES[amp_dtype] if amp_dtype else None
+    if isinstance(amp, str) and dtype and amp != dtype:
+        raise EvaluationError(f'--amp {amp} and --amp-dtype {amp_dtype} disagree; give one of them')
+    if amp is None and dtype is None:
+        return None
+    return amp if isinstance(amp, str) else dtype or 'fp16'
+
+
 def _make_accelerator(args: argparse.Namespace) -> Accelerator:
     # A CPU-only machine launched with several processes (accelerate launch --multi_gpu, torchrun) must use gloo.
     launched = int(os.environ.get('WORLD_SIZE', '1')) > 1
     accelerator = Accelerator(cpu=args.cpu or (launched and not torch.cuda.is_available()),
                               mixed_precision=args.amp or 'no')
     if args.amp == 'fp16' and accelerator.device.type == 'cpu':
-        raise EvaluationError('--amp fp16 runs only on a GPU (on CPU it would silently stay fp32); use --amp bf16')
+        raise EvaluationError('--amp fp16 runs only on a GPU (on CPU it would silently stay fp32); use --amp bf16 '
+                              '(--amp --amp-dtype bfloat16)')
     if not accelerator.is_main_process:
         _logger.setLevel(logging.WARNING)
     return accelerator
@@ -122,13 +154,24 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
     model = model.to(accelerator.device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    _logger.info('%s: %.2fM params, data config %s', model_name, sum(p.numel() for p in model.parameters()) / 1e6,
-                 data_config)
+    param_count = sum(p.numel() for p in model.parameters())
+    _logger.info('%s: %.2fM params, data config %s', model_name, param_count / 1e6, data_config)
+    if args.torchcompile:
+        model = _compiled(model, args.torchcompile)
     inference = InferenceSettings(args.batch_size, args.workers, args.channels_last, args.log_every)
     results = evaluate(model, passes, data_config, accelerator, inference)
     settings = dict(data_config, batch_size=args.batch_size, amp=args.amp, channels_last=args.channels_last,
-                    use_ema=args.use_ema, num_processes=accelerator.num_processes, device=str(accelerator.device))
-    return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results)
+                    torchcompile=args.torchcompile, use_ema=args.use_ema, num_processes=accelerator.num_processes,
+                    device=str(accelerator.device))
+    return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results, param_count)
+
+
+def _compiled(model: torch.nn.Module, backend: str) -> torch.nn.Module:
+    """``torch.compile`` with ``backend``; the compiled module keeps the model's attributes (num_classes)."""
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise EvaluationError(f'--torchcompile {backend}: not a torch.compile backend; use one of '
+                              f'{", ".join(torch._dynamo.list_backends())}')
+    return torch.compile(model, backend=backend)
 
 
 def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
@@ -147,7 +190,8 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
         real_labels = load_real_labels(None if args.real_labels == _BUNDLED_REAL_LABELS else args.real_labels)
     checkpoint = resolve_checkpoint(args.checkpoint, args.use_ema) if args.checkpoint else None
     class_names = checkpoint.model_config.class_names if checkpoint and checkpoint.model_config else None
-    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir), class_names))
+    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir), class_names,
+                                       args.dataset, args.split, args.dataset_download))
     accelerator = _make_accelerator(args)
     records = []
     for name in model_names:

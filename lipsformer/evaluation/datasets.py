@@ -1,5 +1,5 @@
 """Evaluate one model on the requested data sets: ImageNet val (with ReaL from the same pass), ImageNet-V2
-variants and plain class folders.
+variants, plain class folders and any dataset timm's ``create_dataset`` opens (``torch/<name>``, ``hfds/<name>``).
 
 Every folder is listed and checked before the first image is read, so a wrong layout or label file fails in
 seconds, not after an hour of inference.
@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
+from timm.data import create_dataset
+from torch.utils.data import IterableDataset
 
+from ..training.data import RobustDataset, num_classes_of, prepare_dataset
+from ..training.splits import DatasetError, check_torchvision_split
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
@@ -32,12 +36,18 @@ class DataRequest:
         real_labels: ReaL label sets by file name, to score ``data_dir`` against them too.
         v2_dirs: ImageNet-V2 variant folders.
         class_names: The model's classes, saved with its weights: class folders are labelled by these names.
+        dataset: A timm dataset name (``torch/cifar10``, ``hfds/<repo>``) read with ``data_dir`` as its root.
+        split: The split of ``dataset``.
+        download: Let torchvision / Hugging Face download ``dataset`` when missing.
     """
     data_dir: str | None = None
     layout: str = 'imagenet'
     real_labels: dict[str, list[int]] | None = None
     v2_dirs: tuple[str, ...] = ()
     class_names: list[str] | None = None
+    dataset: str | None = None
+    split: str = 'validation'
+    download: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class DatasetResult:
         top1: Top-1 accuracy in percent (``None`` if nothing counted).
         top5: Top-5 accuracy in percent (top-k with k = number of classes below 5).
         images_per_s: Throughput of the pass that produced the predictions.
+        classes: Classes with at least one image in the data set (a subset of ImageNet has fewer than 1000).
+        num_classes: Classes of the label space (1000 for the ImageNet layouts).
         skipped: Unreadable image files, left out.
     """
     dataset: str
@@ -63,6 +75,8 @@ class DatasetResult:
     top1: float | None
     top5: float | None
     images_per_s: float
+    classes: int
+    num_classes: int
     skipped: list[str] = field(default_factory=list)
 
 
@@ -76,14 +90,17 @@ class PlannedPass:
 
 def plan_datasets(request: DataRequest) -> list[PlannedPass]:
     """List and check every requested folder (and match ReaL names) before any inference."""
-    if request.data_dir is None and not request.v2_dirs:
-        raise EvaluationError('nothing to evaluate: give --data-dir and/or --v2-dir')
-    if request.real_labels is not None and (request.data_dir is None or request.layout != 'imagenet'):
+    if request.data_dir is None and not request.v2_dirs and not request.dataset:
+        raise EvaluationError('nothing to evaluate: give --data-dir, --v2-dir and/or --dataset')
+    if request.real_labels is not None and (request.data_dir is None or request.layout != 'imagenet'
+                                            or request.dataset):
         raise EvaluationError('--real-labels scores ImageNet val: it needs --data-dir with the imagenet layout')
-    if request.v2_dirs or (request.data_dir is not None and request.layout == 'imagenet'):
+    if request.v2_dirs or (request.data_dir is not None and request.layout == 'imagenet' and not request.dataset):
         check_imagenet_class_names(request.class_names)
     passes = []
-    if request.data_dir is not None:
+    if request.dataset:
+        passes.append(PlannedPass(request.dataset, open_named_dataset(request)))
+    elif request.data_dir is not None:
         if request.layout == 'imagenet':
             images = list_imagenet_val(request.data_dir)
             real = real_labels_for(images.paths, request.real_labels) if request.real_labels is not None else None
@@ -91,14 +108,48 @@ def plan_datasets(request: DataRequest) -> list[PlannedPass]:
         else:
             passes.append(PlannedPass('imagefolder', list_image_folder(request.data_dir, request.class_names)))
     passes.extend(PlannedPass('imagenet-v2', list_imagenet_v2(path)) for path in request.v2_dirs)
+    for planned in passes:
+        if planned.images.source is None and planned.images.classes_present < planned.images.num_classes:
+            _logger.info('%s at %s: %d of the %d classes present, %d images', planned.dataset, planned.images.root,
+                         planned.images.classes_present, planned.images.num_classes, len(planned.images.paths))
     return passes
 
 
-def _result(dataset: str, images: ImageList, score: Score, images_per_s: float, skipped: list[str]) -> DatasetResult:
+def open_named_dataset(request: DataRequest) -> ImageList:
+    """One split of a dataset timm's ``create_dataset`` opens, as the training code opens it (the same split checks
+    and offline Fashion-MNIST); each sample is named ``<split>/<index>``.
+
+    Raises:
+        EvaluationError: The dataset or the split is not there, or holds no images.
+    """
+    name, split = request.dataset, request.split
+    try:
+        if name.lower().startswith('torch/'):
+            check_torchvision_split(name, split, 'split')
+        prepare_dataset(name, request.data_dir, request.download)
+        dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
+                                 download=request.download)
+    except DatasetError as e:
+        raise EvaluationError(f'--dataset {name}: {e}') from e
+    except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
+        raise EvaluationError(f'--dataset {name}: cannot open its {split!r} split under {request.data_dir!r}: '
+                              f'{e or type(e).__name__}') from e
+    if isinstance(dataset, IterableDataset) or len(dataset) == 0:
+        raise EvaluationError(f'--dataset {name}: the {split!r} split is empty or streamed; give a map-style dataset '
+                              f'(torch/<name>, hfds/<name>)')
+    root = request.data_dir or name
+    return ImageList(root=root, paths=[f'{split}/{i}' for i in range(len(dataset))], targets=[], layout='dataset',
+                     num_classes=num_classes_of(dataset) or 0, source=RobustDataset(dataset, is_training=False))
+
+
+def _result(dataset: str, images: ImageList, score: Score, images_per_s: float, skipped: list[str],
+            targets: torch.Tensor) -> DatasetResult:
+    name = images.paths[0].split('/')[0] if images.source is not None else os.path.basename(
+        os.path.normpath(images.root))
     return DatasetResult(
-        dataset=dataset, name=os.path.basename(os.path.normpath(images.root)), path=images.root,
-        images=len(images.paths), count=score.count, top1=score.top1, top5=score.topk, images_per_s=images_per_s,
-        skipped=skipped)
+        dataset=dataset, name=name, path=images.root, images=len(images.paths), count=score.count, top1=score.top1,
+        top5=score.topk, images_per_s=images_per_s, classes=len(set(targets[targets >= 0].tolist())),
+        num_classes=images.num_classes, skipped=skipped)
 
 
 def evaluate(
@@ -114,21 +165,22 @@ def evaluate(
         EvaluationError: The model's class count does not fit a data set.
     """
     for planned in passes:
-        if model.num_classes != planned.images.num_classes:
+        if planned.images.num_classes and model.num_classes != planned.images.num_classes:
             raise EvaluationError(
                 f'the model has {model.num_classes} outputs but {planned.dataset} at {planned.images.root!r} has '
                 f'{planned.images.num_classes} classes; evaluate a checkpoint trained on this label space')
     results = []
     for planned in passes:
-        predictions = predict(model, planned.images.paths, data_config, accelerator, settings, name=planned.dataset)
+        predictions = predict(model, planned.images.paths, data_config, accelerator, settings, name=planned.dataset,
+                              source=planned.images.source)
         skipped = [path for path, ok in zip(planned.images.paths, predictions.readable.tolist()) if not ok]
         if skipped:
             _logger.warning('%s: skipped %d unreadable images, e.g. %s', planned.dataset, len(skipped), skipped[0])
         images_per_s = len(planned.images.paths) / predictions.seconds
-        targets = torch.tensor(planned.images.targets)
+        targets = predictions.targets if planned.images.source is not None else torch.tensor(planned.images.targets)
         score = score_labels(predictions.topk, targets, predictions.readable)
-        results.append(_result(planned.dataset, planned.images, score, images_per_s, skipped))
+        results.append(_result(planned.dataset, planned.images, score, images_per_s, skipped, targets))
         if planned.real_label_sets is not None:
             real_score = score_label_sets(predictions.topk, planned.real_label_sets, predictions.readable)
-            results.append(_result('imagenet-real', planned.images, real_score, images_per_s, skipped))
+            results.append(_result('imagenet-real', planned.images, real_score, images_per_s, skipped, targets))
     return results

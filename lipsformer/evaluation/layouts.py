@@ -3,14 +3,17 @@
 Each reader checks the class folders against the layout it expects before anything is scored, because a layout
 read the wrong way does not crash: it silently scores at chance. The known traps:
 
-- ImageNet val must be in 1000 folders named by WordNet synset; class index = position in the sorted synset list
-  (timm's ``imagenet_synsets.txt``). Folders named 1..1000 are ILSVRC2012 devkit IDs, whose order differs.
-- ImageNet-V2 releases use folders ``0``..``999`` that are class indices. A string sort (``0, 1, 10, 100, ...``),
-  which torchvision's ImageFolder does, scrambles 990 of the 1000 labels; here each folder maps by integer value.
+- ImageNet val must be in folders named by WordNet synset; class index = position in the sorted synset list
+  (timm's ``imagenet_synsets.txt``), so any subset of the 1000 folders (an Imagenette-style tree of 10) is labelled
+  exactly. Folders named 1..1000 are ILSVRC2012 devkit IDs, whose order differs.
+- ImageNet-V2 releases use folders ``0``..``999`` that are class indices (any subset of them). A string sort (``0, 1,
+  10, 100, ...``), which torchvision's ImageFolder does, scrambles 990 of the 1000 labels; here each folder maps by
+  integer value.
 """
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from timm.data import ImageNetInfo
 from timm.data.readers.img_extensions import get_img_extensions
@@ -33,14 +36,22 @@ class ImageList:
         root: The data set folder.
         paths: Image files, naturally sorted by their path relative to ``root``.
         targets: Class index of each file.
-        layout: How class folders were read (``synset``, ``v2-numeric`` or ``imagefolder``).
+        layout: How class folders were read (``synset``, ``v2-numeric`` or ``imagefolder``), or ``dataset``.
         num_classes: Number of classes the layout defines.
+        source: For ``dataset``: the timm / torchvision dataset the images and their labels are read from (then
+            ``paths`` only name its samples and ``targets`` is empty).
     """
     root: str
     paths: list[str]
     targets: list[int]
     layout: str
     num_classes: int
+    source: Any = None
+
+    @property
+    def classes_present(self) -> int:
+        """Classes with at least one image here (of :attr:`num_classes`)."""
+        return len(set(self.targets))
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,58 +120,62 @@ def _explain_wrong_folders(root: str, folders: list[str], synsets: list[str], wh
         reason = ('its folders are named 1..1000, the ILSVRC2012 devkit class IDs, whose order is not the sorted '
                   'synset order models are trained with. Rename each folder to its synset (the devkit meta.mat '
                   'maps ILSVRC2012_ID to WNID)')
-    elif numeric and found == {str(i) for i in range(IMAGENET_NUM_CLASSES)}:
-        reason = 'its folders are named 0..999, the ImageNet-V2 layout: pass this folder with --v2-dir instead'
+    elif numeric and found <= _v2_folder_names():
+        reason = ('its folders are named by numbers in 0..999, the ImageNet-V2 layout: pass this folder with '
+                  '--v2-dir instead')
     elif numeric:
         reason = f'its {len(found)} folders have numeric names ({_examples(found)}), not ImageNet synsets'
     else:
-        missing, unexpected = set(synsets) - found, found - set(synsets)
-        parts = [f'it has {len(found)} class folders where ImageNet-1k has {IMAGENET_NUM_CLASSES} synset folders']
-        if missing:
-            parts.append(f'missing: {_examples(missing)}')
-        if unexpected:
-            parts.append(f'not ImageNet-1k synsets: {_examples(unexpected)}')
-        reason = '; '.join(parts) + (
-            '. To evaluate a subset of ImageNet val, keep all 1000 synset folders (empty ones are fine); for a '
-            'data set with its own classes use --data-layout imagefolder')
+        unexpected = found - set(synsets)
+        reason = (f'{len(unexpected)} of its {len(found)} class folders are not ImageNet-1k synsets: '
+                  f'{_examples(unexpected)}. Every folder must be named by its synset (any subset of the '
+                  f'{IMAGENET_NUM_CLASSES} is fine); for a data set with its own classes use --data-layout imagefolder')
     return EvaluationError(f'{what} folder {root!r} is not in the ImageNet layout: {reason}')
 
 
+def _v2_folder_names() -> set[str]:
+    return {str(i) for i in range(IMAGENET_NUM_CLASSES)}
+
+
+def _synset_classes(folders: list[str]) -> dict[str, int] | None:
+    """Each folder's class index when every folder is an ImageNet-1k synset (any subset), else None."""
+    index = {synset: position for position, synset in enumerate(imagenet_synsets())}
+    return {name: index[name] for name in folders} if all(name in index for name in folders) else None
+
+
 def list_imagenet_val(root: str | os.PathLike) -> ImageList:
-    """ImageNet val (or any subset of it) in 1000 synset folders; class index = sorted synset position.
+    """ImageNet val, or any subset of its images and synset folders; class index = sorted synset position.
 
     Raises:
-        EvaluationError: The folder is missing, has no images, or its folders are not the 1000 synsets.
+        EvaluationError: The folder is missing, has no images, or a folder is not an ImageNet-1k synset.
     """
     root, folders = _class_folders(root, 'ImageNet val')
-    synsets = imagenet_synsets()
-    if set(folders) != set(synsets):
-        raise _explain_wrong_folders(root, folders, synsets, 'ImageNet val')
-    class_to_idx = {synset: index for index, synset in enumerate(synsets)}
+    class_to_idx = _synset_classes(folders)
+    if class_to_idx is None:
+        raise _explain_wrong_folders(root, folders, imagenet_synsets(), 'ImageNet val')
     return _collect(root, class_to_idx, 'synset', IMAGENET_NUM_CLASSES, 'ImageNet val')
 
 
 def list_imagenet_v2(root: str | os.PathLike) -> ImageList:
-    """An ImageNet-V2 variant: folders ``0``..``999`` mapped by integer value, or the older synset-named layout.
+    """An ImageNet-V2 variant, or any subset of its class folders: folders ``0``..``999`` mapped by integer value,
+    or the older synset-named layout.
 
     Raises:
         EvaluationError: The folder is missing, has no images, or its folders are neither layout.
     """
     root, folders = _class_folders(root, 'ImageNet-V2')
-    if set(folders) == {str(i) for i in range(IMAGENET_NUM_CLASSES)}:
-        class_to_idx = {name: int(name) for name in folders}
-        return _collect(root, class_to_idx, 'v2-numeric', IMAGENET_NUM_CLASSES, 'ImageNet-V2')
-    synsets = imagenet_synsets()
-    if set(folders) == set(synsets):
-        class_to_idx = {synset: index for index, synset in enumerate(synsets)}
+    if set(folders) <= _v2_folder_names():
+        return _collect(root, {name: int(name) for name in folders}, 'v2-numeric', IMAGENET_NUM_CLASSES,
+                        'ImageNet-V2')
+    class_to_idx = _synset_classes(folders)
+    if class_to_idx is not None:
         return _collect(root, class_to_idx, 'synset', IMAGENET_NUM_CLASSES, 'ImageNet-V2')
     if all(name.isdigit() for name in folders):
-        expected = {str(i) for i in range(IMAGENET_NUM_CLASSES)}
-        found = set(folders)
+        unexpected = set(folders) - _v2_folder_names()
         raise EvaluationError(
-            f'ImageNet-V2 folder {root!r} must have the 1000 class folders 0..999; missing: '
-            f'{_examples(expected - found) or "none"}; unexpected: {_examples(found - expected) or "none"}')
-    raise _explain_wrong_folders(root, folders, synsets, 'ImageNet-V2')
+            f'ImageNet-V2 folder {root!r} must have class folders named 0..999 (any subset of them, each the class '
+            f'index written without leading zeros); not class indices: {_examples(unexpected)}')
+    raise _explain_wrong_folders(root, folders, imagenet_synsets(), 'ImageNet-V2')
 
 
 def list_image_folder(root: str | os.PathLike, class_names: list[str] | None = None) -> ImageList:

@@ -39,14 +39,17 @@ class InferenceSettings:
 
 
 class EvalImageDataset(Dataset):
-    """Image files transformed for evaluation; yields ``(image, index, readable)``.
+    """Image files (or the images of a dataset) transformed for evaluation; yields ``(image, index, readable,
+    target)``, the target -1 for image files (their labels are known beforehand).
 
     A file PIL cannot decode gives a zero image with ``readable`` False and a logged warning, so one bad file in
-    50,000 neither stops the run nor shifts the labels of the others.
+    50,000 neither stops the run nor shifts the labels of the others. A ``source`` dataset yields ``(PIL image,
+    target)`` and marks an unreadable image with the target -1 (as ``lipsformer.training.data.RobustDataset`` does).
     """
 
-    def __init__(self, paths: list[str], data_config: dict):
+    def __init__(self, paths: list[str], data_config: dict, source: Dataset | None = None):
         self.paths = paths
+        self.source = source
         self.input_size = tuple(data_config['input_size'])
         self.mode = 'RGB' if self.input_size[0] == 3 else 'L'
         self.transform = create_transform(**data_config, is_training=False)
@@ -54,14 +57,17 @@ class EvalImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, bool]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, bool, int]:
+        if self.source is not None:
+            image, target = self.source[index]
+            return self.transform(image.convert(self.mode)), index, target >= 0, target
         try:
             with Image.open(self.paths[index]) as image:
                 image = image.convert(self.mode)
-            return self.transform(image), index, True
+            return self.transform(image), index, True, -1
         except _UNREADABLE_IMAGE_ERRORS as e:
             _logger.warning('skipping unreadable image %s: %s', self.paths[index], e)
-            return torch.zeros(self.input_size), index, False
+            return torch.zeros(self.input_size), index, False, -1
 
 
 @dataclass(frozen=True)
@@ -72,10 +78,12 @@ class Predictions:
         topk: ``(N, k)`` predicted class indices, best first (k = min(5, number of classes)).
         readable: ``(N,)`` bool, False where the image could not be decoded.
         seconds: Wall time of the pass (after a warm-up batch), for images/s.
+        targets: ``(N,)`` the labels a ``source`` dataset gave (-1 for image files).
     """
     topk: torch.Tensor
     readable: torch.Tensor
     seconds: float
+    targets: torch.Tensor
 
 
 def predict(
@@ -85,6 +93,7 @@ def predict(
         accelerator: Accelerator,
         settings: InferenceSettings = InferenceSettings(),
         name: str = '',
+        source: Dataset | None = None,
 ) -> Predictions:
     """Run ``model`` (in eval mode, on ``accelerator.device``) over ``paths``.
 
@@ -95,13 +104,15 @@ def predict(
         accelerator: Decides devices, sharding and mixed precision.
         settings: Batch size, workers, memory format and progress logging.
         name: Data set name for the progress log.
+        source: A dataset to read the images (and their labels) from instead of ``paths``.
     """
-    dataset = EvalImageDataset(paths, data_config)
+    dataset = EvalImageDataset(paths, data_config, source)
     loader = accelerator.prepare_data_loader(DataLoader(
         dataset, batch_size=settings.batch_size, shuffle=False, num_workers=settings.workers,
         pin_memory=accelerator.device.type == 'cuda'))
     memory_format = torch.channels_last if settings.channels_last else torch.contiguous_format
     readable = torch.zeros(len(dataset), dtype=torch.bool)
+    targets = torch.full((len(dataset),), -1, dtype=torch.long)
     filled = torch.zeros(len(dataset), dtype=torch.bool)
     with torch.inference_mode():
         warmup = torch.zeros((min(settings.batch_size, len(dataset)), *dataset.input_size), device=accelerator.device)
@@ -109,14 +120,16 @@ def predict(
             k = min(5, model(warmup.contiguous(memory_format=memory_format)).shape[1])
         topk = torch.full((len(dataset), k), -1, dtype=torch.long)
         start = time.perf_counter()
-        for batch_index, (images, indices, ok) in enumerate(loader):
+        for batch_index, (images, indices, ok, labels) in enumerate(loader):
             with accelerator.autocast():
                 logits = model(images.contiguous(memory_format=memory_format))
             batch_topk = logits.float().topk(k, dim=1).indices
-            indices, batch_topk, ok = accelerator.gather_for_metrics((indices, batch_topk, ok.to(torch.uint8)))
+            indices, batch_topk, ok, labels = accelerator.gather_for_metrics(
+                (indices, batch_topk, ok.to(torch.uint8), labels))
             indices = indices.cpu()
             topk[indices] = batch_topk.cpu()
             readable[indices] = ok.cpu().bool()
+            targets[indices] = labels.cpu()
             filled[indices] = True
             if accelerator.is_main_process and settings.log_every and (batch_index + 1) % settings.log_every == 0:
                 done = int(filled.sum())
@@ -125,4 +138,4 @@ def predict(
         seconds = time.perf_counter() - start
     if not filled.all():
         raise RuntimeError(f'{int((~filled).sum())} images got no prediction; the data loader lost samples')
-    return Predictions(topk=topk, readable=readable, seconds=seconds)
+    return Predictions(topk=topk, readable=readable, seconds=seconds, targets=targets)

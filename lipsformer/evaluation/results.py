@@ -1,7 +1,9 @@
 """The results of a validate.py run: one record per model, printed as a table and written as JSON or CSV.
 
 A record holds the model, checkpoint, evaluation settings, package versions and a ``results`` list with one entry
-per data set (see :class:`~lipsformer.evaluation.datasets.DatasetResult`). The JSON file holds the record, or a list of
+per data set (see :class:`~lipsformer.evaluation.datasets.DatasetResult`), each with timm validate.py's columns too:
+``top1``, ``top1_err``, ``top5``, ``top5_err``, ``param_count`` (millions), ``img_size``, ``crop_pct`` and
+``interpolation``. The JSON file holds the record, or a list of
 records when several models were evaluated; the CSV has one row per model and data set. Files are written
 atomically, so an interrupted run never leaves a half-written results file over an earlier one.
 """
@@ -19,7 +21,8 @@ from .datasets import DatasetResult
 __all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
 
 _PACKAGES = ('lipsformer', 'timm', 'torch', 'torchvision', 'accelerate', 'pillow')
-_CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'top1', 'top5', 'images_per_s')
+_CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'classes', 'num_classes', 'top1', 'top5',
+                      'images_per_s', 'top1_err', 'top5_err', 'param_count', 'img_size')
 _CSV_SETTING_FIELDS = ('input_size', 'crop_pct', 'crop_mode', 'interpolation', 'amp')
 
 
@@ -34,15 +37,27 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def model_record(model_name: str, checkpoint: str | None, settings: dict, results: list[DatasetResult]) -> dict:
-    """The JSON record of one evaluated model."""
+def model_record(model_name: str, checkpoint: str | None, settings: dict, results: list[DatasetResult],
+                 param_count: int) -> dict:
+    """The JSON record of one evaluated model; ``param_count`` is its number of parameters."""
+    millions = round(param_count / 1e6, 2)  # as timm's validate.py reports it
     return {
         'model': model_name,
         'checkpoint': checkpoint,
+        'param_count': millions,
         'settings': settings,
         'versions': package_versions(),
-        'results': [asdict(result) for result in results],
+        'results': [dict(asdict(result), **_timm_columns(result, settings, millions)) for result in results],
     }
+
+
+def _timm_columns(result: DatasetResult, settings: dict, param_count: float) -> dict:
+    """timm validate.py's result columns that a :class:`DatasetResult` does not hold."""
+    def error(value: float | None) -> float | None:
+        return None if value is None else round(100 - value, 4)
+    return {'top1_err': error(result.top1), 'top5_err': error(result.top5), 'param_count': param_count,
+            'img_size': settings['input_size'][-1], 'crop_pct': settings['crop_pct'],
+            'interpolation': settings['interpolation']}
 
 
 def _percent(value: float | None) -> str:
@@ -51,12 +66,13 @@ def _percent(value: float | None) -> str:
 
 def format_table(records: list[dict]) -> str:
     """A plain-text table, one line per model and data set."""
-    header = ('model', 'dataset', 'name', 'images', 'count', 'skipped', 'top1', 'top5', 'img/s')
+    header = ('model', 'dataset', 'name', 'images', 'count', 'skipped', 'classes', 'top1', 'top5', 'img/s')
     rows = [header]
     for record in records:
         for r in record['results']:
             rows.append((record['model'], r['dataset'], r['name'], str(r['images']), str(r['count']),
-                         str(len(r['skipped'])), _percent(r['top1']), _percent(r['top5']), f'{r["images_per_s"]:.1f}'))
+                         str(len(r['skipped'])), f'{r["classes"]}/{r["num_classes"]}', _percent(r['top1']),
+                         _percent(r['top5']), f'{r["images_per_s"]:.1f}'))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return '\n'.join('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 

@@ -3,6 +3,8 @@
 ``python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x`` is the
 command-line front; :func:`train` with a :class:`Config` from :func:`load_config` is the same from Python.
 
+- :mod:`.command`: the command line (train.py, ``lipsformer-train``): options, timm train.py's flags as aliases of
+  config keys, overrides in any order, exit codes;
 - :mod:`.config`: every config key with its type, default, documentation and allowed values; :mod:`.config_io` reads
   YAML (``base:`` files, ``key.sub=value`` overrides), checks it and writes it (and ``configs/reference.yaml``);
 - :mod:`.data`: dataset sources and transforms, the samplers that make resuming exact, batches on the device;
@@ -12,6 +14,7 @@ command-line front; :func:`train` with a :class:`Config` from :func:`load_config
   the order Accelerate needs;
 - :mod:`.loop`: one training epoch and one evaluation pass; :mod:`.signals`: graceful stop on SIGTERM / SIGINT;
 - :mod:`.train_state`: resumable checkpoints with RNG and distributed states, the newest and the best of a run;
+- :mod:`.trackers`: TensorBoard, wandb and MLflow through Accelerate (``log.trackers``);
 - :mod:`.run_files`: a run folder's ``config.yaml``, ``train.log`` and ``metrics.jsonl``;
 - :mod:`.trainer`: :func:`train`, a run from its start or a checkpoint to its end; :mod:`.finish`: timm-format exports,
   plots and ``summary.json``;

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ['Config', 'ConfigError', 'Rule', 'check_config']
+__all__ = ['TRACKERS', 'Config', 'ConfigError', 'Rule', 'check_config']
 
 SCHEDULERS = ('cosine', 'tanh', 'step', 'multistep', 'poly')
+TRACKERS = ('tensorboard', 'wandb', 'mlflow')
 _AUTO_AUGMENT_POLICIES = ('rand', 'augmix', 'original', 'originalr', 'v0', 'v0r', '3a', 'autoaug')
 
 
@@ -204,7 +205,8 @@ class TrainConfig:
                      Rule(lambda v: 0 <= v < 2 ** 31, 'an integer in [0, 2**31)'))
     deterministic: bool = _key(False, 'Use deterministic kernels (slower; for bit-exact GPU runs).')
     eval_interval: int = _key(1, 'Evaluate every N epochs (and always after the last one).', _POSITIVE_INT)
-    log_interval: int = _key(50, 'Optimizer updates between progress log lines.', _POSITIVE_INT)
+    log_interval: int = _key(50, 'Optimizer updates between progress log lines and tracker steps (train loss, lr, '
+                                 'grad norm).', _POSITIVE_INT)
     max_nonfinite_steps: int = _key(10, 'Stop after this many consecutive updates with a non-finite loss.',
                                     _POSITIVE_INT)
     progress_bar: bool = _key(True, 'Show a tqdm progress bar on the main process (when stderr is a terminal).')
@@ -232,7 +234,15 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     """What the run reports besides metrics.jsonl."""
-    tensorboard: bool | None = _key(None, 'Log to TensorBoard through Accelerate; null: when it is installed.')
+    trackers: list[str] | None = _key(None, 'Experiment trackers (through Accelerate): any of tensorboard, wandb, '
+                                            'mlflow, or [all] for every one installed; [] for none; null: '
+                                            'tensorboard when it is installed. Each is an extra: pip install '
+                                            '"lipsformer[wandb]". They get the config, the per-step train loss, lr '
+                                            'and grad norm every train.log_interval updates, and the epoch metrics.',
+                                      _optional(Rule(lambda v: set(v) <= {*TRACKERS, 'all'},
+                                                     'a list of tensorboard, wandb, mlflow, all')))
+    project: str = _key('lipsformer', 'Project (wandb) / experiment (MLflow) name, and TensorBoard\'s sub-folder; '
+                                      'the run is named after its run folder.')
     plots: bool = _key(True, 'Write loss / accuracy / alpha PNG plots at the end (needs matplotlib).')
 
 

@@ -5,6 +5,8 @@ another with ``base: other.yaml`` (a path relative to the file); its keys are me
 overrides ``key.sub=value`` are parsed as YAML values and applied last. Every key, type and value is checked before
 anything is built, and a mistake raises :class:`ConfigError` naming the key, the value and what is allowed. A key
 given twice in one mapping is an error too (plain YAML keeps the last one and drops the other without a word).
+The recipes ship inside the package (``lipsformer/configs``; a clone's top-level ``configs`` links there), so a bare
+name such as ``lipsformer_cswin_tiny`` works from an installed wheel (:func:`resolve_config_path`).
 """
 import dataclasses
 import difflib
@@ -19,10 +21,12 @@ import yaml
 from ..utils.io import write_text
 from .config import Config, ConfigError, Rule, check_config
 
-__all__ = ['config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config', 'flat_dict', 'load_config',
-           'parse_override', 'reference_yaml']
+__all__ = ['PACKAGED_CONFIGS', 'coerce_key', 'config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config',
+           'flat_dict', 'load_config', 'packaged_config_names', 'parse_override', 'reference_yaml',
+           'resolve_config_path']
 
 _BASE_KEY = 'base'
+PACKAGED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -51,7 +55,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     """Read a YAML config (following ``base:`` links), apply ``key.sub=value`` overrides and validate it.
 
     Args:
-        path: YAML file; None starts from the defaults.
+        path: YAML file or the name of a packaged config (:func:`resolve_config_path`); None starts from the
+            defaults.
         overrides: Strings ``key.sub=value``; the value is parsed as YAML (``optimizer.betas=[0.9,0.99]``).
 
     Returns:
@@ -60,11 +65,44 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     Raises:
         ConfigError: Unreadable file, unknown key, wrong type or impossible value.
     """
-    raw = _read_yaml_with_bases(os.fspath(path), chain=()) if path is not None else {}
+    raw = _read_yaml_with_bases(resolve_config_path(path), chain=()) if path is not None else {}
     for override in overrides:
         key, value = parse_override(override)
         _set_dotted(raw, key, value)
     return config_from_dict(raw)
+
+
+def resolve_config_path(name: str | os.PathLike) -> str:
+    """A config file: ``name`` itself when it exists, else the packaged config it names.
+
+    ``lipsformer_cswin_tiny``, ``lipsformer_cswin_tiny.yaml`` and ``ablations/alpha_0.1`` name files under
+    :data:`PACKAGED_CONFIGS`; a path that exists always wins over a packaged name.
+
+    Raises:
+        ConfigError: Neither a file nor a packaged name; the message lists the packaged names.
+    """
+    path = os.fspath(name)
+    if os.path.isfile(path):
+        return path
+    stem = path.removesuffix('.yaml')
+    packaged = os.path.join(PACKAGED_CONFIGS, *stem.split('/')) + '.yaml'
+    if not os.path.isabs(path) and '..' not in stem.split('/') and os.path.isfile(packaged):
+        return packaged
+    close = difflib.get_close_matches(os.path.basename(stem), packaged_config_names(), n=1, cutoff=0.7)
+    hint = f' (did you mean {close[0]}?)' if close else ''
+    raise ConfigError(f'cannot read config file {path!r}: no such file, nor a packaged config{hint}; packaged: '
+                      f'{", ".join(n for n in packaged_config_names() if "/" not in n)} and the folders ablations/, '
+                      f'authors/, base/')
+
+
+def packaged_config_names() -> list[str]:
+    """The names of the packaged configs (``lipsformer_cswin_tiny``, ``ablations/alpha_0.1``, ...), sorted."""
+    names = []
+    for folder, _, files in os.walk(PACKAGED_CONFIGS):
+        relative = os.path.relpath(folder, PACKAGED_CONFIGS)
+        names += [os.path.normpath(os.path.join(relative, f[:-5])).replace(os.sep, '/') for f in files
+                  if f.endswith('.yaml')]
+    return sorted(names)
 
 
 def parse_override(override: str) -> tuple[str, Any]:
@@ -80,14 +118,48 @@ def parse_override(override: str) -> tuple[str, Any]:
     return key, value
 
 
+def coerce_key(key: str, value: Any) -> Any:
+    """``value`` checked and converted as the config reads ``key`` (``'1e-3'`` -> 0.001 for a float key).
+
+    A key inside a mapping-valued key (``model.kwargs.depth``) is returned as given.
+
+    Raises:
+        ConfigError: An unknown key, or a value of the wrong type.
+    """
+    cls, prefix = Config, ''
+    for part in key.split('.'):
+        if not dataclasses.is_dataclass(cls):
+            return value
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if part not in fields:
+            raise ConfigError(_unknown_key_message(prefix, part, fields))
+        cls, prefix = typing.get_type_hints(cls)[part], f'{prefix}{part}.'
+    return value if dataclasses.is_dataclass(cls) or typing.get_origin(cls) is dict else _coerce(key, value, cls)
+
+
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested plain data (missing keys take their defaults)."""
     if not isinstance(raw, dict):
         raise ConfigError(f'a config must be a mapping of sections, got {type(raw).__name__}')
-    raw = {k: v for k, v in raw.items() if k != _BASE_KEY}
+    raw = _upgrade_legacy_keys({k: v for k, v in raw.items() if k != _BASE_KEY})
     config = _build_dataclass(Config, raw, prefix='')
     check_config(config)
     return config
+
+
+def _upgrade_legacy_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """Read the keys of earlier versions as the keys that replaced them, so that older run folders' ``config.yaml``
+    still load (validate.py, model cards): ``log.tensorboard`` true / false / null is ``log.trackers`` [tensorboard] /
+    [] / null."""
+    log = raw.get('log')
+    if not isinstance(log, dict) or 'tensorboard' not in log:
+        return raw
+    if 'trackers' in log:
+        raise ConfigError('log.tensorboard is replaced by log.trackers; give only log.trackers (e.g. [tensorboard])')
+    log = dict(log)
+    tensorboard = log.pop('tensorboard')
+    log['trackers'] = None if tensorboard is None else (['tensorboard'] if tensorboard else [])
+    return {**raw, 'log': log}
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class EpochTally:
     loss_sum: torch.Tensor
     loss_count: torch.Tensor
     window_bad: torch.Tensor
+    window_loss: torch.Tensor  # the current update's loss, summed over its micro-batches
     start_time: float
     images: int = 0
     consecutive_bad: int = 0
@@ -59,7 +60,8 @@ class EpochTally:
     @classmethod
     def start(cls, device: torch.device, progress: Progress, is_main: bool) -> 'EpochTally':
         zero = torch.zeros((), device=device)
-        tally = cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), time.perf_counter())
+        tally = cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), zero.clone(),
+                    time.perf_counter())
         if progress.batch_in_epoch and progress.epoch_totals:
             loss_sum, loss_count, images, seconds = progress.epoch_totals
             if is_main:  # the saved sums are over all processes
@@ -124,21 +126,29 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], b
         finite = torch.isfinite(loss)
         tally.window_bad |= ~finite
         tally.loss_sum += torch.where(finite, loss, 0.0)
+        tally.window_loss += loss
         tally.loss_count += finite.float()
         tally.images += images.shape[0] * session.accelerator.num_processes
         progress.batch_in_epoch = batch_index + 1
         if progress.batch_in_epoch % accum:
             continue
         bad, stopped = _agree(session.accelerator, tally.window_bad, stop)
+        reporting = (progress.step + 1) % session.config.train.log_interval == 0
+        grad_norm = None
         if bad:
             tally.consecutive_bad = _skip_update(session, tally.consecutive_bad + 1)
         else:
             tally.consecutive_bad = 0
-            _apply_update(session)
+            grad_norm = _apply_update(session, measure_grad_norm=reporting)
+        lr = session.optimizer.param_groups[0]['lr']  # the lr this update used
         tally.window_bad.zero_()
         progress.step += 1
         session.scheduler.step_update(num_updates=progress.step)
-        _report(session, bar, tally)
+        if bar is not None:
+            bar.update(accum)
+        if reporting:
+            _report(session, bar, tally, lr, grad_norm)
+        tally.window_loss.zero_()
         saved = on_update()
         if stopped or (saved and stop_agreed(session.accelerator, stop)):
             return
@@ -168,21 +178,28 @@ def _agree(accelerator, window_bad: torch.Tensor, stop: StopSignal) -> tuple[boo
     return bool(bad), bool(stopped)
 
 
-def _apply_update(session: Session) -> None:
+def _apply_update(session: Session, measure_grad_norm: bool) -> float | None:
+    """Clip, step, constrain and average; returns the global gradient norm before clipping when measured (a
+    synchronisation, so only on reported updates) or when clipping by norm computes it anyway."""
     accelerator, clip = session.accelerator, session.config.optimizer.clip_grad
-    if clip:
-        if session.config.optimizer.clip_mode == 'norm':
-            accelerator.clip_grad_norm_(session.model.parameters(), clip)
-        else:
-            accelerator.clip_grad_value_(session.model.parameters(), clip)
+    norm = None
+    if clip and session.config.optimizer.clip_mode == 'norm':
+        norm = accelerator.clip_grad_norm_(session.model.parameters(), clip)
+    elif clip:
+        if measure_grad_norm:  # before clipping each value, as clipping by norm reports it
+            norm = accelerator.clip_grad_norm_(session.model.parameters(), float('inf'))
+        accelerator.clip_grad_value_(session.model.parameters(), clip)
+    elif measure_grad_norm:  # an infinite threshold scales nothing: the norm of the unscaled gradients
+        norm = accelerator.clip_grad_norm_(session.model.parameters(), float('inf'))
     session.optimizer.step()
     session.optimizer.zero_grad(set_to_none=True)
     if accelerator.optimizer_step_was_skipped:  # fp16 loss scaler found inf gradients and lowered its scale
-        return
+        return None
     if session.lipschitz is not None:  # before the EMA update, so the EMA averages constrained weights
         session.lipschitz()
     if session.ema is not None:
         session.ema.update(session.unwrapped_model, step=session.progress.step)
+    return float(norm) if measure_grad_norm and norm is not None else None
 
 
 def _skip_update(session: Session, consecutive: int) -> int:
@@ -211,20 +228,25 @@ def _progress_bar(session: Session) -> tqdm | None:
                 unit='batch', dynamic_ncols=True, leave=False)
 
 
-def _report(session: Session, bar: tqdm | None, tally: EpochTally) -> None:
-    if bar is not None:
-        bar.update(session.config.train.grad_accum_steps)
-    step = session.progress.step
-    if step % session.config.train.log_interval:
-        return
-    loss = tally.mean_loss().item()
-    lr = session.optimizer.param_groups[0]['lr']
+def _report(session: Session, bar: tqdm | None, tally: EpochTally, lr: float, grad_norm: float | None) -> None:
+    """A progress line and the trackers' step metrics: this update's loss (mean over its micro-batches and the
+    processes), the lr it used and the gradient norm before clipping (absent after a skipped update)."""
+    accelerator, step = session.accelerator, session.progress.step
+    step_loss = tally.window_loss / session.config.train.grad_accum_steps
+    if accelerator.num_processes > 1:
+        step_loss = accelerator.reduce(step_loss, reduction='mean')
+    step_loss, loss = step_loss.item(), tally.mean_loss().item()
     speed = tally.images / max(time.perf_counter() - tally.start_time, 1e-9)
     if bar is not None:
         bar.set_postfix(loss=f'{loss:.4f}', lr=f'{lr:.3g}', img_s=f'{speed:.0f}')
-    if session.accelerator.is_main_process:
-        _logger.info('epoch %d step %d: loss %.4f lr %.4g %.0f img/s', session.progress.epoch + 1, step, loss, lr,
-                     speed)
+    values = {'train/step_loss': step_loss, 'train/lr': lr, 'train/images_per_s': speed}
+    if grad_norm is not None:
+        values['train/grad_norm'] = grad_norm
+    accelerator.log(values, step=step)
+    if accelerator.is_main_process:
+        _logger.info('epoch %d step %d: loss %.4f (this update %.4f) lr %.4g grad norm %s %.0f img/s',
+                     session.progress.epoch + 1, step, loss, step_loss, lr,
+                     'skipped' if grad_norm is None else f'{grad_norm:.4g}', speed)
 
 
 @torch.no_grad()

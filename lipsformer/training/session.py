@@ -13,6 +13,7 @@ is called with no arguments after every update, and saved with the checkpoints w
 import gc
 import importlib
 import logging
+import os
 import sys
 import time
 import warnings
@@ -24,7 +25,7 @@ import timm
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, is_tensorboard_available, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
 from timm.utils import ModelEmaV3
 
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
@@ -43,6 +44,7 @@ from .data import (
     resolve_input_spec,
 )
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
+from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
 
 _logger = logging.getLogger(__name__)
@@ -92,16 +94,11 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop."""
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
-    tensorboard = config.log.tensorboard
-    if tensorboard is None:
-        tensorboard = is_tensorboard_available()
-    elif tensorboard and not is_tensorboard_available():
-        raise ConfigError('log.tensorboard: true, but TensorBoard is not installed; pip install tensorboard, or set '
-                          'log.tensorboard=null to log to it only when it is there')
     dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
+    project = ProjectConfiguration(project_dir=run_dir, logging_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     accelerator = Accelerator(
-        mixed_precision=config.train.mixed_precision, log_with='tensorboard' if tensorboard else None,
-        project_dir=run_dir, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
+        mixed_precision=config.train.mixed_precision, log_with=chosen_trackers(config) or None,
+        project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
         retain_freed_memory()

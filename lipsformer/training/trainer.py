@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from ..utils.env import peak_memory_mb
 from ..utils.io import remove_stale_temporaries
 from .config import Config
-from .config_io import config_to_dict, flat_dict
+from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, total_epochs
@@ -25,6 +25,7 @@ from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .session import Session, create_accelerator, create_session, end_processes, release_accelerator
 from .signals import StopSignal
+from .trackers import start_trackers
 from .train_state import (
     checkpoints_root,
     checkpoints_to_resume,
@@ -80,7 +81,7 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         if accelerator.is_main_process:
             write_config(config, run_dir)
             metrics.reset(session.progress.history)
-        accelerator.init_trackers('tensorboard', config=flat_dict(config_to_dict(config)))  # <run>/tensorboard
+        start_trackers(accelerator, config, run_dir)
         with StopSignal() as stop:
             status = _run_epochs(session, stop, metrics)
         summary = finish_run(session, status, time.perf_counter() - start_time)
