@@ -62,7 +62,8 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
 
-__all__ = ['BenchmarkConfig', 'ModelSpec', 'cpu_name', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'cpu_name', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
+           'saved_activations_mb']
 
 MODES = ('infer', 'train')
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -211,21 +212,46 @@ def _loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets['labels'])
 
 
+def _autocast(config: BenchmarkConfig) -> torch.autocast:
+    dtype = PRECISIONS[config.precision]
+    return torch.autocast(torch.device(config.device).type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def saved_activations_mb(model: nn.Module, inputs: torch.Tensor, config: BenchmarkConfig) -> float:
+    """MiB per image that autograd keeps for the backward of one training-mode forward of ``model`` on ``inputs``.
+
+    Every tensor saved for backward passes through ``torch.autograd.graph.saved_tensors_hooks``; each distinct storage
+    is counted once, at its full size (a saved view keeps its whole base alive), and parameters' storages are left
+    out. The eager model is measured, also when the timed steps are compiled.
+    """
+    was_training = model.training
+    model.train()
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    sizes: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            sizes.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), _autocast(config):
+        model(inputs)  # the graph, and the tensors it saved, are freed on return
+    model.train(was_training)
+    return sum(sizes.values()) / 2 ** 20 / inputs.shape[0]
+
+
 def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: BenchmarkConfig) -> Callable[[], None]:
     """One inference forward, or one training step (forward, loss, backward, AdamW)."""
     device_type = torch.device(config.device).type
     dtype = PRECISIONS[config.precision]
     runner = torch.compile(model) if config.compile else model
-
-    def autocast() -> torch.autocast:
-        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
-
     if mode == 'infer':
         model.eval()
 
         @torch.no_grad()
         def infer_step() -> None:
-            with autocast():
+            with _autocast(config):
                 runner(inputs)
         return infer_step
 
@@ -236,7 +262,7 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with autocast():
+        with _autocast(config):
             loss = _loss(runner(inputs), targets)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -378,19 +404,22 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
     if invalid := set(modes) - set(MODES):
         raise ValueError(f'unknown mode(s) {sorted(invalid)}; choose from {MODES}')
     memories = _peak_memories(specs, modes, config) if config.memory else {}
-    built, counts = [], []
+    built, counts, activations = [], [], []
     for spec in specs:
         _log(f'building {spec.text}')
         model, inputs = _build(spec, config)
         counts.append(_count(spec, model, config))
+        activations.append(saved_activations_mb(model, inputs, config) if 'train' in modes else None)
         built.append((model, inputs))
     results = []
     for mode in modes:
         seconds = _time_mode(built, mode, config, [spec.text for spec in specs])
         rows = [_result_row(spec, mode, count, run_seconds, config)
                 for spec, count, run_seconds in zip(specs, counts, seconds)]
-        for row in rows:
+        for row, saved_mb in zip(rows, activations):
             row['ratio'] = row['images_per_s'] / rows[0]['images_per_s']
+            row['saved_activations_mb_per_image'] = saved_mb if mode == 'train' else None
+            row['saved_activations_ratio'] = saved_mb / activations[0] if mode == 'train' and activations[0] else None
             row['peak_memory_mb'] = memories.get((row['model'], mode))
             first_memory = memories.get((rows[0]['model'], mode))
             # A model too small to move the resident size has no meaningful ratio (and no zero division).
@@ -448,13 +477,15 @@ def environment(device: str) -> dict:
 
 def format_table(report: dict, markdown: bool = False) -> str:
     """The report's results as an aligned text table (or Markdown)."""
-    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'peak MiB', 'mem ratio', 'params (M)', 'GMACs', 'TFLOP/s']
+    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'peak MiB', 'mem ratio', 'act MiB/img', 'act ratio',
+              'params (M)', 'GMACs', 'TFLOP/s']
 
     def optional(value: float | None, digits: int) -> str:
         return '-' if value is None else f'{value:.{digits}f}'
 
     lines = [[row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}',
               f'{row["ms_per_step"]:.1f}', optional(row['peak_memory_mb'], 0), optional(row['memory_ratio'], 3),
+              optional(row['saved_activations_mb_per_image'], 1), optional(row['saved_activations_ratio'], 3),
               f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}']
              for row in report['results']]
     if markdown:
