@@ -7,10 +7,11 @@ from .center_norm import CenterNorm
 from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
+from .lean_autograd import gelu_residual, l2_normalize, scaled_linear
 from .lipschitz_norm_attention import LipschitzNormAttention
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
-from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer, scaled_linear
+from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer
 from .windows import pad_to_multiple, padding_key_mask, window_partition, window_reverse
 
 NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
@@ -69,7 +70,8 @@ def create_attention(
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualDropPath', 'ScaleLayer', 'ScaledCosineAttention',
-    'ScaledOutputMlp', 'WEIGHT_INITS', 'create_attention', 'create_conv_shortcuts', 'get_norm_layer', 'init_weights_',
+    'ScaledOutputMlp', 'WEIGHT_INITS', 'create_attention', 'create_conv_shortcuts', 'gelu_residual', 'get_norm_layer',
+    'init_weights_', 'l2_normalize',
     'pad_to_multiple', 'padding_key_mask', 'scaled_linear', 'spectral_norm', 'spectral_normalize_',
     'window_partition', 'window_reverse',
 ]

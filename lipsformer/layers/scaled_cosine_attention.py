@@ -18,23 +18,9 @@ import torch.nn as nn
 from timm.layers import use_fused_attn
 
 from .dot_product_attention import softmax_attention
+from .lean_autograd import l2_normalize
 
-__all__ = ['ScaledCosineAttention', 'l2_normalize']
-
-
-def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """``scale * F.normalize(x, dim=-1, eps=eps)``, scale * x / max(||x||, eps), as a product with a reciprocal norm.
-
-    The same values (to rounding), but autograd's backward of one broadcast multiply is much cheaper on CPU than that
-    of ``F.normalize``'s broadcast division (which computes -g * x / n^2 over the whole tensor). The norm is taken in
-    at least float32 so that fp16 squares cannot overflow. ``scale`` rides on the (..., 1) reciprocal norm for free.
-    """
-    return x * (_inverse_norm(x, eps) * scale).to(x.dtype)
-
-
-def _inverse_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    squared_norm = x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True)
-    return squared_norm.clamp_min(eps * eps).rsqrt()
+__all__ = ['ScaledCosineAttention']
 
 
 class ScaledCosineAttention(nn.Module):
@@ -89,10 +75,10 @@ class ScaledCosineAttention(nn.Module):
         Returns:
             (batch, heads, tokens, head_dim).
         """
-        # tau scales q through its reciprocal norm: no pass over the (tokens x tokens) logits, and the scale of
-        # softmax_attention (a Python float for SDPA) can stay 1 when tau is learned.
+        # tau scales q, not the (tokens x tokens) logits, and the scale of softmax_attention (a Python float for
+        # SDPA) can stay 1 when tau is learned.
         if self.tau_learnable:
-            q = q * (_inverse_norm(q, self.eps) * self.tau).to(q.dtype)
+            q = l2_normalize(q, self.eps) * self.tau.to(q.dtype)
         else:
             q = l2_normalize(q, self.eps, self.tau_init)
         k = l2_normalize(k, self.eps)
