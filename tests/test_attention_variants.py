@@ -16,7 +16,7 @@ from lipsformer.layers import (
     L2Attention,
     LipschitzNormAttention,
     ScaledCosineAttention,
-    create_attention,
+    create_attention_kernel,
 )
 from lipsformer.lipschitz import jacobian_norm_ascent, kim_c, kim_mha_bound_2, kim_mha_bound_inf, scsa_head_bound
 from lipsformer.lipschitz.theorems import DASOULAS_SELF_ATTENTION
@@ -290,9 +290,9 @@ def test_l2_ties_queries_keys_and_values_to_one_projection():
         assert all(torch.equal(k.value_map, torch.eye(k.head_dim).expand_as(k.value_map)) for k in kernels)
         assert sum(k.num_heads for k in kernels) == TINY_MODELS[name]['num_heads'][2]
     with pytest.raises(ValueError, match='num_heads'):
-        create_attention('l2', 8, tau=1.0)
+        create_attention_kernel('l2', 8, tau=1.0)
     with pytest.raises(ValueError, match="'lipnorm'"):
-        create_attention('l3', 8, tau=1.0)
+        create_attention_kernel('l3', 8, tau=1.0)
 
 
 def test_lepe_with_tied_projection_matches_manual_stripe_attention():
@@ -304,7 +304,7 @@ def test_lepe_with_tied_projection_matches_manual_stripe_attention():
     y = projection.reshape(1, 12, 2, 4).transpose(1, 2)
     lepe = branch.lepe(projection.permute(0, 3, 1, 2)).reshape(1, 2, 4, 12).transpose(-1, -2)
     expected = (branch.kernel(y, y, y) + lepe) * 2 ** -0.5
-    torch.testing.assert_close(branch(projection, 4, 3), expected.transpose(1, 2).reshape(1, 4, 3, 8))
+    torch.testing.assert_close(branch(projection.unsqueeze(3), 4, 3), expected.transpose(1, 2).reshape(1, 4, 3, 8))
 
 
 # --- the shared softmax-attention tail ----------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def _reference_attention(q, k, v, bias, scale):
 @pytest.mark.parametrize('fused', [True, False])
 def test_softmax_attention_equals_its_definition_in_values_and_gradients(bias_needs_grad, fused):
     """Every route of softmax_attention (SDPA, explicit with the in-place bias sum) is softmax(s q k^T + B) v."""
-    from lipsformer.layers.dot_product_attention import softmax_attention
+    from lipsformer.layers.softmax_attention import softmax_attention
     q, k, v = (tensor.requires_grad_() for tensor in _qkv())
     bias = torch.randn(3, 10, 10, dtype=torch.float64, requires_grad=bias_needs_grad)
     bias_before = bias.detach().clone()
@@ -334,7 +334,7 @@ def test_softmax_attention_equals_its_definition_in_values_and_gradients(bias_ne
 
 def test_softmax_attention_leaves_sdpa_only_for_a_cpu_bias_that_needs_a_gradient(monkeypatch):
     """SDPA's CPU math fallback (a learned bias in training) is replaced by the explicit path; nothing else is."""
-    import lipsformer.layers.dot_product_attention as module
+    import lipsformer.layers.softmax_attention as module
     calls = []
     sdpa = module.F.scaled_dot_product_attention
 
@@ -357,7 +357,7 @@ def test_softmax_attention_leaves_sdpa_only_for_a_cpu_bias_that_needs_a_gradient
 def test_softmax_attention_takes_a_float32_bias_under_bf16_autocast():
     """Under CPU bf16 autocast the logits are bf16 and a learned bias fp32: the explicit path adds them out of place
     (an in-place sum into bf16 would need the same dtype) and the bias still gets its gradient."""
-    from lipsformer.layers.dot_product_attention import softmax_attention
+    from lipsformer.layers.softmax_attention import softmax_attention
     q, k, v = (tensor.float() for tensor in _qkv())
     bias = torch.randn(3, 10, 10, requires_grad=True)
     with torch.autocast('cpu', dtype=torch.bfloat16):

@@ -205,7 +205,7 @@ def test_cswin_padded_stripes_equal_a_narrower_stripe():
     """With key masking, a stripe cut by the border gives the same result as attending over its valid tokens."""
     from lipsformer.models.lipsformer_cswin import StripeAttention
     branch = StripeAttention(8, 2, ScaledCosineAttention(tau=12.0)).eval()
-    qkv = torch.randn(1, 6, 5, 24)
+    qkv = torch.randn(1, 6, 5, 24).unflatten(-1, (3, 8))  # q, k, v of 8 channels
     torch.testing.assert_close(branch(qkv, 6, 7), branch(qkv, 6, 5))  # one 6x7 stripe over a 6x5 map
 
 

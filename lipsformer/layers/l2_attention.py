@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from timm.layers import use_fused_attn
 
-from .dot_product_attention import softmax_attention
+from .softmax_attention import softmax_attention
 
 __all__ = ['L2Attention']
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from timm.layers import use_fused_attn
 
-from .dot_product_attention import softmax_attention
 from .lean_autograd import l2_normalize
+from .softmax_attention import softmax_attention
 
 __all__ = ['ScaledCosineAttention']
 
