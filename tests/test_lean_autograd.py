@@ -164,3 +164,22 @@ def test_whole_models_train_with_the_gradients_of_the_plain_expressions(name, mo
     for key in lean:  # float32 sums in another order: close relative to the largest entry of each gradient
         torch.testing.assert_close(lean[key], plain[key], rtol=1e-4, atol=1e-5 * plain[key].abs().max().item(),
                                    msg=lambda text: f'{key}: {text}')
+
+
+@pytest.mark.parametrize('kernel', [7, 3])
+def test_depthwise_conv_passes_gradcheck_and_equals_the_channels_last_conv(kernel):
+    from lipsformer.layers.depthwise_conv import _DepthwiseConv2d, depthwise_conv2d
+    x = torch.randn(2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 1, kernel, kernel, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *args: _DepthwiseConv2d.apply(*args, (kernel // 2, kernel // 2)),
+                                    (x, weight, bias))
+    inputs = [torch.randn(3, 9, 11, 32, requires_grad=True), torch.randn(32, 1, kernel, kernel, requires_grad=True),
+              torch.randn(32, requires_grad=True)]
+
+    def plain(x, weight, bias):
+        return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=kernel // 2, groups=32).permute(0, 2, 3, 1)
+
+    _assert_same(depthwise_conv2d, plain, inputs, atol=1e-4)
+    assert type(depthwise_conv2d(*inputs).grad_fn).__name__ == '_DepthwiseConv2dBackward'
+
