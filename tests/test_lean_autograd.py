@@ -183,3 +183,33 @@ def test_depthwise_conv_passes_gradcheck_and_equals_the_channels_last_conv(kerne
     _assert_same(depthwise_conv2d, plain, inputs, atol=1e-4)
     assert type(depthwise_conv2d(*inputs).grad_fn).__name__ == '_DepthwiseConv2dBackward'
 
+
+def _mlp_reference(x, weight1, bias1, weight2, bias2, scale):
+    return _linear_reference(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2, scale, False)
+
+
+@pytest.mark.parametrize('with_scale', [False, True])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_mlp_in_row_blocks_passes_gradcheck(with_scale, with_bias, monkeypatch):
+    import lipsformer.layers.lean_autograd as lean_autograd
+    from lipsformer.layers.lean_autograd import _Mlp
+    monkeypatch.setattr(lean_autograd, '_MLP_BLOCK_ROWS', 4)  # 3 blocks for 11 rows, the last one short
+    options = dict(dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 11, 3, **options)
+    weight1, weight2 = torch.randn(8, 3, **options), torch.randn(5, 8, **options)
+    bias1, bias2 = (torch.randn(8, **options), torch.randn(5, **options)) if with_bias else (None, None)
+    scale = torch.rand(5, **options) if with_scale else None
+    assert torch.autograd.gradcheck(_Mlp.apply, (x, weight1, bias1, weight2, bias2, scale))
+
+
+def test_mlp_equals_timm_mlp_with_the_scale_on_its_output(monkeypatch):
+    import lipsformer.layers.lean_autograd as lean_autograd
+    from lipsformer.layers.lean_autograd import mlp
+    monkeypatch.setattr(lean_autograd, '_MLP_BLOCK_ROWS', 100)
+    inputs = [torch.randn(2, 9, 13, 16, requires_grad=True), 0.2 * torch.randn(64, 16), torch.randn(64),
+              0.1 * torch.randn(16, 64), torch.randn(16), torch.rand(16)]
+    inputs = [t.detach().requires_grad_(True) for t in inputs]
+    _assert_same(mlp, _mlp_reference, inputs)
+    assert type(mlp(*inputs).grad_fn).__name__ == '_MlpBackward'
+    with torch.autocast('cpu', dtype=torch.bfloat16):  # elsewhere than float32 on CPU: fc1, then the lean linear
+        assert type(mlp(*inputs).grad_fn).__name__ == '_LinearBackward'

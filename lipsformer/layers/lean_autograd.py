@@ -24,7 +24,11 @@ import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
-__all__ = ['gelu_residual', 'l2_normalize', 'scaled_linear']
+__all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
+
+# Rows of the MLP's row blocks on CPU: big enough for efficient matrix products, small enough that a block's hidden
+# activations (rows x 4C) stay in cache between the product that makes them and the one that uses them.
+_MLP_BLOCK_ROWS = 2048
 
 
 def _lean(*tensors: Optional[torch.Tensor]) -> bool:
@@ -61,23 +65,16 @@ class _Linear(torch.autograd.Function):
         if need_x:
             grad_x = grad @ weight_scaled.to(grad.dtype)
             grad_x = torch.ops.aten.gelu_backward(grad_x.to(x.dtype), x) if ctx.gelu else grad_x.to(x.dtype)
-        grad_rows = grad.reshape(-1, grad.shape[-1])
-        if need_weight or need_scale:
+        if need_weight or need_bias or need_scale:
+            grad_rows = grad.reshape(-1, grad.shape[-1])
             act = F.gelu(x) if ctx.gelu else x
             grad_weight_scaled = grad_rows.t() @ act.reshape(-1, act.shape[-1]).to(grad.dtype)
-            if need_weight:
-                grad_weight = grad_weight_scaled if scale is None else grad_weight_scaled * scale.unsqueeze(-1)
-                grad_weight = grad_weight.to(weight.dtype)
-            if need_scale:
-                grad_scale = (grad_weight_scaled * weight).sum(-1)
-        if bias is not None and (need_bias or need_scale):
-            grad_bias_scaled = grad_rows.sum(0)
-            if need_bias:
-                grad_bias = (grad_bias_scaled if scale is None else grad_bias_scaled * scale).to(bias.dtype)
-            if need_scale:
-                grad_scale = grad_scale + grad_bias_scaled * bias
-        if grad_scale is not None:
-            grad_scale = grad_scale.to(scale.dtype)
+            grad_bias_scaled = grad_rows.sum(0) if bias is not None else None
+            grad_weight, grad_bias, grad_scale = _unscale(grad_weight_scaled, grad_bias_scaled, weight, bias, scale)
+            # Under autocast the products ran in the lower precision; the parameters' gradients take their dtype.
+            grad_weight = grad_weight.to(weight.dtype)
+            grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
+            grad_scale = grad_scale.to(scale.dtype) if scale is not None else None
         return grad_x, grad_weight, grad_bias, grad_scale, None
 
 
@@ -95,6 +92,82 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             return _Linear.apply(x, weight, bias, scale, gelu)
     weight, bias = _scaled_weights(weight, bias, scale)
     return F.linear(F.gelu(x) if gelu else x, weight, bias)
+
+
+class _Mlp(torch.autograd.Function):
+    """fc2(gelu(fc1(x))), fc2 scaled, in row blocks on CPU, keeping x and u = fc1(x).
+
+    The hidden activation gelu(u) and the gradients of gelu(u) and u are formed one row block at a time, in cache,
+    and never as whole (rows, hidden) tensors: the forward writes u (kept for backward) and the output, the backward
+    the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight1, bias1, weight2, bias2, scale):
+        weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
+        rows = x.reshape(-1, x.shape[-1])
+        hidden = rows.new_empty(rows.shape[0], weight1.shape[0])
+        out = rows.new_empty(rows.shape[0], weight2.shape[0])
+        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
+            end = block + _MLP_BLOCK_ROWS
+            u = _addmm(bias1, rows[block:end], weight1.t(), hidden[block:end])
+            _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
+        ctx.save_for_backward(x, weight1, bias1, weight2, bias2, scale, hidden)
+        return out.view(x.shape[:-1] + (weight2.shape[0],))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight1, bias1, weight2, bias2, scale, hidden = ctx.saved_tensors
+        weight2_scaled, _ = _scaled_weights(weight2, None, scale)
+        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.empty_like(rows)
+        grad_weight1, grad_weight2_scaled = torch.zeros_like(weight1), torch.zeros_like(weight2)
+        grad_bias1 = torch.zeros_like(bias1) if bias1 is not None else None
+        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
+            end = block + _MLP_BLOCK_ROWS
+            u, grad_out = hidden[block:end], grad_rows[block:end]
+            grad_weight2_scaled.addmm_(grad_out.t(), F.gelu(u))
+            grad_u = torch.ops.aten.gelu_backward(grad_out @ weight2_scaled, u)
+            grad_weight1.addmm_(grad_u.t(), rows[block:end])
+            if grad_bias1 is not None:
+                grad_bias1 += grad_u.sum(0)
+            torch.mm(grad_u, weight1, out=grad_x[block:end])
+        grad_bias2_scaled = grad_rows.sum(0) if bias2 is not None else None
+        grad_weight2, grad_bias2, grad_scale = _unscale(grad_weight2_scaled, grad_bias2_scaled, weight2, bias2, scale)
+        return grad_x.view_as(x), grad_weight1, grad_bias1, grad_weight2, grad_bias2, grad_scale
+
+
+def _addmm(bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(bias, a, b, out=out) if bias is not None else torch.mm(a, b, out=out)
+
+
+def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: Optional[torch.Tensor], weight: torch.Tensor,
+             bias: Optional[torch.Tensor], scale: Optional[torch.Tensor]
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of weight, bias and scale from those of the scaled weight (scale[:, None] W) and bias (scale b)."""
+    if scale is None:
+        return grad_weight_scaled, grad_bias_scaled, None
+    grad_scale = (grad_weight_scaled * weight).sum(-1)
+    if bias is not None:
+        grad_scale = grad_scale + grad_bias_scaled * bias
+        grad_bias_scaled = grad_bias_scaled * scale
+    return grad_weight_scaled * scale.unsqueeze(-1), grad_bias_scaled, grad_scale
+
+
+@register_notrace_function  # picks its path from the device and autograd state at run time
+def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: Optional[torch.Tensor], weight2: torch.Tensor,
+        bias2: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
+
+    The backward keeps x and fc1's output. Training on CPU in float32, the MLP runs in row blocks (:class:`_Mlp`);
+    elsewhere fc1 then :func:`scaled_linear` with ``gelu=True``.
+    """
+    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
+        if (_lean(x, weight1, bias1, weight2, bias2, scale) and x.device.type == 'cpu'
+                and not torch.is_autocast_enabled('cpu')
+                and all(t is None or t.dtype == torch.float32 for t in (x, weight1, bias1, weight2, bias2, scale))):
+            return _Mlp.apply(x, weight1, bias1, weight2, bias2, scale)
+    return scaled_linear(F.linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
 
 
 class _GeluResidual(torch.autograd.Function):

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath, Mlp
 
-from .lean_autograd import scaled_linear
+from .lean_autograd import mlp, scaled_linear
 
 __all__ = ['ResidualDropPath', 'ScaleLayer', 'ScaledOutputMlp']
 
@@ -31,8 +31,8 @@ __all__ = ['ResidualDropPath', 'ScaleLayer', 'ScaledOutputMlp']
 class ScaledOutputMlp(Mlp):
     """timm's Mlp whose output can be scaled per channel by alpha folded into fc2 (same parameters and keys).
 
-    With an exact GELU and nothing between it and fc2 (no dropout in training, no norm), GELU and fc2 are one
-    :func:`~lipsformer.layers.lean_autograd.scaled_linear`, whose backward keeps fc1's output but not GELU's.
+    With an exact GELU and nothing between it and fc2 (no dropout in training, no norm), the MLP is
+    :func:`~lipsformer.layers.lean_autograd.mlp`, whose backward keeps fc1's input and output but not GELU's.
     """
 
     gelu_into_fc2: torch.jit.Final[bool]
@@ -43,10 +43,10 @@ class ScaledOutputMlp(Mlp):
                               and isinstance(self.norm, nn.Identity))
 
     def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.fc1(x)
         if self.gelu_into_fc2 and (self.drop1.p == 0.0 or not self.training):
-            return self.drop2(scaled_linear(x, self.fc2.weight, self.fc2.bias, out_scale, gelu=True))
-        x = self.norm(self.drop1(self.act(x)))
+            x = mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, out_scale)
+            return self.drop2(x)
+        x = self.norm(self.drop1(self.act(self.fc1(x))))
         return self.drop2(scaled_linear(x, self.fc2.weight, self.fc2.bias, out_scale))
 
 
