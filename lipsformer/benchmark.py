@@ -8,30 +8,11 @@ Example (the CPU comparison of ``docs/benchmarks.md``)::
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
 a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
-name files you trust).
-
-How it measures, per mode (``infer``: forward under ``no_grad``; ``train``: forward, cross-entropy against random
-labels, backward and a timm AdamW step):
-
-- Throughput: every model gets ``--warmup`` untimed steps, then ``--repeats`` timed runs of ``--steps`` steps each.
-  The models are interleaved within every repeat, in reversed order on odd repeats, so slow drifts of the machine
-  (thermal or turbo state, other jobs) hit all models alike and cancel in the ratios. images/s is the median over
-  the repeats; on CUDA the runs are timed with CUDA events. ``ratio`` is a model's images/s over the first model's.
-- Peak memory: measured for each (model, mode) in a fresh child process that builds the model the same way and runs
-  warm-up steps, so no other model, allocator cache or earlier high-water mark is counted. On CUDA it is
-  ``torch.cuda.max_memory_allocated``; on CPU it is the peak resident set size minus the resident size after imports,
-  with freed memory handed back (``malloc_trim``) and the peak reset (``/proc/self/clear_refs``) first on Linux, else
-  the lifetime peak minus the peak after imports (freed memory often stays mapped and one process's peak cannot be
-  reset elsewhere, hence one process per measurement). Both include weights, gradients, optimizer state and
-  activations.
-- CPU memory allocator: by default every process first applies :func:`lipsformer.cpu_memory.retain_freed_memory`
-  (as ``train.py`` does), so freed activations are reused instead of being unmapped and page-faulted in again on
-  every step. Under glibc's defaults that cost depends on which tensors happen to exceed its adaptive mmap threshold,
-  so it shifts with the models' order and the process's history; ``--no-retain-cpu-memory`` measures it anyway.
-- Work: params and forward GMACs per image from ``lipsformer.complexity`` (meta device). TFLOP/s counts 2 FLOPs per
-  MAC and, in train mode, 3x the forward MACs (forward + backward, the usual model-FLOPs convention: recomputation
-  by activation checkpointing is not useful work).
+name files you trust). Per model and mode it reports images/s (models interleaved, median of the repeats), peak
+memory (each model in a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with
+ratios to the first model; ``docs/benchmarks.md`` says how each is measured.
 """
+
 import argparse
 import ast
 import concurrent.futures
@@ -324,7 +305,7 @@ def _reset_peak_rss() -> float | None:
 
 
 def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
-    """Peak memory in MiB of warm-up steps of one model and mode; meant to run in a fresh process (see module doc)."""
+    """Peak memory in MiB of warm-up steps of one model and mode, run in a fresh process (docs/benchmarks.md)."""
     benchmark_config = BenchmarkConfig(**config)
     _configure_process(benchmark_config)
     spec, = parse_model_specs(spec_text)
