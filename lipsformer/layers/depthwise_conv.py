@@ -6,7 +6,8 @@
 On CPU, oneDNN computes that weight gradient for channels-last maps with its generic grouped-convolution kernel,
 several times slower than its forward pass. The sum over (h, w) is itself a depthwise convolution, of x_pad by a
 kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in cache, it
-goes through oneDNN's depthwise forward kernel instead. The forward pass and the input gradient are oneDNN's own.
+goes through oneDNN's depthwise forward kernel instead. The input gradient, a convolution by the flipped kernel,
+goes through that forward kernel too.
 """
 from typing import Optional
 
@@ -45,9 +46,10 @@ class _DepthwiseConv2d(torch.autograd.Function):
         need_x, need_weight, need_bias, _ = ctx.needs_input_grad
         grad_x = grad_weight = grad_bias = None
         if need_x:
-            grad_x = torch.ops.aten.convolution_backward(
-                grad.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), weight, None, [1, 1], list(ctx.padding), [1, 1],
-                False, [0, 0], x.shape[-1], [True, False, False])[0].permute(0, 2, 3, 1)
+            # A stride-1 'same' convolution's transpose is the convolution by the flipped kernel: oneDNN's forward
+            # kernel again, faster than its backward-data one.
+            grad_x = F.conv2d(grad.permute(0, 3, 1, 2), weight.flip(-2, -1), padding=ctx.padding,
+                              groups=x.shape[-1]).permute(0, 2, 3, 1)
         if need_weight:
             grad_weight = _weight_grad(x, grad, ctx.padding, (weight.shape[2], weight.shape[3]))
         if need_bias:

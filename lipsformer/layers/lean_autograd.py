@@ -38,6 +38,11 @@ def _lean(*tensors: Optional[torch.Tensor]) -> bool:
     return any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
+def _gelu_backward_(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """GELU's backward written over ``grad``: grad * gelu'(x)."""
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, grad_input=grad)
+
+
 def _scaled_weights(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[torch.Tensor]
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     if scale is None:
@@ -63,8 +68,9 @@ class _Linear(torch.autograd.Function):
         weight_scaled, _ = _scaled_weights(weight, None, scale)
         grad_x = grad_weight = grad_bias = grad_scale = None
         if need_x:
-            grad_x = grad @ weight_scaled.to(grad.dtype)
-            grad_x = torch.ops.aten.gelu_backward(grad_x.to(x.dtype), x) if ctx.gelu else grad_x.to(x.dtype)
+            grad_x = (grad @ weight_scaled.to(grad.dtype)).to(x.dtype)
+            if ctx.gelu:
+                _gelu_backward_(grad_x, x)
         if need_weight or need_bias or need_scale:
             grad_rows = grad.reshape(-1, grad.shape[-1])
             act = F.gelu(x) if ctx.gelu else x
@@ -127,7 +133,7 @@ class _Mlp(torch.autograd.Function):
             end = block + _MLP_BLOCK_ROWS
             u, grad_out = hidden[block:end], grad_rows[block:end]
             grad_weight2_scaled.addmm_(grad_out.t(), F.gelu(u))
-            grad_u = torch.ops.aten.gelu_backward(grad_out @ weight2_scaled, u)
+            grad_u = _gelu_backward_(grad_out @ weight2_scaled, u)
             grad_weight1.addmm_(grad_u.t(), rows[block:end])
             if grad_bias1 is not None:
                 grad_bias1 += grad_u.sum(0)
@@ -177,14 +183,21 @@ class _GeluResidual(torch.autograd.Function):
     def forward(ctx, x, z, scale):
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(z, scale)
-        return torch.addcmul(x, F.gelu(z), scale)
+        branch = F.gelu(z)
+        if x.dtype == branch.dtype == scale.dtype and x.shape == branch.shape:
+            return torch.addcmul(x, branch, scale, out=branch)  # into GELU's output: one allocation, not two
+        return torch.addcmul(x, branch, scale)
 
     @staticmethod
     def backward(ctx, grad):
         z, scale = ctx.saved_tensors
         _, need_z, need_scale = ctx.needs_input_grad
-        grad_z = torch.ops.aten.gelu_backward((grad * scale).to(z.dtype), z) if need_z else None
-        grad_scale = (grad * F.gelu(z)).sum_to_size(scale.shape).to(scale.dtype) if need_scale else None
+        grad_z = grad_scale = None
+        if need_z:
+            grad_z = (grad * scale).to(z.dtype)
+            _gelu_backward_(grad_z, z)
+        if need_scale:
+            grad_scale = F.gelu(z).mul_(grad).sum_to_size(scale.shape).to(scale.dtype)
         return grad.to(ctx.x_dtype), grad_z, grad_scale
 
 
@@ -226,7 +239,7 @@ class _L2Normalize(torch.autograd.Function):
         # <g, y> / s, zero where the norm was clamped to eps (there y = s x / eps is linear in x).
         radial = (grad * out).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale
         radial = radial.masked_fill(squared_norm < eps * eps, 0.0)
-        grad_x = torch.addcmul(grad * scale, out, -radial.to(out.dtype)) * inverse_norm.to(out.dtype)
+        grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm.to(out.dtype))
         return grad_x, None, None
 
 
