@@ -41,21 +41,26 @@ class StripeAttention(nn.Module):
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
         """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
         batch, height, width = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+        # Split rather than index: its backward writes each gradient once, where indexing's adds zero-filled copies
+        # of the whole projection.
+        qk, v = qkv, qkv.squeeze(3)  # qk unused with tied_qkv
+        if not self.tied_qkv:
+            qk, v = qkv.split([2, 1], dim=3)
+            v = v.squeeze(3)
         # v in its own memory: attention and LePE keep it for backward, and so it alone, not the projection it was
         # cut from (a partition into full-width stripes is a view).
-        v_windows = window_partition(pad_to_multiple(qkv[:, :, :, -1], stripe_h, stripe_w), stripe_h, stripe_w)
-        v_windows = v_windows.contiguous()
+        v_windows = window_partition(pad_to_multiple(v, stripe_h, stripe_w), stripe_h, stripe_w).contiguous()
         v = split_heads(v_windows, 1, self.num_heads)[0]
         q = k = v
         if not self.tied_qkv:
-            qk_windows = window_partition(pad_to_multiple(qkv[:, :, :, :2], stripe_h, stripe_w), stripe_h, stripe_w)
+            qk_windows = window_partition(pad_to_multiple(qk, stripe_h, stripe_w), stripe_h, stripe_w)
             q, k = split_heads(qk_windows.flatten(2), 2, self.num_heads)
         mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
         # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
         num_windows, area = v_windows.shape[0], v_windows.shape[1]
         positional = self.lepe(v_windows.transpose(1, 2).reshape(num_windows, -1, stripe_h, stripe_w))
         positional = positional.reshape(num_windows, self.num_heads, -1, area).transpose(-1, -2)
-        x = (self.kernel(q, k, v, mask) + positional) * self.head_scale
+        x = (self.kernel(q, k, v, mask) + positional).mul_(self.head_scale)  # the sum's backward needs no output
         return window_reverse(x.transpose(1, 2), stripe_h, stripe_w, height, width).flatten(3)
 
 
@@ -110,12 +115,13 @@ class CrossStripeAttention(nn.Module):
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
         qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
         if self.two_branches:
+            vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
             x = torch.cat([
-                self.branches[0](qkv[:, :, :, :, 0], height, self.split_size),
-                self.branches[1](qkv[:, :, :, :, 1], self.split_size, width),
+                self.branches[0](vertical, height, self.split_size),
+                self.branches[1](horizontal, self.split_size, width),
             ], dim=-1)
         else:
-            x = self.branches[0](qkv[:, :, :, :, 0], height, width)
+            x = self.branches[0](qkv.squeeze(4), height, width)
         return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
 
 
