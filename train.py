@@ -6,20 +6,36 @@
     python train.py --config configs/quickstart.yaml --output runs/q optimizer.lr=1e-3 train.epochs=2
 
 Any config key can be overridden as key.sub=value (the value is parsed as YAML); configs/reference.yaml documents
-every key. Exit status: 0 when training finished or was stopped by SIGTERM / SIGINT after saving a checkpoint,
-1 when the loss stayed non-finite, 2 for a config, data or checkpoint problem.
+every key.
+
+Exit status (the last log line gives the reason):
+  0    finished, or stopped by SIGTERM / SIGINT after saving a checkpoint (continue with --resume auto)
+  1    an unexpected error, a bug: the traceback is printed above the reason
+  2    a config, data or checkpoint problem: the message says what to change
+  3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
+  4    the operating system refused a read or write (disk full, permissions, I/O error); saved checkpoints are whole
+  130  a second Ctrl-C aborted without saving; the checkpoints saved before are whole
 """
 import argparse
 import logging
 import os
 import sys
+import traceback
 
 from lipsformer.checkpoint import CheckpointError
-from lipsformer.training import ConfigError, NonFiniteLossError, config_to_dict, load_config, train
-from lipsformer.training.config import reference_yaml
-from lipsformer.training.sources import DatasetNotFoundError
+from lipsformer.training import (
+    ConfigError,
+    DatasetError,
+    NonFiniteLossError,
+    config_to_yaml,
+    load_config,
+    reference_yaml,
+    train,
+)
 
 _logger = logging.getLogger('lipsformer.train')
+
+EXIT_UNEXPECTED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OS_ERROR, EXIT_ABORTED = 1, 2, 3, 4, 130
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,25 +65,37 @@ def main(argv: list[str] | None = None) -> int:
         _logger.error('config error: %s', e)
         return 2
     if args.print_config:
-        import yaml
-        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end='')
+        print(config_to_yaml(config), end='')
         return 0
     config_name = os.path.splitext(os.path.basename(args.config))[0] if args.config else 'default'
     output = args.output or os.path.join('runs', config_name)
     try:
         summary = train(config, output, resume=args.resume)
-    except (ConfigError, CheckpointError, DatasetNotFoundError, FileNotFoundError) as e:
-        _logger.error('%s: %s', type(e).__name__, e)
-        return 2
+    except (ConfigError, CheckpointError, DatasetError) as e:
+        return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
-        _logger.error('%s', e)
-        return 1
+        return _fail(EXIT_DIVERGED, f'training diverged: {e}')
+    except OSError as e:
+        return _fail(EXIT_OS_ERROR, f'the operating system refused a read or write: {e}; free space or fix the '
+                                    f'permissions, then continue with --resume auto')
+    except KeyboardInterrupt:
+        return _fail(EXIT_ABORTED, 'aborted by a second Ctrl-C without saving; --resume auto continues from the last '
+                                   'checkpoint saved')
+    except Exception as e:  # a bug: the traceback first, for a report, then the one-line reason
+        traceback.print_exc()
+        return _fail(EXIT_UNEXPECTED, f'unexpected error (please report it with the traceback above): '
+                                      f'{type(e).__name__}: {e}')
     if is_main:
         final = summary.get('final_metrics', {})
         shown = {k: round(v, 3) for k, v in final.items() if k in ('val_top1', 'ema_val_top1', 'train_loss')}
         _logger.info('%s after %d epochs in %.0f s: %s; run folder %s', summary['status'], summary['epochs_done'],
                      summary['wall_time_s'], shown, output)
     return 0
+
+
+def _fail(code: int, reason: str) -> int:
+    _logger.error('%s (exit %d)', reason, code)
+    return code
 
 
 if __name__ == '__main__':

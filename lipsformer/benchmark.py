@@ -20,12 +20,10 @@ import ctypes
 import datetime
 import functools
 import importlib.util
-import json
 import multiprocessing
 import os
 import platform
 import re
-import resource
 import statistics
 import sys
 import time
@@ -42,8 +40,10 @@ from torch import nn
 
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
+from lipsformer.hub.model_names import check_model_source, model_source
+from lipsformer.utils import cpu_name, peak_rss_mb, write_json
 
-__all__ = ['BenchmarkConfig', 'ModelSpec', 'cpu_name', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
            'saved_activations_mb']
 
 MODES = ('infer', 'train')
@@ -144,6 +144,8 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
                 raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
         elif any(char in source for char in '*?['):
             raise ValueError(f'{item!r}: the benchmark takes exact model names, not patterns')
+        elif model_source(source):  # local-dir:FOLDER / hf-hub:REPO: the architecture saved there
+            check_model_source(source)
         else:
             resolve_model_names(source)  # raises with close matches if the name is unknown
         specs.append(ModelSpec(item, source, kwargs))
@@ -274,12 +276,6 @@ def interleaved_order(num_models: int, repeats: int) -> list[list[int]]:
     return [forward if repeat % 2 == 0 else forward[::-1] for repeat in range(repeats)]
 
 
-def _max_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    scale = 1 if sys.platform == 'darwin' else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2 ** 20
-
-
 def _proc_status_mb(field: str) -> float:
     for line in Path('/proc/self/status').read_text().splitlines():
         if line.startswith(field + ':'):
@@ -312,7 +308,7 @@ def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
     spec.factory()  # import the model's code before the baseline, like timm's and lipsformer's modules
     cuda = torch.device(benchmark_config.device).type == 'cuda'
     resident_mb = None if cuda else _reset_peak_rss()
-    baseline_mb = _max_rss_mb() if resident_mb is None and not cuda else resident_mb
+    baseline_mb = peak_rss_mb() if resident_mb is None and not cuda else resident_mb
     model, inputs = _build(spec, benchmark_config)
     step = _make_step(model, inputs, mode, benchmark_config)
     for _ in range(max(2, benchmark_config.warmup)):  # the second train step is the first with optimizer state
@@ -320,7 +316,7 @@ def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
     if cuda:
         torch.cuda.synchronize(benchmark_config.device)
         return torch.cuda.max_memory_allocated(benchmark_config.device) / 2 ** 20
-    peak_mb = _max_rss_mb() if resident_mb is None else _proc_status_mb('VmHWM')
+    peak_mb = peak_rss_mb() if resident_mb is None else _proc_status_mb('VmHWM')
     return peak_mb - baseline_mb
 
 
@@ -430,17 +426,6 @@ def _load_average() -> list[float] | None:
     return [round(value, 2) for value in os.getloadavg()] if hasattr(os, 'getloadavg') else None
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
-    try:
-        for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if line.startswith('model name'):
-                return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: str) -> dict:
     """Versions and machine, recorded with every report."""
     info = {
@@ -448,7 +433,7 @@ def environment(device: str) -> dict:
         'platform': platform.platform(), 'cpu': cpu_name(), 'cpu_count': os.cpu_count(),
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',
-        'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+        'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     }
     if device.startswith('cuda'):
         info['gpu'] = torch.cuda.get_device_name(device)
@@ -475,13 +460,6 @@ def format_table(report: dict, markdown: bool = False) -> str:
     widths = [max(len(line[col]) for line in [header] + lines) for col in range(len(header))]
     return '\n'.join('  '.join(cell.ljust(width) if col < 2 else cell.rjust(width)
                                for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
-
-
-def _write_json(report: dict, path: Path) -> None:
-    # Written beside the target and renamed, so an interrupted run never leaves a truncated report.
-    temporary = path.with_name(f'.{path.name}.tmp')
-    temporary.write_text(json.dumps(report, indent=2) + '\n')
-    temporary.replace(path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -548,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict:
     report['command'] = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
     print(format_table(report, markdown=args.markdown))
     if args.json is not None:
-        _write_json(report, args.json)
+        write_json(args.json, report)
         _log(f'wrote {args.json}')
     return report
 

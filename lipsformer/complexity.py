@@ -4,8 +4,10 @@ MACs are counted with ``torch.utils.flop_counter.FlopCounterMode``, which counts
 ``macs = flops / 2``. It counts matmuls, linear layers, convolutions (grouped and depthwise included, since the
 formula uses the weight's per-group shape) and attention, whether written as explicit ``q @ k^T`` / ``attn @ v``
 matmuls or as ``torch.nn.functional.scaled_dot_product_attention`` (on the meta device SDPA decomposes into two
-``bmm``; on CPU and CUDA the fused kernels have formulas of their own). Element-wise ops, norms, softmax and pooling
-are not counted: the convention of the Swin, CSwin and LipsFormer papers, whose "FLOPs" are MACs.
+``bmm``; every fused kernel it may dispatch to on CPU, CUDA, MPS or an out-of-tree backend is counted by one formula
+of ours, ``SDPA_FLOP_FORMULAS``, so a model's count does not depend on the torch release or the kernel).
+Element-wise ops, norms, softmax and pooling are not counted: the convention of the Swin, CSwin and LipsFormer
+papers, whose "FLOPs" are MACs.
 
 By default the model is built inside ``with torch.device('meta'):`` and run on a meta input, so no weight is ever
 allocated: counting a billion-parameter model takes about a second and a few MB.
@@ -30,9 +32,9 @@ from typing import Any
 import timm
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ['build_model', 'complexity_table', 'count_macs', 'model_complexity']
+__all__ = ['SDPA_FLOP_FORMULAS', 'build_model', 'complexity_table', 'count_macs', 'model_complexity']
 
 ModelSource = str | nn.Module | Callable[..., nn.Module]
 
@@ -48,39 +50,41 @@ def _attention_macs(query_shape: Sequence[int], key_shape: Sequence[int], value_
 
 
 def _attention_backward_macs(query_shape: Sequence[int], key_shape: Sequence[int], value_shape: Sequence[int]) -> int:
-    """MACs of the SDPA backward: recompute q k^T, then dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q."""
+    """MACs of a fused SDPA backward: recompute q k^T, then dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q."""
     *batch_heads, len_q, dim_qk = query_shape
     len_k, dim_v = key_shape[-2], value_shape[-1]
     return math.prod(batch_heads) * len_q * len_k * (3 * dim_qk + 2 * dim_v)
 
 
-def _register_missing_attention_formulas() -> None:
-    """Give FlopCounterMode a formula for the fused attention kernels it has none for.
-
-    torch ships formulas for the CPU, flash, efficient and cuDNN SDPA kernels; the kernels used by XPU/HPU-style
-    backends (``_scaled_dot_product_fused_attention_overrideable``) and by MPS would otherwise count as 0 FLOPs.
-    Registration is skipped for any kernel a newer torch already covers.
-    """
-    forward_ops = [getattr(_aten, name, None) for name in (
-        '_scaled_dot_product_fused_attention_overrideable', '_scaled_dot_product_attention_math_for_mps')]
-    backward_ops = [getattr(_aten, '_scaled_dot_product_fused_attention_overrideable_backward', None)]
-
-    def missing(ops: list) -> list:
-        return [op for op in ops if op is not None and op not in flop_registry]
-
-    if forward_ops := missing(forward_ops):
-        @register_flop_formula(forward_ops)
-        def _sdpa_forward_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return 2 * _attention_macs(query_shape, key_shape, value_shape)
-
-    if backward_ops := missing(backward_ops):
-        @register_flop_formula(backward_ops)
-        def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                                 **kwargs) -> int:
-            return 2 * _attention_backward_macs(query_shape, key_shape, value_shape)
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _attention_macs(query_shape, key_shape, value_shape)
 
 
-_register_missing_attention_formulas()
+def _sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _attention_backward_macs(query_shape, key_shape, value_shape)
+
+
+# The fused kernels that ``F.scaled_dot_product_attention`` dispatches to: CUDA flash, memory-efficient and cuDNN,
+# the CPU flash kernel, the ``overrideable`` kernel of out-of-tree backends (XPU, HPU) and MPS's math kernel. All take
+# (batch, heads, length, dim) q, k, v first; their backward kernels take the output's gradient before them.
+_SDPA_KERNELS = ('flash_attention', 'flash_attention_for_cpu', 'efficient_attention', 'cudnn_attention',
+                 'fused_attention_overrideable', 'attention_math_for_mps')
+
+
+def _sdpa_formulas() -> dict:
+    formulas = {}
+    for kernel in _SDPA_KERNELS:
+        for suffix, formula in (('', _sdpa_flops), ('_backward', _sdpa_backward_flops)):
+            op = getattr(_aten, f'_scaled_dot_product_{kernel}{suffix}', None)  # each torch release has a subset
+            if op is not None:
+                formulas[op] = formula
+    return formulas
+
+
+# Passed to FlopCounterMode as ``custom_mapping``, so every kernel is counted by the formula above whatever the
+# installed torch ships (torch 2.14's registry, for one, has none for the CPU and overrideable kernels), and
+# torch's own registry is left as it is. Fused and explicit attention then count the same on every torch.
+SDPA_FLOP_FORMULAS = _sdpa_formulas()
 
 
 def build_model(source: str | Callable[..., nn.Module], img_size: int | tuple[int, int] | None = None,
@@ -128,7 +132,7 @@ def count_macs(model: nn.Module, inputs: torch.Tensor, module_depth: int = 0) ->
     requires_grad = [parameter.requires_grad for parameter in model.parameters()]
     model.requires_grad_(False)
     try:
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
+        with FlopCounterMode(display=False, custom_mapping=SDPA_FLOP_FORMULAS) as counter, torch.no_grad():
             model(inputs)
     finally:
         for parameter, flag in zip(model.parameters(), requires_grad):

@@ -3,13 +3,12 @@
 PyTorch allocates CPU tensors with the C library's ``malloc``. glibc serves a request above its mmap threshold
 (128 KiB at start, raised as large blocks are freed, but never above 32 MiB) with fresh pages from ``mmap`` and
 returns them to the kernel on ``free``. A training step whose activations are larger than that gets new pages for
-them on every step, and the kernel zero-fills every 4 KiB page on its first touch: lipsformer_swin_tiny at batch 16
-and 224 takes about 120k page faults per step this way (its MLP's hidden activations alone are 77 MiB per block).
-:func:`retain_freed_memory` turns ``mmap`` allocation off and raises the trim threshold, so freed blocks stay in the
-heap and the next step reuses them, as PyTorch's CUDA caching allocator does on a GPU. The price: the process keeps
-its peak resident memory until it exits (``malloc_trim`` still hands free pages back on request). On a 2-core CPU
-this makes a lipsformer_swin_tiny training step 13% faster and timm's Swin-T's no slower
-(``docs/benchmarks.md``). The same effect from outside the process: ``MALLOC_MMAP_MAX_=0
+them on every step, and the kernel zero-fills every 4 KiB page on its first touch (lipsformer_swin_tiny's MLP hidden
+activations alone are 77 MiB per block at batch 16 and 224). :func:`retain_freed_memory` turns ``mmap`` allocation
+off and raises the trim threshold, so freed blocks stay in the heap and the next step reuses them, as PyTorch's CUDA
+caching allocator does on a GPU. The price: the process keeps its peak resident memory until it exits
+(``malloc_trim`` still hands free pages back on request). docs/benchmarks.md ("The CPU allocator") gives the
+measured page faults and step times. The same effect from outside the process: ``MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=2147483647``, or ``LD_PRELOAD`` of jemalloc or tcmalloc.
 """
 import ctypes

@@ -1,22 +1,10 @@
-import sys
-from pathlib import Path
-
+"""Fixtures shared by the test modules; shared constants and helpers are plain modules beside this one (tiny_models,
+training_support, ...), importable because pyproject sets pytest's pythonpath to tests/."""
 import pytest
 import torch
+from training_support import make_image_folder, single_thread
 
 import lipsformer  # noqa: F401  (registers the models with timm)
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from training_support import make_image_folder, single_thread  # noqa: E402  (needs the path above)
-
-FIXTURES = Path(__file__).parent / 'fixtures'
-
-# Tiny shapes of each family that keep every code path: two-branch and one-branch CSwin stages, a Swin stage smaller
-# than its window, conv shortcuts, post-norms.
-TINY_SWIN = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4, img_size=64)
-TINY_CSWIN = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(2, 2, 4, 4), split_size=(1, 2, 2, 2), img_size=64)
-TINY_MODELS = {'lipsformer_swin_tiny': TINY_SWIN, 'lipsformer_cswin_tiny': TINY_CSWIN}
 
 
 @pytest.fixture(autouse=True)

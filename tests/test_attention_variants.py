@@ -8,7 +8,7 @@ import math
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS
+from tiny_models import TINY_MODELS
 from torch.autograd.functional import jacobian
 
 from lipsformer.layers import (

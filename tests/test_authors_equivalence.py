@@ -10,17 +10,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import timm
 import torch
-from conftest import FIXTURES, TINY_SWIN
 from synthetic_weights import synthetic_input, synthetic_state_dict
+from tiny_models import TINY_SWIN
 
 from lipsformer.checkpoint import CheckpointError, load_file, load_model_weights
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
 
-AUTHORS = FIXTURES / 'authors'
+AUTHORS = Path(__file__).parent / 'fixtures' / 'authors'
 FAMILIES = {'swin': lipsformer_swin, 'cswin': lipsformer_cswin}
 
 
@@ -133,7 +134,7 @@ def test_unreadable_files_give_clear_errors(tmp_path):
         load_file(tmp_path / 'missing.pth')
     garbage = tmp_path / 'garbage.pth'
     garbage.write_bytes(b'not a checkpoint')
-    with pytest.raises(CheckpointError, match='not a readable PyTorch checkpoint'):
+    with pytest.raises(CheckpointError, match='is not a checkpoint lipsformer can read: it is a text file'):
         load_file(garbage)
 
 

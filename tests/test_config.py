@@ -9,7 +9,8 @@ import pytest
 import timm
 
 import lipsformer  # noqa: F401  (registers the models)
-from lipsformer.training.config import ConfigError, config_from_dict, load_config, parse_override, reference_yaml
+from lipsformer.training import ConfigError, load_config, reference_yaml
+from lipsformer.training.config_io import config_from_dict, parse_override
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, 'configs')
@@ -128,6 +129,21 @@ def test_broken_files_are_reported(tmp_path):
         config_from_dict({'optimizer': 3})
 
 
+def test_a_key_given_twice_is_an_error(tmp_path):
+    """Plain YAML keeps the second `lr` and drops the first without a word; the user meant one of them."""
+    (tmp_path / 'twice.yaml').write_text('optimizer:\n  lr: 1.0e-3\n  weight_decay: 0.05\n  lr: 2.0e-3\n')
+    with pytest.raises(ConfigError, match="found the key 'lr' twice .first on line 2.; YAML would keep the last"):
+        load_config(tmp_path / 'twice.yaml')
+    (tmp_path / 'sections.yaml').write_text('train: {epochs: 3}\nmodel: {name: resnet18}\ntrain: {batch_size: 4}\n')
+    with pytest.raises(ConfigError, match="found the key 'train' twice"):
+        load_config(tmp_path / 'sections.yaml')
+    with pytest.raises(ConfigError, match="found the key 'a' twice"):
+        load_config(None, ['model.kwargs={a: 1, a: 2}'])
+    (tmp_path / 'anchors.yaml').write_text('model:\n  kwargs: &k {depth: 2}\n  name: test_vit\n'
+                                           'lipschitz:\n  kwargs: {<<: *k, depth: 3}\n')
+    assert load_config(tmp_path / 'anchors.yaml').lipschitz.kwargs == {'depth': 3}  # a merge key may be overridden
+
+
 def test_cli_reports_config_errors_before_training(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(REPO, 'train.py'), '--config',
                              os.path.join(CONFIGS, 'quickstart.yaml'), '--output', str(tmp_path / 'run'),
@@ -135,3 +151,12 @@ def test_cli_reports_config_errors_before_training(tmp_path):
     assert result.returncode == 2
     assert 'optimizer.lr: got 0.0; allowed: a number > 0' in result.stderr
     assert not (tmp_path / 'run').exists()
+
+
+def test_cli_prints_the_resolved_config_that_loads_back(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO, 'train.py'), '--config',
+                             os.path.join(CONFIGS, 'quickstart.yaml'), '--print-config', 'optimizer.lr=1e-3'],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (tmp_path / 'printed.yaml').write_text(result.stdout)
+    assert load_config(tmp_path / 'printed.yaml') == _config('quickstart.yaml', 'optimizer.lr=1e-3')

@@ -2,7 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODELS
+from tiny_models import TINY_MODELS
 
 from lipsformer.benchmark import BenchmarkConfig, saved_activations_mb
 from lipsformer.layers.lean_autograd import (

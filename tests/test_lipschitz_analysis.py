@@ -1,5 +1,5 @@
 """lipsformer.lipschitz: the theorems' constants, operator norms, Jacobian estimates, the per-branch and Theorem 2
-network bounds on real models (paper.md checks 9, 11, 12), and the command line with its JSON."""
+network bounds on real models (LipsFormer section 4.1.4 and Theorem 2), and the command line with its JSON."""
 import json
 import math
 import subprocess
@@ -10,7 +10,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TINY_CSWIN, TINY_MODELS
+from tiny_models import TINY_CSWIN, TINY_MODELS
 from torch.autograd.functional import jacobian
 
 from lipsformer.layers import init_weights_
@@ -49,7 +49,7 @@ def test_theorem_constants_from_first_principles():
 
 
 def test_activation_lipschitz_constants():
-    """paper.md section 5: exact GELU 1.1289 (at x = sqrt(2)), x sigmoid(1.702 x) 1.0998."""
+    """GELU's constants from its derivative: exact 1.1289 (at x = sqrt(2)), x sigmoid(1.702 x) 1.0998."""
     assert activation_lipschitz(nn.GELU()) == pytest.approx(1.1289, abs=1e-4)
     exact = 0.5 * (1 + math.erf(1.0)) + math.sqrt(2) * math.exp(-1.0) / math.sqrt(2 * math.pi)  # Phi + x phi
     assert activation_lipschitz(nn.GELU()) == pytest.approx(exact, abs=1e-8)
@@ -108,8 +108,9 @@ def _tiny(name, **kwargs):
     ('lipsformer_cswin_tiny', dict(attn_type='l2', norm_position='pre')),
 ])
 def test_theorem_2_at_initialisation_on_a_real_model(name, kwargs):
-    """paper.md check 11: measured Lipschitz estimate <= product bound <= exp(kappa sum alpha) x plain layers (the
-    CenterNorm factors, stem, merges, pooling and head); every branch's estimate is below its own bound."""
+    """LipsFormer Theorem 2 at initialisation: measured Lipschitz estimate <= product bound <= exp(kappa sum alpha) x
+    plain layers (the CenterNorm factors, stem, merges, pooling and head); every branch's estimate is below its own
+    bound."""
     report = analyze(_tiny(name, **kwargs), iterations=6, ascent_steps=3, branch_iterations=4)
     empirical = report['empirical_lipschitz']
     assert 0 < empirical['power_iteration'] <= empirical['gradient_ascent']
@@ -165,8 +166,8 @@ def test_pre_norm_blocks_bound_each_branch_with_its_norm():
 
 
 def test_spectral_init_parts_have_unit_norm_and_operator_norms_differ():
-    """paper.md check 9 on every Linear and Conv of a real LipsFormer-Swin as the analysis reports them; the true
-    operator norm of an overlapping conv differs from its reshaped matrix."""
+    """Spectral init (LipsFormer 4.1.4, sigma_max = 1) on every Linear and Conv of a real LipsFormer-Swin as the
+    analysis reports them; the true operator norm of an overlapping conv differs from its reshaped matrix."""
     report = analyze(_tiny('lipsformer_swin_tiny', attn_type='l2'), empirical=False)
     parts = [p for row in report['branches'] + report['plain_layers'] for p in row['parts']]
     assert len(parts) > 20
@@ -191,10 +192,10 @@ def _stack_lipschitz(model, x):
 
 
 def test_deep_model_forward_stability_at_inputs_scaled_by_1e3():
-    """paper.md check 12, 25 blocks at init with inputs x 1e3: LipsFormer (SCSA, CenterNorm, alpha 0.04) stays finite
-    with a Lipschitz estimate that does not depend on the scale; the same stack with dot-product attention and
-    LayerNorm in a standard residual (alpha 1, Xavier) has a several times larger estimate that grows with depth
-    (LayerNorm keeps its activations finite, so the growth is in the Jacobian, not the output)."""
+    """LipsFormer Table 3's stability claim, 25 blocks at init with inputs x 1e3: LipsFormer (SCSA, CenterNorm, alpha
+    0.04) stays finite with a Lipschitz estimate that does not depend on the scale; the same stack with dot-product
+    attention and LayerNorm in a standard residual (alpha 1, Xavier) has a several times larger estimate that grows
+    with depth (LayerNorm keeps its activations finite, so the growth is in the Jacobian, not the output)."""
     x = torch.randn(1, 3, 64, 64)
     lipsformer = _deep(alpha_init=0.04)
     with torch.no_grad():
@@ -236,7 +237,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert report['product_bound'] == 'unbounded' and 'empirical_lipschitz' not in report
 
 
-def test_cli_loads_a_checkpoint_and_reports_bad_input(tmp_path, capsys):
+def test_cli_analyses_the_weights_of_a_checkpoint(tmp_path):
     model = _tiny('lipsformer_cswin_tiny', attn_type='l2')
     with torch.no_grad():
         for module in model.modules():
@@ -250,7 +251,9 @@ def test_cli_loads_a_checkpoint_and_reports_bad_input(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report['checkpoint'] == str(path)
     assert report['branches'][3]['parts'][0]['reshaped_norm'] == pytest.approx(2.0, rel=1e-6)  # mlp.fc1
-    capsys.readouterr()
+
+
+def test_cli_reports_bad_input(tmp_path, capsys):
     assert main(_tiny_cli_args() + ['--checkpoint', str(tmp_path / 'missing.pth')]) == 2
     assert 'does not exist' in capsys.readouterr().err
     assert main(['--model', 'lipsformer_cswin_huge']) == 2

@@ -7,15 +7,15 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import TINY_CSWIN, TINY_SWIN
+from tiny_models import TINY_CSWIN, TINY_SWIN
 
 from lipsformer.layers import CenterNorm, ScaleLayer
 from lipsformer.lipschitz import LipschitzConstraint, reshaped_norm
 from lipsformer.lipschitz.analysis import network_bound
 from lipsformer.lipschitz.sources import MeasuredNorms
 from lipsformer.lipschitz.structure import describe
-from lipsformer.training.config_schema import LipschitzConfig
-from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
+from lipsformer.training.config import LipschitzConfig
+from lipsformer.training.session import create_lipschitz_constraint
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -102,6 +102,10 @@ def test_caps_per_module_and_without_a_bound():
         constraint()
     assert reshaped_norm(model.head.fc.weight) == pytest.approx(3.0, rel=1e-4)
     assert torch.all(model.norm.weight == 2.0)
+
+
+def test_a_bound_that_cannot_be_kept_is_refused():
+    model = timm.create_model('lipsformer_swin_tiny', **TINY_SWIN)  # the authors' SCSA: not Lipschitz
     with pytest.raises(ValueError, match='not Lipschitz: stages.0.blocks.0.attn'):
         LipschitzConstraint(model, max_bound=1e6)
     with pytest.raises(ValueError, match='below'):

@@ -4,9 +4,9 @@ import math
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS
 from timm.layers import set_fused_attn
 from timm.optim import create_optimizer_v2
+from tiny_models import TINY_MODELS
 
 from lipsformer import LipsFormerCSwin, LipsFormerSwin
 from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer

@@ -10,11 +10,10 @@ import torch
 
 from lipsformer.experiments.stability import cli
 from lipsformer.experiments.stability.arms import ARMS, ModelShape, build_model
-from lipsformer.experiments.stability.data import Batches, balanced_indices, load_subsets, synthetic_subsets
-from lipsformer.experiments.stability.grid import run_grid
+from lipsformer.experiments.stability.grid import claim, release, run_dir, run_grid
 from lipsformer.experiments.stability.report import END, START, steps_to_loss, write_report
-from lipsformer.experiments.stability.runs import RunFiles, claim, release, run_dir
-from lipsformer.experiments.stability.trainer import RunSettings, train_run
+from lipsformer.experiments.stability.subsets import Batches, balanced_indices, load_subsets, synthetic_subsets
+from lipsformer.experiments.stability.training_run import RunFiles, RunSettings, train_run
 
 TINY = RunSettings(steps=2, batch_size=8, train_size=40, test_size=20, bound_every=1, checkpoint_every=1,
                    log_every=1, synthetic=True, shape=ModelShape(embed_dim=8, depths=(1, 1, 1, 1)))

@@ -7,14 +7,18 @@ import sys
 import pytest
 import timm
 import torch
+from PIL import Image
 from safetensors.torch import load_file
-from training_support import TINY_MODEL, make_webdataset, tiny_overrides
+from tiny_models import SMALLEST_MODEL
+from training_support import make_webdataset, tiny_overrides
 
 import lipsformer  # noqa: F401
 from lipsformer.checkpoint import CheckpointError
 from lipsformer.checkpoint import load_file as load_file_any
 from lipsformer.training import ConfigError, load_config, train
-from lipsformer.training.checkpoints import list_checkpoints
+from lipsformer.training.finish import write_plots
+from lipsformer.training.overhead import main as overhead_main
+from lipsformer.training.train_state import list_checkpoints
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -62,7 +66,7 @@ def test_run_folder_holds_what_validation_reads(reference_run):
         assert {f'alpha/stage{i}/{s}' for i in range(4) for s in ('mean', 'std')} <= line.keys()
     assert lines[-1]['lr'] == pytest.approx(2e-5)  # the cosine ends at min_lr
     config = load_config(os.path.join(run_dir, 'config.yaml'))
-    assert config.model.name == TINY_MODEL and config.train.epochs == 2
+    assert config.model.name == SMALLEST_MODEL and config.train.epochs == 2
     names = sorted(os.path.basename(folder) for _, folder in list_checkpoints(run_dir))
     assert names == ['epoch_0001', 'epoch_0002', 'step_00000004', 'step_00000008']
     last = os.path.join(run_dir, 'checkpoints', 'epoch_0002')
@@ -85,9 +89,9 @@ def test_exports_load_with_timm(reference_run, data_dir):
     by_folder = timm.create_model(f'local-dir:{export}', pretrained=True)
     _assert_same(by_folder.state_dict(), expected)
     config = json.load(open(os.path.join(export, 'config.json')))
-    assert config['architecture'] == TINY_MODEL and config['num_classes'] == 4
+    assert config['architecture'] == SMALLEST_MODEL and config['num_classes'] == 4
     assert config['label_names'] == [f'class_{i}' for i in range(4)]
-    by_file = timm.create_model(TINY_MODEL, pretrained=True, **config['model_args'],
+    by_file = timm.create_model(SMALLEST_MODEL, pretrained=True, **config['model_args'],
                                 pretrained_cfg_overlay=dict(file=os.path.join(export, 'model.safetensors'),
                                                             num_classes=4))
     _assert_same(by_file.state_dict(), expected)
@@ -111,15 +115,24 @@ def test_resume_at_an_epoch_boundary_reproduces_the_run_bit_for_bit(reference_ru
         assert continued[1][key] == original[1][key]
 
 
-def test_resume_mid_epoch_continues_with_exactly_the_unseen_images(data_dir, tmp_path):
-    settings = {'checkpoint.every_n_steps': 4, 'checkpoint.keep_last': 10, **DETERMINISTIC}
+def test_resume_mid_epoch_reproduces_the_run_with_augmentation_drop_path_and_loader_workers(data_dir, tmp_path):
+    """Random crops and flips in two loader workers, random erasing, mixup / CutMix and drop path: the resumed run
+    draws the same random numbers for the rest of the epoch, whichever worker transforms which image."""
+    settings = {'checkpoint.every_n_steps': 4, 'checkpoint.keep_last': 10, 'data.num_workers': 2,
+                'augment.hflip': 0.5, 'augment.vflip': 0.5}
     whole = str(tmp_path / 'whole')
     run(data_dir, whole, **settings)
     mid_epoch = os.path.join(whole, 'checkpoints', 'step_00000008')  # update 2 of the 6 in epoch 2
     assert json.load(open(os.path.join(mid_epoch, 'meta.json')))['progress']['batch_in_epoch'] == 2
     resumed = str(tmp_path / 'resumed')
-    run(data_dir, resumed, resume=mid_epoch, **settings)
-    _assert_same(_weights(os.path.join(whole, 'export', 'last')), _weights(os.path.join(resumed, 'export', 'last')))
+    run(data_dir, resumed, resume=mid_epoch, **{**settings, 'data.num_workers': 1})  # worker count does not matter
+    for name in ('model.safetensors', 'model_ema.safetensors'):
+        _assert_same(_weights(os.path.join(whole, 'export', 'last'), name),
+                     _weights(os.path.join(resumed, 'export', 'last'), name))
+    original = [json.loads(line) for line in open(os.path.join(whole, 'metrics.jsonl'))]
+    continued = [json.loads(line) for line in open(os.path.join(resumed, 'metrics.jsonl'))]
+    for key in ('train_loss', 'val_loss', 'val_top1', 'ema_val_top1'):  # the epoch's loss includes its first part
+        assert continued[1][key] == original[1][key]
 
 
 def test_an_existing_run_is_never_overwritten_and_resume_checks_the_batch_layout(reference_run, data_dir, tmp_path):
@@ -158,9 +171,6 @@ def test_accumulation_precision_memory_options_and_the_lipschitz_hook(data_dir, 
 
 
 def test_plots_of_loss_accuracy_and_alpha(reference_run, tmp_path, monkeypatch, caplog):
-    from PIL import Image
-
-    from lipsformer.training.plots import write_plots
     run_dir, _ = reference_run
     history = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     with monkeypatch.context() as patch:
@@ -190,11 +200,10 @@ def test_webdataset_shards_train_and_resume_mid_epoch(tmp_path):
 
 
 def test_loop_overhead_tool_measures_both_rates(data_dir, capsys):
-    from lipsformer.training.overhead import main
-    result = main(['--config', os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.yaml'),
+    result = overhead_main(['--config', os.path.join(os.path.dirname(__file__), '..', 'configs', 'quickstart.yaml'),
                    '--updates', '5', '--warmup', '2', *tiny_overrides(data_dir)])
     assert result['bare_step_images_per_s'] > 0 and result['full_loop_images_per_s'] > 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['model'] == TINY_MODEL
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])['model'] == SMALLEST_MODEL
 
 
 def test_tensorboard_receives_the_epoch_metrics(data_dir, tmp_path, monkeypatch):

@@ -1,20 +1,29 @@
 """Training data pieces on their own: sharding that resumes exactly, evaluation that counts every image once,
 unreadable images, and Fashion-MNIST from the Debian package's files."""
 import gzip
+import logging
 import os
+import shutil
 
 import pytest
 import torch
 from training_support import make_image_folder, tiny_overrides
 
-from lipsformer.training import load_config
-from lipsformer.training.data import RobustDataset, TrainBatches, create_split, resolve_input_spec
-from lipsformer.training.samplers import PAD_INDEX, ShardedEvalSampler, ShardedTrainSampler
-from lipsformer.training.sources import (
+from lipsformer.training import DatasetError, load_config
+from lipsformer.training.data import (
     DEBIAN_FASHION_MNIST,
     FASHION_MNIST_FILES,
+    PAD_INDEX,
     DatasetNotFoundError,
+    RobustDataset,
+    ShardedEvalSampler,
+    ShardedTrainSampler,
+    TrainBatches,
+    class_map_of,
+    class_names_of,
+    create_split,
     prepare_dataset,
+    resolve_input_spec,
 )
 
 QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'quickstart.yaml')
@@ -114,3 +123,99 @@ def test_quickstart_data_dir_need_not_exist_when_the_debian_package_is_installed
     config = load_config(QUICKSTART, [f'data.data_dir={tmp_path / "fresh" / "fashion-mnist"}'])
     spec = resolve_input_spec(config)
     assert len(create_split(config, spec, True)) == 60000 and len(create_split(config, spec, False)) == 10000
+
+
+@pytest.fixture
+def tree(data_dir, tmp_path):
+    """A copy of the module's image folder tree (train/ and validation/, class_0..class_3) to change."""
+    return shutil.copytree(data_dir, tmp_path / 'tree')
+
+
+def _splits(root, **overrides) -> tuple:
+    """The training and validation datasets a run builds from ``root``."""
+    config = load_config(None, tiny_overrides(str(root), **overrides))
+    spec = resolve_input_spec(config)
+    train = create_split(config, spec, True)
+    return train, create_split(config, spec, False, class_map=class_map_of(train))
+
+
+def test_a_split_that_is_not_there_is_an_error_naming_what_is(tree):
+    """timm falls back to the whole root: the validation set silently becomes every image, training ones included."""
+    shutil.rmtree(tree / 'validation')
+    with pytest.raises(DatasetNotFoundError, match=r"data.val_split: no split 'validation' under '.*tree' \(looked "
+                                                   r"for validation, val, valid, eval, evaluation, as a folder or a "
+                                                   r"\.tar\); it holds train. Set data.val_split"):
+        _splits(tree)
+    (tree / 'train').rename(tree / 'val')  # the only split, now under a name timm treats as validation
+    with pytest.raises(DatasetNotFoundError, match="data.train_split: no split 'train' .* it holds val"):
+        _splits(tree)
+
+
+def test_a_mistyped_split_is_an_error(tree):
+    with pytest.raises(DatasetNotFoundError, match="data.train_split: no split 'trian' .*looked for trian, as a .*"
+                                                   "it holds train, validation"):
+        _splits(tree, **{'data.train_split': 'trian'})
+    with pytest.raises(DatasetNotFoundError, match="point data.data_dir at the folder above it"):
+        _splits(tree / 'train')  # the class folders of one split given as the dataset root
+
+
+def test_timm_synonyms_of_a_split_name_are_found_and_said(tree, caplog):
+    (tree / 'validation').rename(tree / 'val')
+    with caplog.at_level(logging.INFO):
+        _, val = _splits(tree)
+    assert len(val) == 24 and "data.val_split: 'validation' is not under" in caplog.text
+
+
+def _labelled(dataset) -> set[tuple[str, int]]:
+    """(class folder, label) of every image of a folder dataset."""
+    return {(os.path.basename(os.path.dirname(path)), target) for path, target in dataset.dataset.reader.samples}
+
+
+def test_a_validation_split_without_a_class_is_scored_with_the_training_indices(tree, caplog):
+    """timm numbers each split's folders on its own: without class_1, class_2 and class_3 would be labelled 1 and 2."""
+    shutil.rmtree(tree / 'validation' / 'class_1')
+    with caplog.at_level(logging.INFO):
+        train, val = _splits(tree)
+    assert class_names_of(train) == ['class_0', 'class_1', 'class_2', 'class_3']
+    assert _labelled(val) == {('class_0', 0), ('class_2', 2), ('class_3', 3)} and len(val) == 18
+    assert 'has no images of 1 of 4 classes (class_1)' in caplog.text
+
+
+@pytest.mark.parametrize('change', ['rename', 'extra'])
+def test_a_validation_class_the_training_split_lacks_is_an_error(tree, change):
+    if change == 'rename':
+        (tree / 'validation' / 'class_1').rename(tree / 'validation' / 'class_one')
+    else:
+        shutil.copytree(tree / 'validation' / 'class_1', tree / 'validation' / 'class_9')
+    unknown = 'class_one' if change == 'rename' else 'class_9'
+    with pytest.raises(DatasetError, match=f"data.val_split: '.*validation' has class folders that are not among "
+                                           f"the training split's classes: {unknown} .the training split's classes: "
+                                           f"class_0, class_1, class_2, class_3.. Their images could only be scored "
+                                           f"against the wrong labels"):
+        _splits(tree)
+
+
+def test_a_training_class_folder_without_images_is_an_error(tree):
+    """timm leaves it out: num_classes shrinks and the validation labels of the classes after it overflow."""
+    for image in (tree / 'train' / 'class_2').iterdir():
+        image.unlink()
+    with pytest.raises(DatasetError, match="data.train_split: class folder.s. class_2 under '.*train' hold no images"):
+        _splits(tree)
+
+
+def test_a_class_map_file_labels_both_splits_and_must_name_every_folder(tree):
+    (tree / 'classes.txt').write_text('class_3\nclass_2\nclass_1\nclass_0\n')  # index = line
+    train, val = _splits(tree, **{'data.class_map': str(tree / 'classes.txt')})
+    assert _labelled(train) == _labelled(val) == {('class_3', 0), ('class_2', 1), ('class_1', 2), ('class_0', 3)}
+    (tree / 'classes.txt').write_text('class_0\nclass_1\nclass_2\n')
+    with pytest.raises(DatasetError, match='data.train_split: .* are not among the classes of data.class_map: class_3'):
+        _splits(tree, **{'data.class_map': str(tree / 'classes.txt')})
+
+
+def test_a_torchvision_split_must_name_its_training_or_test_set(tmp_path):
+    """timm gives any name but train/training the test set: data.train_split=trian would train on the test images."""
+    config = load_config(QUICKSTART, [f'data.data_dir={tmp_path}', 'data.train_split=trian'])
+    with pytest.raises(DatasetNotFoundError, match="data.train_split: 'trian' is not a split of torchvision's "
+                                                   "fashion_mnist, which has a training set .train or training. and a "
+                                                   "test set .test, or validation, val"):
+        create_split(config, resolve_input_spec(config), True)

@@ -1,5 +1,7 @@
 """Two processes on the CPU (gloo) through ``accelerate launch``: identical weights on both ranks, global metrics,
-checkpoints written once, resume on two processes, and a NaN on one rank skipped by both without a hang.
+checkpoints written once, resume on two processes, a NaN on one rank skipped by both without a hang, a SIGTERM that
+only one rank receives stopping both at the same point, the dataset opened by the main process first, and a run folder
+that one process cannot see refused.
 
 ``accelerate launch --cpu --num_processes 2`` starts a single process in Accelerate 1.x (its multi-CPU path goes
 through mpirun); ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2`` starts two gloo processes
@@ -13,30 +15,49 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_support import subprocess_env, tiny_overrides
+from training_support import free_port, subprocess_env, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VAL_IMAGES = 24
 UPDATES_PER_EPOCH = 3  # 48 training images, 2 processes x batch 8
 
-# Runs train.py's main() after importing training_support, which registers the NaN probe model with timm.
+# Runs train.py's main() after importing training_support, which registers the probe model with timm. With
+# ELSEWHERE set, process 1 writes into another run folder (as a node that does not mount the run folder would); with
+# OPEN_LOG set, each process appends when it opened a dataset (start and end times) to OPEN_LOG<rank>, the main
+# process taking half a second over it.
 _DRIVER = '''
-import runpy, sys
+import os, runpy, sys, time
 import training_support  # noqa: F401
+import lipsformer.training.data as data
+rank = os.environ['RANK']
+if os.environ.get('ELSEWHERE') and rank == '1':
+    sys.argv[sys.argv.index('--output') + 1] += '-elsewhere'
+if os.environ.get('OPEN_LOG'):
+    create = data.create_dataset
+    def logged(*args, **kwargs):
+        start = time.time()
+        time.sleep(0.5 if rank == '0' else 0)
+        dataset = create(*args, **kwargs)
+        with open(os.environ['OPEN_LOG'] + rank, 'a') as f:
+            f.write(f'{start} {time.time()}\\n')
+        return dataset
+    data.create_dataset = logged
 sys.argv = ['train.py'] + sys.argv[1:]
 runpy.run_path('train.py', run_name='__main__')
 '''
 
 
-def launch(tmp_path, run_dir: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch(tmp_path, run_dir: str, *args: str, env: dict[str, str] | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
     driver = tmp_path / 'driver.py'
     driver.write_text(_DRIVER)
     command = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
                '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port',
-               '0', str(driver), '--output', run_dir, *args]
+               str(free_port()), str(driver), '--output', run_dir, *args]
     environment = subprocess_env(ACCELERATE_USE_CPU='1', **(env or {}))
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180, env=environment)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
 
@@ -79,3 +100,32 @@ def test_a_nan_on_one_rank_is_skipped_by_both(data_dir, tmp_path):
         env={'NAN_PROBE_CALLS': '2', 'NAN_PROBE_RANK': '1'})
     summary = json.load(open(os.path.join(run_dir, 'summary.json')))
     assert summary['nonfinite_steps'] == 1 and summary['ranks_identical']
+
+
+def test_a_sigterm_that_one_rank_receives_during_evaluation_stops_both(data_dir, tmp_path):
+    """Only rank 1 is signalled, in its first evaluation batch: both ranks leave the evaluation at the same batch (a
+    rank that decided alone would wait forever in the other's collectives); the resumed run scores that epoch first.
+    The main process opens the dataset before the other does (a download would happen once)."""
+    run_dir = str(tmp_path / 'run')
+    overrides = tiny_overrides(data_dir, **{'model.name': 'nan_probe_net', 'model.kwargs': '{}',
+                                            'checkpoint.export': False, 'data.download': True})
+    launch(tmp_path, run_dir, *overrides, env={'SIGNAL_PROBE': 'eval:1:SIGTERM', 'SIGNAL_PROBE_RANK': '1',
+                                               'OPEN_LOG': str(tmp_path / 'opened')})
+    summary = json.load(open(os.path.join(run_dir, 'summary.json')))
+    assert summary['status'] == 'stopped' and summary['epochs_done'] == 1 and summary['ranks_identical']
+    meta = json.load(open(os.path.join(run_dir, 'checkpoints', 'epoch_0001', 'meta.json')))
+    assert meta['progress']['unscored']['epoch'] == 1 and not meta['progress']['history']
+    main_opened, other_opened = ([tuple(map(float, line.split())) for line in open(tmp_path / f'opened{rank}')]
+                                 for rank in (0, 1))
+    assert len(main_opened) == len(other_opened) == 2  # the training and the validation split
+    assert min(start for start, _ in other_opened) >= max(end for _, end in main_opened)
+    launch(tmp_path, run_dir, '--resume', 'auto', *overrides)
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
+    assert [line['epoch'] for line in lines] == [1, 2] and all(line['val_samples'] == VAL_IMAGES for line in lines)
+
+
+def test_a_run_folder_that_one_process_cannot_see_is_refused(data_dir, tmp_path):
+    result = launch(tmp_path, str(tmp_path / 'run'), *tiny_overrides(data_dir), env={'ELSEWHERE': '1'}, check=False)
+    assert result.returncode != 0
+    assert 'is not shared: 1 of the 2 processes do not see what the main process writes there' in result.stderr
+    assert not os.path.exists(tmp_path / 'run' / 'checkpoints')

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
-from training_support import NAN_AT_CALLS, make_image_folder, subprocess_env, tiny_overrides
+from training_support import NAN_AT_CALLS, assert_same_run, make_image_folder, subprocess_env, tiny_overrides
 
 from lipsformer.checkpoint import load_file
 from lipsformer.training import NonFiniteLossError, load_config, train
-from lipsformer.training.checkpoints import latest_checkpoint, list_checkpoints, read_meta
+from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -110,9 +110,9 @@ def test_sigterm_saves_a_checkpoint_exits_zero_and_the_run_continues(data_dir, t
 # Runs train() with the optimizer file of the epoch-2 checkpoint never finishing, as if the machine died mid-save.
 _HANG_IN_SAVE = '''
 import os, sys, time
-import lipsformer.training.checkpoints as checkpoints
+import lipsformer.training.train_state as train_state
 from lipsformer.training import load_config, train
-write = checkpoints.save_torch
+write = train_state.save_torch
 def hanging_write(obj, path):
     if path.endswith(os.path.join('.tmp-epoch_0002', 'optimizer.pt')):
         with open(path, 'wb') as f:
@@ -120,7 +120,7 @@ def hanging_write(obj, path):
         print('HANGING IN SAVE', flush=True)
         time.sleep(600)
     write(obj, path)
-checkpoints.save_torch = hanging_write
+train_state.save_torch = hanging_write
 train(load_config(None, sys.argv[2:]), sys.argv[1])
 '''
 
@@ -140,18 +140,23 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_loadable(data_dir, tm
     assert not [name for name in os.listdir(os.path.join(run_dir, 'checkpoints')) if name.startswith('.')]
 
 
-def test_kill_at_a_random_moment_then_resume_auto_finishes(data_dir, tmp_path):
+def test_kill_at_a_random_moment_then_resume_auto_reproduces_the_uninterrupted_run(data_dir, tmp_path):
+    """A kill -9 anywhere (an update, a save, an evaluation, between a save and its scores): the continued run ends
+    with the weights and metrics of the run that was never interrupted (augmentation and drop path included)."""
     run_dir = str(tmp_path / 'run')
-    args = ['train.py', '--output', run_dir, *tiny_overrides(data_dir, **{
-        'train.epochs': 3, 'train.log_interval': 1, 'checkpoint.every_n_steps': 1, 'checkpoint.export': False})]
+    overrides = tiny_overrides(data_dir, **{'train.epochs': 3, 'train.log_interval': 1, 'checkpoint.every_n_steps': 1,
+                                            'checkpoint.export': False})
+    args = ['train.py', '--output', run_dir, *overrides]
     process = _start(args)
-    _wait_for(process, 'epoch 1 step 3')
-    time.sleep(random.uniform(0.0, 1.5))
+    update = random.randint(3, 3 * UPDATES_PER_EPOCH - 4)  # then a moment within about one update
+    _wait_for(process, f'epoch {(update - 1) // UPDATES_PER_EPOCH + 1} step {update}:')
+    time.sleep(random.uniform(0.0, 0.2))
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    assert latest_checkpoint(run_dir) is not None
+    stopped_at = read_meta(latest_checkpoint(run_dir))['progress']
+    assert stopped_at['step'] < 3 * UPDATES_PER_EPOCH or stopped_at['unscored'], 'the kill came after the run'
     resumed = subprocess.run([sys.executable, *args, '--resume', 'auto'], cwd=REPO, capture_output=True, text=True,
                              timeout=300, env=subprocess_env())
     assert resumed.returncode == 0, resumed.stderr
-    lines = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
-    assert [line['epoch'] for line in lines] == [1, 2, 3]
+    train(load_config(None, overrides), str(tmp_path / 'uninterrupted'))
+    assert_same_run(run_dir, str(tmp_path / 'uninterrupted'), 'epoch_0003')

@@ -2,15 +2,20 @@
 decay and losses, checked against the paper's numbers and first principles."""
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import timm
 import torch
+from accelerate.state import AcceleratorState
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.utils import ModelEmaV3
+from tiny_models import TINY_MODELS, TINY_SWIN
 
-import lipsformer  # noqa: F401
-from lipsformer.training import load_config
+import lipsformer.training.session as session
+from lipsformer.training import ConfigError, load_config
+from lipsformer.training.loop import _apply_update
 from lipsformer.training.optim import (
     create_mixup,
     create_optimizer,
@@ -20,13 +25,11 @@ from lipsformer.training.optim import (
     global_batch_size,
     lr_scale,
 )
+from lipsformer.training.session import create_lipschitz_constraint
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
-
-
-TINY_KWARGS = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[2, 2, 2, 2], num_classes=10, img_size=32)
 
 
 def _groups_by_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[float, set[str]]:
@@ -41,7 +44,7 @@ def _groups_by_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -
 ])
 def test_weight_decay_skips_alpha_norms_biases_and_position_tables(model_name, config_file, no_decay):
     config = load_config(os.path.join(CONFIGS, config_file))
-    model = timm.create_model(model_name, **TINY_KWARGS)
+    model = timm.create_model(model_name, num_classes=10, **TINY_MODELS[model_name])
     groups = _groups_by_decay(create_optimizer(model, config, global_batch=2048), model)
     decayed, skipped = groups[config.optimizer.weight_decay], groups[no_decay]
     assert decayed | skipped == {n for n, _ in model.named_parameters()} and not decayed & skipped
@@ -56,7 +59,7 @@ def test_lr_follows_the_global_batch_from_the_paper_reference_of_2048():
                                                                               'train.grad_accum_steps=2'])
     global_batch = global_batch_size(config, num_processes=8)
     assert global_batch == 1024 and lr_scale(config, global_batch) == 0.5
-    model = timm.create_model('lipsformer_swin_tiny', **TINY_KWARGS)
+    model = timm.create_model('lipsformer_swin_tiny', num_classes=10, **TINY_SWIN)
     optimizer = create_optimizer(model, config, global_batch)
     assert all(group['lr'] == pytest.approx(1e-3) for group in optimizer.param_groups)
     assert lr_scale(load_config(None, ['optimizer.lr_scaling=sqrt']), 512) == pytest.approx(0.5)
@@ -65,7 +68,7 @@ def test_lr_follows_the_global_batch_from_the_paper_reference_of_2048():
 
 def test_no_warmup_cosine_stepped_per_update():
     config = load_config(os.path.join(CONFIGS, 'lipsformer_swin_tiny.yaml'), ['train.epochs=4'])
-    model = timm.create_model('lipsformer_swin_tiny', **TINY_KWARGS)
+    model = timm.create_model('lipsformer_swin_tiny', num_classes=10, **TINY_SWIN)
     optimizer = create_optimizer(model, config, global_batch=2048)
     scheduler = create_scheduler(optimizer, config, updates_per_epoch=25, global_batch=2048)
     peak, floor, total = 2e-3, config.scheduler.min_lr, 100
@@ -99,11 +102,6 @@ def test_losses_and_mixup_follow_the_recipe():
 def test_ema_averages_the_weights_after_the_lipschitz_constraint():
     """The constraint projects the weights after each update; the EMA must average projected weights, or its copy
     (the one evaluated and exported as best) would not satisfy the constraint."""
-    from types import SimpleNamespace
-
-    from timm.utils import ModelEmaV3
-
-    from lipsformer.training.loop import _apply_update
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     ema = ModelEmaV3(model, decay=0.5)
@@ -111,20 +109,18 @@ def test_ema_averages_the_weights_after_the_lipschitz_constraint():
     def cap_weights():
         with torch.no_grad():
             model.weight.clamp_(-0.1, 0.1)
-    session = SimpleNamespace(
+    stub = SimpleNamespace(
         model=model, unwrapped_model=model, optimizer=optimizer, ema=ema, lipschitz=cap_weights,
         accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
         config=SimpleNamespace(optimizer=SimpleNamespace(clip_grad=None)), progress=SimpleNamespace(step=1))
     cap_weights()
     ema.set(model)
     model(torch.full((8, 4), 10.0)).sum().backward()  # a large step takes the weights far past the cap
-    _apply_update(session)
+    _apply_update(stub)
     assert model.weight.abs().max() <= 0.1 and ema.module.weight.abs().max() <= 0.1
 
 
 def test_a_constraint_rejecting_its_settings_is_a_config_error():
-    from lipsformer.training.config import ConfigError
-    from lipsformer.training.lipschitz_hook import create_lipschitz_constraint
     config = load_config(None, ['lipschitz.enabled=true', 'lipschitz.kwargs={power_iterations: 0}'])
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match='lipschitz.kwargs: .*power_iterations must be >= 1, got 0'):
@@ -134,9 +130,6 @@ def test_a_constraint_rejecting_its_settings_is_a_config_error():
 @pytest.mark.parametrize('retain', [True, False])
 def test_cpu_runs_retain_freed_memory_unless_switched_off(retain, monkeypatch, tmp_path):
     """train.cpu_retain_freed_memory (default on) applies lipsformer.cpu_memory's malloc settings on a CPU run."""
-    from accelerate.state import AcceleratorState
-
-    import lipsformer.training.session as session
     calls = []
     monkeypatch.setattr(session, 'retain_freed_memory', lambda: calls.append(True) or True)
     config = load_config(None, [f'train.cpu_retain_freed_memory={str(retain).lower()}', 'log.tensorboard=false'])

@@ -1,5 +1,6 @@
 """Long checks of the training loop, run with ``python -m pytest -m slow tests/test_train_slow.py``: the quickstart's
-accuracy on real Fashion-MNIST, torch.compile, and a run killed again and again at random moments."""
+accuracy on real Fashion-MNIST, torch.compile, and a run killed again and again at random moments that must end as
+the uninterrupted run does."""
 import json
 import os
 import random
@@ -10,10 +11,10 @@ import time
 
 import pytest
 from safetensors.torch import load_file
-from training_support import make_image_folder, single_thread, subprocess_env, tiny_overrides
+from training_support import assert_same_run, make_image_folder, single_thread, subprocess_env, tiny_overrides
 
 from lipsformer.training import load_config, train
-from lipsformer.training.checkpoints import list_checkpoints, read_meta
+from lipsformer.training.train_state import list_checkpoints, read_meta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -50,9 +51,9 @@ def test_torch_compile_trains_saves_plain_weights_and_resumes(tmp_path):
 def test_killed_ten_times_at_random_moments_the_run_still_completes(tmp_path):
     data_dir = make_image_folder(str(tmp_path / 'images'))
     run_dir = str(tmp_path / 'run')
-    args = [sys.executable, 'train.py', '--output', run_dir, '--resume', 'auto', *tiny_overrides(data_dir, **{
-        'train.epochs': 6, 'train.log_interval': 1, 'checkpoint.every_n_steps': 1, 'checkpoint.keep_last': 2,
-        'checkpoint.export': False})]
+    overrides = tiny_overrides(data_dir, **{'train.epochs': 6, 'train.log_interval': 1, 'checkpoint.every_n_steps': 1,
+                                            'checkpoint.keep_last': 2, 'checkpoint.export': False})
+    args = [sys.executable, 'train.py', '--output', run_dir, '--resume', 'auto', *overrides]
     rng = random.Random(0)
     for _ in range(10):
         process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -71,3 +72,6 @@ def test_killed_ten_times_at_random_moments_the_run_still_completes(tmp_path):
     lines = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     assert [line['epoch'] for line in lines] == list(range(1, 7))
     assert lines[-1]['step'] == 6 * 6
+    with single_thread():
+        train(load_config(None, overrides), str(tmp_path / 'uninterrupted'))
+    assert_same_run(run_dir, str(tmp_path / 'uninterrupted'), 'epoch_0006')

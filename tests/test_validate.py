@@ -21,11 +21,14 @@ from accelerate.state import AcceleratorState
 from imagenet_trees import build_tree, val_file_name, write_jpegs
 from timm.models import save_for_hf
 from timm.models._registry import _model_pretrained_cfgs
+from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN, SMALLEST_SWIN_KWARGS
+from training_support import tiny_overrides, write_checkpoint_meta
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.checkpoint import load_model_weights
 from lipsformer.evaluation import imagenet_synsets, load_real_labels
 from lipsformer.evaluation.cli import main
+from lipsformer.training import load_config, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -197,8 +200,7 @@ def _export(model: torch.nn.Module, folder: str, ema: torch.nn.Module | None = N
 
 
 def _tiny_lipsformer() -> torch.nn.Module:
-    return timm.create_model('lipsformer_swin_tiny', img_size=32, embed_dim=16, depths=(1, 1, 1, 1),
-                             num_heads=(1, 2, 2, 4)).eval()
+    return timm.create_model(SMALLEST_MODEL, **SMALLEST_SWIN).eval()
 
 
 def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -211,51 +213,78 @@ def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return other
 
 
-def test_run_folder_best_and_ema_weights(vit, tmp_path, capsys):
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """A training run's three weights of one tiny LipsFormer, a val tree filed by the raw weights' predictions and the
+    accuracies each set of weights must score on it."""
+    raw: torch.nn.Module
+    ema: torch.nn.Module
+    last: torch.nn.Module
+    val: str
+    expected_raw: dict
+    expected_ema: dict
+
+
+@pytest.fixture(scope='module')
+def run_weights(vit, tmp_path_factory) -> RunSetup:
     raw = _tiny_lipsformer()
     ema, last = _perturbed(raw, 1), _perturbed(raw, 2)
-    run = tmp_path / 'run'
-    _export(raw, str(run / 'export' / 'best'), ema=ema)
-    _export(last, str(run / 'export' / 'last'))
     photos = vit.photos[:12]
     data_config = dict(VIT_DATA_CONFIG, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.875)
     raw_topk, ema_topk = reference_topk(raw, photos, data_config), reference_topk(ema, photos, data_config)
     classes = file_by_prediction(raw_topk)
-    val = build_tree(str(tmp_path / 'val'), dict(zip(photos, classes)))
+    val = build_tree(str(tmp_path_factory.mktemp('run_val')), dict(zip(photos, classes)))
     expected_raw = reference_accuracy(raw_topk, [[c] for c in classes])
     expected_ema = reference_accuracy(ema_topk, [[c] for c in classes])
     assert expected_raw == {'count': 12, 'top1': 100.0 / 3, 'top5': 200.0 / 3} and expected_ema != expected_raw
+    return RunSetup(raw, ema, last, val, expected_raw, expected_ema)
 
-    # No --model: the export's config.json rebuilds the tiny architecture and its 32px preprocessing.
-    record = run_validate(['--checkpoint', str(run), '--data-dir', val], tmp_path, capsys)
+
+def _exported_run(weights: RunSetup, run) -> None:
+    _export(weights.raw, str(run / 'export' / 'best'), ema=weights.ema)
+    _export(weights.last, str(run / 'export' / 'last'))
+
+
+def test_run_folder_best_export_rebuilt_from_its_config_json(run_weights, tmp_path, capsys):
+    """No --model: the export's config.json rebuilds the tiny architecture and its 32px preprocessing."""
+    run = tmp_path / 'run'
+    _exported_run(run_weights, run)
+    record = run_validate(['--checkpoint', str(run), '--data-dir', run_weights.val], tmp_path, capsys)
     assert record['model'] == 'lipsformer_swin_tiny'
     assert record['checkpoint'] == str(run / 'export' / 'best' / 'model.safetensors')
     assert record['settings']['input_size'] == [3, 32, 32]
-    assert {k: record['results'][0][k] for k in expected_raw} == expected_raw
+    assert {k: record['results'][0][k] for k in run_weights.expected_raw} == run_weights.expected_raw
 
+
+def test_run_folder_ema_weights_of_the_best_export(run_weights, tmp_path, capsys):
+    run = tmp_path / 'run'
+    _exported_run(run_weights, run)
     record = run_validate(['--model', 'lipsformer_swin_tiny', '--checkpoint', str(run), '--use-ema',
-                           '--data-dir', val], tmp_path, capsys)
+                           '--data-dir', run_weights.val], tmp_path, capsys)
     assert record['checkpoint'] == str(run / 'export' / 'best' / 'model_ema.safetensors')
     assert record['settings']['use_ema'] is True
-    assert {k: record['results'][0][k] for k in expected_ema} == expected_ema
+    assert {k: record['results'][0][k] for k in run_weights.expected_ema} == run_weights.expected_ema
 
-    # A run with resumable checkpoints only: the newest one, rebuilt from the run's resolved config.yaml.
-    checkpoints_run = tmp_path / 'checkpoints_run'
-    saved = checkpoints_run / 'checkpoints'
-    for name, weights in (('step_200', raw), ('step_100', last)):
+
+def test_run_folder_with_checkpoints_only_takes_the_newest(run_weights, tmp_path, capsys):
+    """A run with resumable checkpoints only: the newest one, rebuilt from the run's resolved config.yaml."""
+    run = tmp_path / 'checkpoints_run'
+    saved = run / 'checkpoints'
+    for name, weights in (('step_200', run_weights.raw), ('step_100', run_weights.last)):
         os.makedirs(saved / name)
         safetensors.torch.save_file(weights.state_dict(), str(saved / name / 'model.safetensors'))
-    safetensors.torch.save_file(ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
-    os.utime(saved / 'step_100' / 'model.safetensors', (1_000_000, 1_000_000))
-    (checkpoints_run / 'config.yaml').write_text(yaml.safe_dump({
-        'model': {'name': 'lipsformer_swin_tiny', 'kwargs': {'embed_dim': 16, 'depths': [1, 1, 1, 1],
-                                                             'num_heads': [1, 2, 2, 4]},
+    safetensors.torch.save_file(run_weights.ema.state_dict(), str(saved / 'step_200' / 'ema.safetensors'))
+    write_checkpoint_meta(saved / 'step_200', step=200)
+    write_checkpoint_meta(saved / 'step_100', step=100)
+    (run / 'config.yaml').write_text(yaml.safe_dump({
+        'model': {'name': SMALLEST_MODEL, 'kwargs': SMALLEST_SWIN_KWARGS,
                   'img_size': 32, 'in_chans': 3, 'num_classes': None},
         'data': {'mean': None, 'std': None, 'interpolation': 'bicubic', 'crop_pct': None}}))
-    record = run_validate(['--checkpoint', str(checkpoints_run), '--use-ema', '--data-dir', val], tmp_path, capsys)
+    record = run_validate(['--checkpoint', str(run), '--use-ema', '--data-dir', run_weights.val], tmp_path,
+                          capsys)
     assert record['checkpoint'] == str(saved / 'step_200' / 'ema.safetensors')
     assert record['settings']['input_size'] == [3, 32, 32]
-    assert {k: record['results'][0][k] for k in expected_ema} == expected_ema
+    assert {k: record['results'][0][k] for k in run_weights.expected_ema} == run_weights.expected_ema
 
 
 def test_training_checkpoint_with_ema_entry(vit, tmp_path, capsys):
@@ -381,3 +410,61 @@ def test_bf16_and_channels_last(vit, tmp_path, capsys):
     assert record['settings']['amp'] == 'bf16' and record['settings']['channels_last'] is True
     (result,) = record['results']
     assert {k: result[k] for k in expected} == expected
+
+
+def test_class_folders_are_labelled_by_the_class_names_saved_with_the_weights(vit, tmp_path, capsys):
+    """A model right on every image scores 100%, whatever order its classes were numbered in and whichever class
+    folders are missing; by folder position (natural sort) it would score less."""
+    torch.manual_seed(3)
+    model = timm.create_model('test_vit', img_size=32, num_classes=10).eval()
+    names = [f'kind_{(7 * i) % 10}' for i in range(10)]  # index 1 is kind_7: not the natural order of the names
+    export = str(tmp_path / 'export')
+    save_for_hf(model, export, model_config={'label_names': names}, safe_serialization=True)
+    predicted = reference_topk(model, vit.photos, VIT_DATA_CONFIG)[:, 0].tolist()
+    assert len(set(predicted)) > 1
+    data = tmp_path / 'data'
+    for photo, index in zip(vit.photos, predicted):
+        os.makedirs(data / names[index], exist_ok=True)
+        shutil.copyfile(photo, data / names[index] / os.path.basename(photo))
+    args = ['--checkpoint', export, '--img-size', '32', '--data-layout', 'imagefolder', '--data-dir', str(data)]
+    (result,) = run_validate(args, tmp_path, capsys)['results']
+    assert (result['count'], result['top1']) == (24, 100.0)
+    shutil.rmtree(data / names[predicted[0]])
+    (result,) = run_validate(args, tmp_path, capsys)['results']
+    assert result['count'] == 24 - predicted.count(predicted[0]) and result['top1'] == 100.0
+    os.makedirs(data / 'kind_x')
+    shutil.copyfile(vit.photos[0], data / 'kind_x' / 'x.jpg')
+    assert ("class folders that are not among the classes saved with the model's weights: kind_x (the classes "
+            "saved with the model's weights: kind_0, kind_1, kind_2,") in _fails(args, capsys)
+    err = _fails(['--checkpoint', export, '--img-size', '32', '--data-dir', vit.val], capsys)
+    assert 'the model has 10 outputs but imagenet' in err  # its names are no synsets: the layout's labels stand
+
+
+@pytest.fixture(scope='module')
+def stopped_run(data_dir, tmp_path_factory) -> str:
+    """A run with checkpoints only (no export) whose config.yaml says num_classes: null."""
+    run_dir = str(tmp_path_factory.mktemp('stopped'))
+    train(load_config(None, tiny_overrides(data_dir, **{'train.epochs': 1, 'checkpoint.export': False})), run_dir)
+    assert not os.path.exists(os.path.join(run_dir, 'export'))
+    assert load_config(os.path.join(run_dir, 'config.yaml')).model.num_classes is None
+    return run_dir
+
+
+def test_a_run_without_export_is_rebuilt_from_its_checkpoint(stopped_run, data_dir, tmp_path, capsys):
+    """The class count (and names) come from the checkpoint; the score is the training's own evaluation of it."""
+    val = str(tmp_path / 'val')
+    shutil.copytree(os.path.join(data_dir, 'validation'), val)
+    args = ['--checkpoint', stopped_run, '--data-layout', 'imagefolder', '--data-dir', val]
+    record = run_validate(args, tmp_path, capsys)
+    assert record['model'] == SMALLEST_MODEL and record['checkpoint'].endswith('epoch_0001/model.safetensors')
+    (whole,) = record['results']
+    with open(os.path.join(stopped_run, 'metrics.jsonl')) as f:
+        trained = json.loads(f.readline())
+    assert (whole['count'], whole['top1']) == (24, trained['val_top1'])
+    # Scored by class name, the images of class_1 alone and those of the other classes add up to the whole.
+    only, rest = tmp_path / 'only_class_1', tmp_path / 'without_class_1'
+    shutil.copytree(os.path.join(val, 'class_1'), only / 'class_1')
+    shutil.copytree(val, rest, ignore=lambda folder, names: ['class_1'] if folder == val else [])
+    hits = [run_validate([*args[:-1], str(folder)], tmp_path, capsys)['results'][0] for folder in (only, rest)]
+    assert [r['count'] for r in hits] == [6, 18]
+    assert sum(r['count'] * r['top1'] for r in hits) == pytest.approx(24 * whole['top1'])

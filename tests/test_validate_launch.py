@@ -7,7 +7,6 @@ padded by Accelerate with repeated samples, which must not be counted twice.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,17 +15,12 @@ import timm
 import torch
 from accelerate.state import AcceleratorState
 from imagenet_trees import build_tree, val_file_name, write_jpegs
+from training_support import free_port
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.evaluation.cli import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_give_single_process_numbers(tmp_path):
@@ -52,7 +46,7 @@ def test_two_processes_give_single_process_numbers(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS='1')
     command = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2',
                '--num_machines', '1', '--mixed_precision', 'no', '--dynamo_backend', 'no',
-               '--main_process_port', str(_free_port()), os.path.join(REPO_ROOT, 'validate.py'),
+               '--main_process_port', str(free_port()), os.path.join(REPO_ROOT, 'validate.py'),
                *args, '--cpu', '--results-file', str(launched_file)]
     completed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]

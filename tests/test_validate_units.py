@@ -7,6 +7,7 @@ import safetensors.torch
 import timm
 import torch
 from imagenet_trees import build_tree, val_file_name, write_jpegs
+from training_support import write_checkpoint_meta
 
 from lipsformer.evaluation import (
     EvaluationError,
@@ -23,6 +24,8 @@ from lipsformer.evaluation import (
     score_labels,
 )
 from lipsformer.evaluation.results import write_results
+from lipsformer.training import load_config
+from lipsformer.training.config_io import dump_config
 
 
 @pytest.fixture(scope='module')
@@ -179,15 +182,23 @@ def _save(model: torch.nn.Module, path) -> str:
 
 def test_run_folder_prefers_export_best_then_last_then_newest_checkpoint(tmp_path):
     model = timm.create_model('test_vit')
-    old = _save(model, tmp_path / 'checkpoints' / 'epoch_2' / 'model.safetensors')
     new = _save(model, tmp_path / 'checkpoints' / 'epoch_10' / 'model.safetensors')
-    os.utime(old, (1_000_000, 1_000_000))
+    write_checkpoint_meta(tmp_path / 'checkpoints' / 'epoch_10', step=100)
+    _save(model, tmp_path / 'checkpoints' / 'epoch_2' / 'model.safetensors')  # written last, but less advanced
+    write_checkpoint_meta(tmp_path / 'checkpoints' / 'epoch_2', step=20)
     _save(model, tmp_path / 'checkpoints' / '.tmp-epoch_11' / 'model.safetensors')  # a save in progress
-    assert resolve_checkpoint(tmp_path).weights == new
+    assert resolve_checkpoint(tmp_path).weights == new  # the one training would resume from
     last = _save(model, tmp_path / 'export' / 'last' / 'model.safetensors')
     assert resolve_checkpoint(tmp_path).weights == last
     best = _save(model, tmp_path / 'export' / 'best' / 'model.safetensors')
     assert resolve_checkpoint(tmp_path).weights == best
+    with pytest.raises(EvaluationError, match='holds no weights'):
+        resolve_checkpoint(tmp_path / 'checkpoints')
+
+
+def test_ema_weights_of_a_folder_an_export_file_and_a_torch_file(tmp_path):
+    model = timm.create_model('test_vit')
+    best = _save(model, tmp_path / 'export' / 'best' / 'model.safetensors')
     with pytest.raises(EvaluationError, match='no EMA weights'):
         resolve_checkpoint(tmp_path, use_ema=True)
     best_ema = _save(model, tmp_path / 'export' / 'best' / 'model_ema.safetensors')
@@ -197,19 +208,31 @@ def test_run_folder_prefers_export_best_then_last_then_newest_checkpoint(tmp_pat
     torch_file = tmp_path / 'last.pth.tar'
     torch.save({'state_dict': model.state_dict(), 'state_dict_ema': model.state_dict()}, torch_file)
     assert resolve_checkpoint(torch_file, use_ema=True) == ResolvedCheckpoint(str(torch_file), True, None)
-    with pytest.raises(EvaluationError, match='holds no weights'):
-        resolve_checkpoint(tmp_path / 'checkpoints')
+
+
+def _run_with_config(run_dir, *overrides: str) -> None:
+    """A run folder as train.py leaves it: its resolved config.yaml and one checkpoint."""
+    dump_config(load_config(None, ['model.name=test_vit', *overrides]), run_dir / 'config.yaml')
+    _save(timm.create_model('test_vit'), run_dir / 'checkpoints' / 'step_5' / 'model.safetensors')
+    write_checkpoint_meta(run_dir / 'checkpoints' / 'step_5', step=5)
 
 
 def test_run_config_yaml_describes_the_model(tmp_path):
-    (tmp_path / 'config.yaml').write_text(
-        'model:\n  name: test_vit\n  kwargs: {depth: 2}\n  img_size: 64\n  num_classes: 10\n'
-        'data:\n  mean: [0.2, 0.2, 0.2]\n  crop_pct: 1.0\n  std: null\n')
-    _save(timm.create_model('test_vit'), tmp_path / 'checkpoints' / 'step_5' / 'model.safetensors')
-    spec = resolve_checkpoint(tmp_path).spec
-    assert spec.name == 'test_vit'
-    assert spec.kwargs == {'depth': 2, 'img_size': 64, 'num_classes': 10}
-    assert spec.cfg_overlay == {'mean': [0.2, 0.2, 0.2], 'crop_pct': 1.0, 'input_size': (3, 64, 64)}
+    _run_with_config(tmp_path, 'model.kwargs={depth: 2}', 'model.img_size=64', 'model.num_classes=10',
+                     'data.mean=[0.2, 0.2, 0.2]', 'data.crop_pct=1.0')
+    saved = resolve_checkpoint(tmp_path).model_config
+    assert saved.name == 'test_vit'
+    assert saved.kwargs == {'depth': 2, 'img_size': 64, 'in_chans': 3, 'num_classes': 10}
+    assert saved.cfg_overlay == {'mean': [0.2, 0.2, 0.2], 'interpolation': 'bicubic', 'crop_pct': 1.0,
+                                 'input_size': (3, 64, 64)}
+
+
+def test_run_config_is_read_as_training_reads_it(tmp_path):
+    _run_with_config(tmp_path, 'data.interpolation=random')
+    assert resolve_checkpoint(tmp_path).model_config.cfg_overlay == {'interpolation': 'bicubic'}  # as evaluated
+    (tmp_path / 'config.yaml').write_text('model: {name: test_vit, img_size: -3}\n')
+    with pytest.raises(EvaluationError, match='model.img_size: got -3; allowed: null or an integer >= 1'):
+        resolve_checkpoint(tmp_path)
 
 
 def test_model_names_from_lists_and_wildcards():

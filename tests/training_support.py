@@ -3,22 +3,28 @@
 Images come from Fashion-MNIST (the Debian package's IDX files, /usr/share/datasets/fashion-mnist) when it is
 installed; otherwise from class-dependent synthetic patterns, so the tests never skip for lack of data.
 """
+import collections
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
 import os
+import signal
+import socket
 import tarfile
 
 import numpy as np
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 from timm.models import register_model
+from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS
 from torch import nn
 
+from lipsformer.training.train_state import FORMAT_VERSION, META_FILE, Progress
+
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
-TINY_MODEL = 'lipsformer_swin_tiny'
-TINY_MODEL_KWARGS = '{embed_dim: 16, depths: [1, 1, 1, 1], num_heads: [1, 1, 1, 1], window_size: 4}'
 
 
 @contextlib.contextmanager
@@ -35,6 +41,13 @@ def single_thread():
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a training subprocess: one thread, and this folder importable."""
     return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': os.path.dirname(os.path.abspath(__file__)), **extra}
+
+
+def free_port() -> int:
+    """A free local TCP port for ``accelerate launch --main_process_port`` (port 0 hangs torch 2.6's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
 
 
 def _read_idx(path: str) -> np.ndarray:
@@ -103,10 +116,30 @@ def make_webdataset(root: str, num_classes: int = 4, train_per_class: int = 12, 
     return root
 
 
+def write_checkpoint_meta(folder: str | os.PathLike, step: int) -> None:
+    """A training checkpoint's ``meta.json`` at optimizer update ``step``: what makes a folder a checkpoint."""
+    os.makedirs(folder, exist_ok=True)
+    meta = dict(format=FORMAT_VERSION, name=os.path.basename(folder), progress=dataclasses.asdict(Progress(step=step)))
+    with open(os.path.join(folder, META_FILE), 'w') as f:
+        json.dump(meta, f)
+
+
+def assert_same_run(run_dir: str, reference: str, last: str) -> None:
+    """The final raw and EMA weights and the metrics of ``reference`` (an uninterrupted run), timings aside."""
+    for name in ('model.safetensors', 'ema.safetensors'):
+        expected = load_file(os.path.join(reference, 'checkpoints', last, name))
+        actual = load_file(os.path.join(run_dir, 'checkpoints', last, name))
+        assert all(torch.equal(expected[k], actual[k]) for k in expected), f'{name} differs from the reference'
+    untimed = ('images_per_s', 'epoch_time_s', 'peak_memory_mb')
+    lines = [[{k: v for k, v in json.loads(line).items() if k not in untimed} for line in open(
+        os.path.join(folder, 'metrics.jsonl'))] for folder in (run_dir, reference)]
+    assert lines[0] == lines[1]
+
+
 def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
     """Overrides that make any config a seconds-long CPU run on a :func:`make_image_folder` tree."""
     settings: dict[str, object] = {
-        'model.name': TINY_MODEL, 'model.kwargs': TINY_MODEL_KWARGS, 'model.img_size': 32, 'model.in_chans': 1,
+        'model.name': SMALLEST_MODEL, 'model.kwargs': SMALLEST_SWIN_KWARGS, 'model.img_size': 32, 'model.in_chans': 1,
         'model.drop_path_rate': 0.1, 'data.dataset': "''", 'data.data_dir': data_dir, 'data.train_split': 'train',
         'data.val_split': 'validation', 'data.num_workers': 0, 'data.mean': '[0.5]',
         'data.std': '[0.5]', 'data.crop_pct': 1.0, 'augment.auto_augment': 'null', 'augment.reprob': 0.25,
@@ -121,25 +154,40 @@ def tiny_overrides(data_dir: str, **extra: object) -> list[str]:
 # Training forward calls (counted from 1) whose output the probe model turns into NaN; a subprocess reads them from
 # NAN_PROBE_CALLS ("3,9") and, when NAN_PROBE_RANK is set, only that process produces them.
 NAN_AT_CALLS: set[int] = {int(c) for c in os.environ.get('NAN_PROBE_CALLS', '').split(',') if c}
+# Signals the probe model sends its own process at a forward call: {('train' or 'eval', call): signal}; a subprocess
+# reads them from SIGNAL_PROBE ("eval:1:SIGTERM,train:4:SIGINT") and, when SIGNAL_PROBE_RANK is set, only that
+# process sends them.
+SIGNALS_AT_CALLS: dict[tuple[str, int], signal.Signals] = {
+    (mode, int(call)): signal.Signals[name] for mode, call, name in (
+        item.split(':') for item in os.environ.get('SIGNAL_PROBE', '').split(',') if item)}
+# Forward calls of the probe models of this process so far, by mode.
+PROBE_CALLS: collections.Counter = collections.Counter()
+
+
+def _this_rank(variable: str) -> bool:
+    return os.environ.get(variable) in (None, os.environ.get('RANK', '0'))
 
 
 class NanProbeNet(nn.Module):
-    """A tiny convnet that returns NaN logits on the training calls listed in :data:`NAN_AT_CALLS`."""
+    """A tiny convnet that returns NaN logits on the training calls listed in :data:`NAN_AT_CALLS` and signals its
+    process at the calls listed in :data:`SIGNALS_AT_CALLS` (both counted per model, from 1)."""
 
     def __init__(self, num_classes: int = 4, in_chans: int = 1):
         super().__init__()
         self.conv = nn.Conv2d(in_chans, 8, 3, stride=2)
         self.head = nn.Linear(8, num_classes)
-        self.calls = 0
-        self.nan_rank = os.environ.get('NAN_PROBE_RANK')
+        self.calls: collections.Counter = collections.Counter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.conv(x).relu().mean((2, 3)))
-        if self.training:
-            self.calls += 1
-            this_rank = self.nan_rank is None or self.nan_rank == os.environ.get('RANK', '0')
-            if self.calls in NAN_AT_CALLS and this_rank:
-                logits = logits * float('nan')
+        mode = 'train' if self.training else 'eval'
+        self.calls[mode] += 1
+        PROBE_CALLS[mode] += 1
+        if mode == 'train' and self.calls[mode] in NAN_AT_CALLS and _this_rank('NAN_PROBE_RANK'):
+            logits = logits * float('nan')
+        signum = SIGNALS_AT_CALLS.get((mode, self.calls[mode]))
+        if signum is not None and _this_rank('SIGNAL_PROBE_RANK'):
+            os.kill(os.getpid(), signum)
         return logits
 
 

@@ -3,21 +3,21 @@
 - :mod:`.layouts`: image lists and labels of each data set layout, checked before scoring;
 - :mod:`.real`: ReaL label sets matched by file name, so any subset of val can be scored;
 - :mod:`.models`: which weights a checkpoint argument means and the model that fits them;
-- :mod:`.predict` / :mod:`.metrics` / :mod:`.run`: predictions in data set order on one or many processes, and
-  their scores;
+- :mod:`.predict` / :mod:`.metrics` / :mod:`.datasets`: predictions in data set order on one or many processes, and
+  their scores on each requested data set;
 - :mod:`.results`: the table, JSON and CSV; :mod:`.cli`: the command line.
 """
+from .datasets import DataRequest, DatasetResult, evaluate, plan_datasets
 from .errors import EvaluationError
 from .layouts import ImageList, imagenet_synsets, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
-from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
-from .predict import Predictions, predict
+from .models import ResolvedCheckpoint, SavedModelConfig, create_eval_model, expand_model_names, resolve_checkpoint
+from .predict import InferenceSettings, Predictions, predict
 from .real import load_real_labels, real_labels_for
-from .run import DataRequest, DatasetResult, evaluate, plan_datasets
 
 __all__ = [
-    'EvaluationError', 'ImageList', 'imagenet_synsets', 'list_image_folder', 'list_imagenet_v2',
-    'list_imagenet_val', 'Score', 'score_label_sets', 'score_labels', 'ResolvedCheckpoint', 'create_eval_model',
-    'expand_model_names', 'resolve_checkpoint', 'Predictions', 'predict', 'load_real_labels', 'real_labels_for',
-    'DataRequest', 'DatasetResult', 'evaluate', 'plan_datasets',
+    'DataRequest', 'DatasetResult', 'EvaluationError', 'ImageList', 'InferenceSettings', 'Predictions',
+    'ResolvedCheckpoint', 'SavedModelConfig', 'Score', 'create_eval_model', 'evaluate', 'expand_model_names',
+    'imagenet_synsets', 'list_image_folder', 'list_imagenet_v2', 'list_imagenet_val', 'load_real_labels',
+    'plan_datasets', 'predict', 'real_labels_for', 'resolve_checkpoint', 'score_label_sets', 'score_labels',
 ]

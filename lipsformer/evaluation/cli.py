@@ -19,11 +19,12 @@ from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
 from ..checkpoint import CheckpointError
+from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
+from .predict import InferenceSettings
 from .real import load_real_labels
 from .results import format_table, model_record, write_results
-from .run import DataRequest, PlannedPass, evaluate, plan_datasets
 
 __all__ = ['build_parser', 'run', 'main']
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              'when --checkpoint has a config.json / run config.yaml')
     model.add_argument('--checkpoint', help='weights file (.safetensors, .pth.tar, authors\' .pth), a folder with '
                                             'model.safetensors, or a training run folder (export/best, export/last, '
-                                            'else newest checkpoints/*); without it, timm pretrained weights')
+                                            'else the newest checkpoint); without it, timm pretrained weights')
     model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
     model.add_argument('--num-classes', type=int, help='classifier size, if not the model default')
     model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group('data')
     data.add_argument('--data-dir', help='ImageNet val in 1000 synset folders (any subset of the images)')
     data.add_argument('--data-layout', choices=('imagenet', 'imagefolder'), default='imagenet',
-                      help='imagefolder: any class-folder data set, classes in natural sort order')
+                      help='imagefolder: any class-folder data set, each folder labelled by its name among the '
+                           'classes saved with the checkpoint (else classes in natural sort order)')
     data.add_argument('--real-labels', nargs='?', const=_BUNDLED_REAL_LABELS, metavar='FILE',
                       help='also score --data-dir with ImageNet-ReaL labels (timm\'s bundled copy, or FILE)')
     data.add_argument('--v2-dir', nargs='+', action='extend', default=[], metavar='DIR',
@@ -121,8 +123,8 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
         model = model.to(memory_format=torch.channels_last)
     _logger.info('%s: %.2fM params, data config %s', model_name, sum(p.numel() for p in model.parameters()) / 1e6,
                  data_config)
-    results = evaluate(model, passes, data_config, accelerator, args.batch_size, args.workers,
-                       channels_last=args.channels_last, log_every=args.log_every)
+    inference = InferenceSettings(args.batch_size, args.workers, args.channels_last, args.log_every)
+    results = evaluate(model, passes, data_config, accelerator, inference)
     settings = dict(data_config, batch_size=args.batch_size, amp=args.amp, channels_last=args.channels_last,
                     use_ema=args.use_ema, num_processes=accelerator.num_processes, device=str(accelerator.device))
     return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results)
@@ -142,8 +144,9 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
     real_labels = None
     if args.real_labels is not None:
         real_labels = load_real_labels(None if args.real_labels == _BUNDLED_REAL_LABELS else args.real_labels)
-    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir)))
     checkpoint = resolve_checkpoint(args.checkpoint, args.use_ema) if args.checkpoint else None
+    class_names = checkpoint.model_config.class_names if checkpoint and checkpoint.model_config else None
+    passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir), class_names))
     accelerator = _make_accelerator(args)
     records = []
     for name in model_names:

@@ -16,9 +16,11 @@ from timm.data import ImageNetInfo
 from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
+from ..training.splits import check_split_classes
 from .errors import EvaluationError
 
-__all__ = ['ImageList', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2', 'list_image_folder']
+__all__ = ['ImageList', 'check_imagenet_class_names', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2',
+           'list_image_folder']
 
 IMAGENET_NUM_CLASSES = 1000
 
@@ -161,13 +163,34 @@ def list_imagenet_v2(root: str | os.PathLike) -> ImageList:
     raise _explain_wrong_folders(root, folders, synsets, 'ImageNet-V2')
 
 
-def list_image_folder(root: str | os.PathLike) -> ImageList:
-    """Any class-folder data set; class index = position of the folder name in natural sort order, as timm's
-    ImageFolder reader (and so train.py) assigns it.
+def list_image_folder(root: str | os.PathLike, class_names: list[str] | None = None) -> ImageList:
+    """Any class-folder data set. With the model's ``class_names`` (saved with its weights), a folder's class index
+    is the position of its name there, and folders may be missing; without them, it is the position of the folder
+    name in natural sort order, as timm's ImageFolder reader (and so train.py) assigns it.
 
     Raises:
-        EvaluationError: The folder is missing, has no class folders or no images.
+        EvaluationError: The folder is missing, has no class folders or no images, or has a class folder that
+            ``class_names`` lacks.
     """
     root, folders = _class_folders(root, 'image')
-    class_to_idx = {name: index for index, name in enumerate(sorted(folders, key=natural_key))}
-    return _collect(root, class_to_idx, 'imagefolder', len(class_to_idx), 'image')
+    if class_names is None:
+        class_to_idx = {name: index for index, name in enumerate(sorted(folders, key=natural_key))}
+        return _collect(root, class_to_idx, 'imagefolder', len(class_to_idx), 'image')
+    check_split_classes(folders, class_names, f'image folder {root!r}', 'the classes saved with the model\'s weights',
+                        error=EvaluationError)
+    index = {name: position for position, name in enumerate(class_names)}
+    return _collect(root, {name: index[name] for name in folders}, 'imagefolder', len(class_names), 'image')
+
+
+def check_imagenet_class_names(class_names: list[str] | None) -> None:
+    """Refuse a model whose saved classes are ImageNet synsets in another order than the layouts' (sorted) one.
+
+    Raises:
+        EvaluationError: They are.
+    """
+    synsets = imagenet_synsets()
+    if class_names is not None and set(class_names) & set(synsets) and list(class_names) != synsets:
+        raise EvaluationError(
+            f'the model\'s classes, saved with its weights ({len(class_names)}: {_examples(class_names)}), are not '
+            f'the {IMAGENET_NUM_CLASSES} ImageNet-1k synsets in sorted order, which the ImageNet layouts label by; '
+            f'score it with --data-layout imagefolder, which labels each folder by its name')

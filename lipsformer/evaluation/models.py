@@ -2,12 +2,15 @@
 
 Accepted checkpoints: a weights file (``.safetensors``, timm ``.pth.tar``, the authors' ``.pth``); a folder holding
 ``model.safetensors`` (an export or one saved checkpoint); or a training run folder, from which ``export/best``,
-else ``export/last``, else the newest ``checkpoints/*`` is taken. With EMA requested, a folder's
-``model_ema.safetensors`` / ``ema.safetensors`` is used, and a torch file's EMA entry.
+else ``export/last``, else the newest checkpoint (the one training would resume from) is taken. With EMA requested,
+a folder's ``model_ema.safetensors`` / ``ema.safetensors`` is used, and a torch file's EMA entry.
 
 The model is rebuilt from timm's ``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the
-run's ``config.yaml``, else from ``--model``; all weights then go through :func:`lipsformer.checkpoint.
-load_model_weights`, which never executes pickled code and names every mismatched key.
+run's ``config.yaml`` (read by :func:`lipsformer.training.load_config`) with the class count and architecture a
+training checkpoint's ``meta.json`` records, else from ``--model``; all weights then go through
+:func:`lipsformer.checkpoint.load_model_weights`, which never executes pickled code and names every mismatched key.
+The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along, so
+that a class-folder data set is labelled by name, as in training.
 """
 import logging
 import os
@@ -15,14 +18,16 @@ from dataclasses import dataclass, field
 
 import timm
 import torch
-import yaml
 from timm.models import resolve_model_input_args, split_model_name_tag
 from timm.models._hub import load_model_config_from_path
 
 from ..checkpoint import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
+from ..hub.model_names import check_model_source, create_model, hub_errors, model_source
+from ..training import ConfigError, latest_checkpoint, load_config
+from ..training.train_state import read_meta
 from .errors import EvaluationError
 
-__all__ = ['ResolvedCheckpoint', 'ModelSpec', 'resolve_checkpoint', 'expand_model_names', 'create_eval_model']
+__all__ = ['ResolvedCheckpoint', 'SavedModelConfig', 'resolve_checkpoint', 'expand_model_names', 'create_eval_model']
 
 _logger = logging.getLogger(__name__)
 
@@ -32,19 +37,21 @@ _RUN_EXPORTS = ('export/best', 'export/last')
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """A registered model name, its constructor arguments and the preprocessing saved with it.
+class SavedModelConfig:
+    """The model saved next to some weights: a registered model name, its constructor arguments and preprocessing.
 
     Attributes:
         name: Registered model name.
         kwargs: Constructor arguments.
         pretrained_cfg: A complete pretrained cfg (from an export's ``config.json``), replacing the model's.
         cfg_overlay: Entries replacing those of the model's default pretrained cfg (from a run's ``config.yaml``).
+        class_names: The name of each output class, in index order, when the weights came with them.
     """
     name: str
     kwargs: dict = field(default_factory=dict)
     pretrained_cfg: dict | None = None
     cfg_overlay: dict | None = None
+    class_names: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,26 +61,15 @@ class ResolvedCheckpoint:
     Attributes:
         weights: File to load.
         ema_entry: Take the EMA entry inside ``weights`` (a torch file holding both), rather than its raw weights.
-        spec: The model described by the checkpoint's ``config.json`` or run ``config.yaml``, if any.
+        model_config: The model described by the checkpoint's ``config.json`` or run ``config.yaml``, if any.
     """
     weights: str
     ema_entry: bool
-    spec: ModelSpec | None
+    model_config: SavedModelConfig | None
 
 
 def _weights_in(folder: str) -> str | None:
     return next((os.path.join(folder, n) for n in _WEIGHT_FILES if os.path.isfile(os.path.join(folder, n))), None)
-
-
-def _newest_checkpoint(run_dir: str) -> str | None:
-    """The ``checkpoints/*`` folder whose weights were written last (hidden ``.tmp-*`` folders are saves in
-    progress)."""
-    root = os.path.join(run_dir, 'checkpoints')
-    if not os.path.isdir(root):
-        return None
-    candidates = [os.path.join(root, n) for n in os.listdir(root)
-                  if not n.startswith('.') and _weights_in(os.path.join(root, n))]
-    return max(candidates, key=lambda folder: (os.path.getmtime(_weights_in(folder)), folder), default=None)
 
 
 def _weights_folder(path: str) -> str:
@@ -83,49 +79,69 @@ def _weights_folder(path: str) -> str:
     for export in _RUN_EXPORTS:
         if _weights_in(os.path.join(path, export)):
             return os.path.join(path, export)
-    newest = _newest_checkpoint(path)
-    if newest:
+    newest = latest_checkpoint(path)
+    if newest and _weights_in(newest):
         return newest
     raise EvaluationError(
         f'{path!r} holds no weights: expected {" or ".join(_WEIGHT_FILES)} in it, or a training run folder with '
         f'{", ".join(_RUN_EXPORTS)} or checkpoints/<name>/model.safetensors')
 
 
-def _spec_from_run_yaml(path: str) -> ModelSpec | None:
+def _model_config_from_run(path: str, checkpoint_model: dict) -> SavedModelConfig:
     """The model and evaluation preprocessing of a training run's resolved ``config.yaml``.
 
-    Reads ``model.name``, ``model.kwargs``, ``model.img_size`` / ``in_chans`` / ``num_classes`` and the ``data``
-    section's ``mean``, ``std``, ``interpolation`` and ``crop_pct`` (unset values keep the model's defaults).
+    Takes ``model.name``, ``model.kwargs``, ``model.img_size`` / ``in_chans`` / ``num_classes`` and the ``data``
+    section's ``mean``, ``std``, ``interpolation`` and ``crop_pct`` (null values keep the model's defaults; a random
+    training interpolation is evaluated bicubic, as training evaluates it); then the constructor arguments and class
+    names a training checkpoint recorded (``checkpoint_model``: the class count a null ``num_classes`` stood for).
     """
     try:
-        with open(path, encoding='utf-8') as f:
-            config = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
-        raise EvaluationError(f'cannot read the run config {path!r}: {e}') from e
-    model = config.get('model') if isinstance(config, dict) else None
-    if not isinstance(model, dict) or not isinstance(model.get('name'), str):
-        return None
-    kwargs = dict(model.get('kwargs') or {})
-    kwargs.update({key: model[key] for key in ('img_size', 'in_chans', 'num_classes') if model.get(key) is not None})
-    data = config.get('data') if isinstance(config.get('data'), dict) else {}
-    overlay = {key: data[key] for key in ('mean', 'std', 'interpolation', 'crop_pct') if data.get(key) is not None}
-    if model.get('img_size'):
-        overlay['input_size'] = (model.get('in_chans') or 3, model['img_size'], model['img_size'])
-    return ModelSpec(model['name'], kwargs, cfg_overlay=overlay or None)
+        config = load_config(path)
+    except ConfigError as e:
+        raise EvaluationError(f'cannot use the run config {path!r}: {e}') from e
+    model, data = config.model, config.data
+    kwargs = dict(model.kwargs)
+    kwargs.update({key: getattr(model, key) for key in ('img_size', 'in_chans', 'num_classes')
+                   if getattr(model, key) is not None})
+    overlay = {key: getattr(data, key) for key in ('mean', 'std', 'interpolation', 'crop_pct')
+               if getattr(data, key) is not None}
+    if overlay.get('interpolation') == 'random':
+        overlay['interpolation'] = 'bicubic'
+    if model.img_size:
+        overlay['input_size'] = (model.in_chans, model.img_size, model.img_size)
+    kwargs.update(checkpoint_model.get('kwargs') or {})
+    return SavedModelConfig(model.name, kwargs, cfg_overlay=overlay or None,
+                            class_names=checkpoint_model.get('class_names'))
 
 
-def _spec_near(folder: str) -> ModelSpec | None:
+def _label_names(pretrained_cfg: dict) -> list[str] | None:
+    names = pretrained_cfg.get('label_names')
+    if isinstance(names, dict):  # timm also allows {index: name}
+        names = [names[key] for key in sorted(names, key=int)]
+    return [str(name) for name in names] if names else None
+
+
+def _model_config_near(folder: str) -> SavedModelConfig | None:
     """The model described next to weights in ``folder``: its ``config.json``, or the run's ``config.yaml``
-    (in the folder or up to two levels above, as in ``RUN/checkpoints/NAME`` and ``RUN/export/best``)."""
+    (in the folder or up to two levels above, as in ``RUN/checkpoints/NAME`` and ``RUN/export/best``) with what
+    the folder's ``meta.json`` (a training checkpoint's) records."""
     if os.path.isfile(os.path.join(folder, 'config.json')):
         pretrained_cfg, name, model_args = load_model_config_from_path(folder)
         pretrained_cfg = {k: v for k, v in pretrained_cfg.items() if k not in ('file', 'source')}
-        return ModelSpec(name, dict(model_args), pretrained_cfg)
+        return SavedModelConfig(name, dict(model_args), pretrained_cfg, class_names=_label_names(pretrained_cfg))
     for levels in range(3):
         candidate = os.path.join(folder, *(['..'] * levels), 'config.yaml')
         if os.path.isfile(candidate):
-            return _spec_from_run_yaml(os.path.normpath(candidate))
+            return _model_config_from_run(os.path.normpath(candidate), _checkpoint_model(folder))
     return None
+
+
+def _checkpoint_model(folder: str) -> dict:
+    """The model a training checkpoint's ``meta.json`` records (name, constructor arguments, class names), or {}."""
+    try:
+        return read_meta(folder).get('model') or {}
+    except CheckpointError:  # not a training checkpoint
+        return {}
 
 
 def _ema_in(folder: str) -> str | None:
@@ -144,7 +160,7 @@ def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> Resolv
         if use_ema and os.path.basename(path) in _WEIGHT_FILES and _ema_in(folder):
             path = _ema_in(folder)  # the EMA twin of an export's or a checkpoint's weights
         ema_entry = use_ema and os.path.basename(path) not in _EMA_FILES
-        return ResolvedCheckpoint(path, ema_entry=ema_entry, spec=_spec_near(folder))
+        return ResolvedCheckpoint(path, ema_entry=ema_entry, model_config=_model_config_near(folder))
     if not os.path.isdir(path):
         raise EvaluationError(f'checkpoint {path!r} does not exist')
     folder = _weights_folder(path)
@@ -155,7 +171,7 @@ def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> Resolv
             raise EvaluationError(
                 f'--use-ema: {folder!r} has no EMA weights (looked for {", ".join(_EMA_FILES)}); the run was '
                 f'probably trained without EMA, so drop --use-ema')
-    return ResolvedCheckpoint(weights, ema_entry=False, spec=_spec_near(folder))
+    return ResolvedCheckpoint(weights, ema_entry=False, model_config=_model_config_near(folder))
 
 
 def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
@@ -176,6 +192,9 @@ def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
                     f'evaluate one of them with --checkpoint' if found else
                     f'--model {part!r} matches no registered model')
             names.extend(matches)
+        elif model_source(part):  # hf-hub:REPO / local-dir:FOLDER, weights included
+            check_model_source(part)
+            names.append(part)
         elif timm.is_model(split_model_name_tag(part)[0]):
             names.append(part)
         else:
@@ -185,8 +204,8 @@ def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _choose_spec(model_name: str | None, checkpoint: ResolvedCheckpoint | None) -> ModelSpec:
-    saved = checkpoint.spec if checkpoint else None
+def _choose_model_config(model_name: str | None, checkpoint: ResolvedCheckpoint | None) -> SavedModelConfig:
+    saved = checkpoint.model_config if checkpoint else None
     if model_name is None:
         if saved is None:
             raise EvaluationError(f'--model is required: {checkpoint.weights!r} has no config.json or run config.yaml '
@@ -196,7 +215,7 @@ def _choose_spec(model_name: str | None, checkpoint: ResolvedCheckpoint | None) 
         raise EvaluationError(
             f'--model {model_name} does not match the checkpoint, whose config says it is {saved.name}; '
             f'drop --model to use the saved one')
-    return saved if saved is not None else ModelSpec(model_name)
+    return saved if saved is not None else SavedModelConfig(model_name)
 
 
 def create_eval_model(
@@ -218,16 +237,17 @@ def create_eval_model(
     Returns:
         The model and its name.
     """
-    spec = _choose_spec(model_name, checkpoint)
-    kwargs = {**spec.kwargs, **(model_kwargs or {})}
-    create_args = resolve_model_input_args(
-        spec.name, args={'img_size': img_size}, pretrained_cfg=spec.pretrained_cfg,
-        pretrained_cfg_overlay=spec.cfg_overlay, **kwargs)
-    model = timm.create_model(pretrained=pretrained and checkpoint is None, **create_args)
+    saved = _choose_model_config(model_name, checkpoint)
+    kwargs = {**saved.kwargs, **(model_kwargs or {})}
+    with hub_errors(saved.name):  # an hf-hub: name downloads its config.json here
+        create_args = resolve_model_input_args(
+            saved.name, args={'img_size': img_size}, pretrained_cfg=saved.pretrained_cfg,
+            pretrained_cfg_overlay=saved.cfg_overlay, **kwargs)
+    model = create_model(pretrained=pretrained and checkpoint is None, **create_args)
     if checkpoint is not None:
         _logger.info('loading %s%s', checkpoint.weights, ' (EMA entry)' if checkpoint.ema_entry else '')
         _load_weights(model, checkpoint)
-    return model.eval(), model_name or spec.name
+    return model.eval(), model_name or saved.name
 
 
 def _load_weights(model: torch.nn.Module, checkpoint: ResolvedCheckpoint) -> None:

@@ -14,12 +14,28 @@ from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ['EvalImageDataset', 'Predictions', 'predict']
+__all__ = ['EvalImageDataset', 'InferenceSettings', 'Predictions', 'predict']
 
 _logger = logging.getLogger(__name__)
 
 # What PIL raises for a file that is not a decodable image (UnidentifiedImageError and truncation are OSErrors).
 _UNREADABLE_IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """How images are fed to the model on each process.
+
+    Attributes:
+        batch_size: Images per batch.
+        workers: DataLoader worker processes.
+        channels_last: Feed NHWC tensors (the model should be channels-last too).
+        log_every: Log progress every this many batches (main process); 0: never.
+    """
+    batch_size: int = 256
+    workers: int = 4
+    channels_last: bool = False
+    log_every: int = 50
 
 
 class EvalImageDataset(Dataset):
@@ -67,10 +83,7 @@ def predict(
         paths: list[str],
         data_config: dict,
         accelerator: Accelerator,
-        batch_size: int,
-        workers: int,
-        channels_last: bool = False,
-        log_every: int = 50,
+        settings: InferenceSettings = InferenceSettings(),
         name: str = '',
 ) -> Predictions:
     """Run ``model`` (in eval mode, on ``accelerator.device``) over ``paths``.
@@ -80,21 +93,18 @@ def predict(
         paths: Image files; their order is the order of the result.
         data_config: timm data config (input_size, interpolation, mean, std, crop_pct, crop_mode).
         accelerator: Decides devices, sharding and mixed precision.
-        batch_size: Images per batch on each process.
-        workers: DataLoader worker processes on each process.
-        channels_last: Feed NHWC tensors (the model should be channels-last too).
-        log_every: Log progress every this many batches (main process).
+        settings: Batch size, workers, memory format and progress logging.
         name: Data set name for the progress log.
     """
     dataset = EvalImageDataset(paths, data_config)
     loader = accelerator.prepare_data_loader(DataLoader(
-        dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+        dataset, batch_size=settings.batch_size, shuffle=False, num_workers=settings.workers,
         pin_memory=accelerator.device.type == 'cuda'))
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    memory_format = torch.channels_last if settings.channels_last else torch.contiguous_format
     readable = torch.zeros(len(dataset), dtype=torch.bool)
     filled = torch.zeros(len(dataset), dtype=torch.bool)
     with torch.inference_mode():
-        warmup = torch.zeros((min(batch_size, len(dataset)), *dataset.input_size), device=accelerator.device)
+        warmup = torch.zeros((min(settings.batch_size, len(dataset)), *dataset.input_size), device=accelerator.device)
         with accelerator.autocast():
             k = min(5, model(warmup.contiguous(memory_format=memory_format)).shape[1])
         topk = torch.full((len(dataset), k), -1, dtype=torch.long)
@@ -108,7 +118,7 @@ def predict(
             topk[indices] = batch_topk.cpu()
             readable[indices] = ok.cpu().bool()
             filled[indices] = True
-            if accelerator.is_main_process and log_every and (batch_index + 1) % log_every == 0:
+            if accelerator.is_main_process and settings.log_every and (batch_index + 1) % settings.log_every == 0:
                 done = int(filled.sum())
                 _logger.info('%s: %d/%d images, %.1f images/s', name, done, len(dataset),
                              done / (time.perf_counter() - start))

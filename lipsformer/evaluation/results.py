@@ -1,7 +1,7 @@
 """The results of a validate.py run: one record per model, printed as a table and written as JSON or CSV.
 
 A record holds the model, checkpoint, evaluation settings, package versions and a ``results`` list with one entry
-per data set (see :class:`~lipsformer.evaluation.run.DatasetResult`). The JSON file holds the record, or a list of
+per data set (see :class:`~lipsformer.evaluation.datasets.DatasetResult`). The JSON file holds the record, or a list of
 records when several models were evaluated; the CSV has one row per model and data set. Files are written
 atomically, so an interrupted run never leaves a half-written results file over an earlier one.
 """
@@ -10,11 +10,11 @@ import io
 import json
 import os
 import platform
-import tempfile
 from dataclasses import asdict
 from importlib import metadata
 
-from .run import DatasetResult
+from ..utils.io import write_text
+from .datasets import DatasetResult
 
 __all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
 
@@ -75,25 +75,12 @@ def _csv_text(records: list[dict]) -> str:
 
 
 def write_results(path: str | os.PathLike, records: list[dict], results_format: str = 'json') -> None:
-    """Write ``records`` to ``path`` as ``json`` or ``csv``, atomically (temporary file, fsync, rename)."""
+    """Write ``records`` to ``path`` as ``json`` or ``csv``, atomically."""
     if results_format == 'json':
         text = json.dumps(records[0] if len(records) == 1 else records, indent=2) + '\n'
     elif results_format == 'csv':
         text = _csv_text(records)
     else:
         raise ValueError(f'unknown results format {results_format!r}; use json or csv')
-    path = os.path.abspath(os.fspath(path))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.' + os.path.basename(path))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(descriptor, 0o666 & ~umask)  # mkstemp's 0600 would make the results private
-    try:
-        with os.fdopen(descriptor, 'w', encoding='utf-8', newline='') as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_text(path, text)

@@ -8,7 +8,7 @@
 - Initialisation: ``spectral_init``.
 - ``lean_autograd``: the blocks' expressions with backwards that keep fewer activations.
 """
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -50,7 +50,7 @@ def create_attention_kernel(
         v_norm: bool = False,
         nu: float = 1.0,
         attn_drop: float = 0.0,
-        num_heads: Optional[int] = None,
+        num_heads: int | None = None,
 ) -> nn.Module:
     """The attention kernel (q, k, v, bias -> out, on (batch, heads, tokens, head_dim) tensors) for ``attn_type``.
 

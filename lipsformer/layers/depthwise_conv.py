@@ -9,7 +9,6 @@ kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_
 goes through oneDNN's depthwise forward kernel instead. The input gradient, a convolution by the flipped kernel,
 goes through that forward kernel too.
 """
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +57,7 @@ class _DepthwiseConv2d(torch.autograd.Function):
 
 
 @register_notrace_function  # picks its path from the device and autograd state at run time
-def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Stride-1 depthwise convolution of an NHWC map with a (C, 1, kh, kw) weight, 'same' padding; NHWC out.
 
     Training on CPU in float32 takes the faster weight gradient of the module docstring; elsewhere (GPU, other

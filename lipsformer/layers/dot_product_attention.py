@@ -6,7 +6,6 @@ Dot-product self-attention is not Lipschitz (Kim et al., ICML 2021, Theorem 3.1)
 scaled by s, its Jacobian grows like s^2. It is here so that LipsFormer's SCSA can be swapped for it
 (``attn_type='dot'``).
 """
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -33,7 +32,7 @@ class DotProductAttention(nn.Module):
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
-            attn_bias: Optional[torch.Tensor] = None,
+            attn_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dropout_p = self.attn_drop.p if self.training else 0.0
         return softmax_attention(q, k, v, attn_bias, dropout_p, self.fused_attn, self.scale)

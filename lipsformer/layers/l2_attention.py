@@ -25,7 +25,6 @@ last term is constant along each softmax row, so appending a 1 to each query and
 same softmax as a dot product with scale 2 / sqrt(d). Queries and keys are first centred on the keys' mean, which
 leaves every distance unchanged and keeps the expansion accurate when tokens are far from the origin.
 """
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -71,7 +70,7 @@ class L2Attention(nn.Module):
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
-            attn_bias: Optional[torch.Tensor] = None,
+            attn_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """
         Args:

@@ -18,7 +18,6 @@ Each public function takes this path only where a backward will run (grad enable
 outside TorchScript and tracing; elsewhere it evaluates the plain expression, which is also what the tests compare
 it with. GELU is the exact (erf) form, as ``nn.GELU()``.
 """
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ __all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
 _MLP_BLOCK_ROWS = 2048
 
 
-def _lean(*tensors: Optional[torch.Tensor]) -> bool:
+def _lean(*tensors: torch.Tensor | None) -> bool:
     """Whether a backward will run through these tensors, outside tracing (callers test for TorchScript first)."""
     if torch.jit.is_tracing() or not torch.is_grad_enabled():
         return False
@@ -43,8 +42,8 @@ def _gelu_backward_(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward.grad_input(grad, x, grad_input=grad)
 
 
-def _scaled_weights(weight: torch.Tensor, bias: Optional[torch.Tensor], scale: Optional[torch.Tensor]
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _scaled_weights(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if scale is None:
         return weight, bias
     return weight * scale.unsqueeze(-1), bias * scale if bias is not None else None
@@ -85,8 +84,8 @@ class _Linear(torch.autograd.Function):
 
 
 @register_notrace_function  # picks its path from the autograd state at run time
-def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  scale: Optional[torch.Tensor] = None, gelu: bool = False) -> torch.Tensor:
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scale: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """``F.linear(F.gelu(x) if gelu else x, scale[:, None] * weight, scale * bias)`` (``scale=None``: no scale).
 
     ``F.linear(x, weight, bias) * scale`` with the per-channel scale folded into the weight and bias (the weighted
@@ -143,13 +142,13 @@ class _Mlp(torch.autograd.Function):
         return grad_x.view_as(x), grad_weight1, grad_bias1, grad_weight2, grad_bias2, grad_scale
 
 
-def _addmm(bias: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.addmm(bias, a, b, out=out) if bias is not None else torch.mm(a, b, out=out)
 
 
-def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: Optional[torch.Tensor], weight: torch.Tensor,
-             bias: Optional[torch.Tensor], scale: Optional[torch.Tensor]
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | None, weight: torch.Tensor,
+             bias: torch.Tensor | None, scale: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of weight, bias and scale from those of the scaled weight (scale[:, None] W) and bias (scale b)."""
     if scale is None:
         return grad_weight_scaled, grad_bias_scaled, None
@@ -161,8 +160,8 @@ def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: Optional[torch.
 
 
 @register_notrace_function  # picks its path from the device and autograd state at run time
-def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: Optional[torch.Tensor], weight2: torch.Tensor,
-        bias2: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
+        bias2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
 
     The backward keeps x and fc1's output. Training on CPU in float32, the MLP runs in row blocks (:class:`_Mlp`);

@@ -23,7 +23,6 @@ a -inf key mask (padded stripes) only removes keys.
 The normalisation is a per-(batch, head) scalar, so the fused path folds it into q and runs
 ``scaled_dot_product_attention`` with scale 1.
 """
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -64,7 +63,7 @@ class LipschitzNormAttention(nn.Module):
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
-            attn_bias: Optional[torch.Tensor] = None,
+            attn_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """
         Args:

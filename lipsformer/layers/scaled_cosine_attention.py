@@ -11,7 +11,6 @@ tau, and the output is a convex combination of the value rows.
 This module holds only the attention maths on (batch, heads, tokens, head_dim) tensors; window and stripe
 partitioning, projections and positional terms belong to the caller.
 """
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -64,7 +63,7 @@ class ScaledCosineAttention(nn.Module):
             q: torch.Tensor,
             k: torch.Tensor,
             v: torch.Tensor,
-            attn_bias: Optional[torch.Tensor] = None,
+            attn_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """
         Args:

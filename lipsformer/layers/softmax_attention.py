@@ -6,7 +6,6 @@ on (batch, heads, tokens, head_dim) tensors, with B an additive bias (a relative
 dropout on the probabilities. PyTorch's fused ``scaled_dot_product_attention`` computes it wherever it is faster
 than the explicit expression below.
 """
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,7 @@ def softmax_attention(
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        attn_bias: Optional[torch.Tensor],
+        attn_bias: torch.Tensor | None,
         dropout_p: float,
         fused: bool,
         scale: float = 1.0,

@@ -17,7 +17,6 @@ and the activation it would keep for alpha's gradient is not stored. Elsewhere (
 GELU) alpha, the drop-path mask and the sum are one multiply-add (:class:`ResidualDropPath`) instead of three passes
 over the activations.
 """
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -42,7 +41,7 @@ class ScaledOutputMlp(Mlp):
         self.gelu_into_fc2 = (isinstance(self.act, nn.GELU) and self.act.approximate == 'none'
                               and isinstance(self.norm, nn.Identity))
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.gelu_into_fc2 and (self.drop1.p == 0.0 or not self.training):
             x = mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, out_scale)
             return self.drop2(x)
@@ -87,7 +86,7 @@ class ResidualDropPath(DropPath):
     and the sum in one pass over the activations, forward and backward. Called as a module it is plain DropPath.
     """
 
-    def branch_scale(self, branch: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def branch_scale(self, branch: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """The factor that ``DropPath(branch * scale)`` multiplies ``branch`` by: ``scale`` (None: 1) times, in
         training, the per-sample keep mask (B, 1, ..., 1) over the keep probability."""
         if self.training and self.drop_prob > 0.0:
@@ -98,7 +97,7 @@ class ResidualDropPath(DropPath):
             scale = keep if scale is None else keep * scale
         return scale
 
-    def residual(self, x: torch.Tensor, branch: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x + DropPath(branch * scale)``; ``scale=None``: no scale."""
         scale = self.branch_scale(branch, scale)
         if scale is None:

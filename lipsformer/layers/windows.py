@@ -3,7 +3,6 @@
 Partitioning is a permutation of tokens and zero padding an isometric embedding, so both are 1-Lipschitz: the
 Lipschitz constant of windowed attention is that of the attention inside one window.
 """
-from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +11,7 @@ from timm.models import register_notrace_function
 __all__ = ['pad_to_multiple', 'padded_size', 'padding_key_mask', 'split_heads', 'window_partition', 'window_reverse']
 
 
-def padded_size(height: int, width: int, window_h: int, window_w: int) -> Tuple[int, int]:
+def padded_size(height: int, width: int, window_h: int, window_w: int) -> tuple[int, int]:
     """The map's height and width rounded up to multiples of the window."""
     return height + (window_h - height % window_h) % window_h, width + (window_w - width % window_w) % window_w
 
@@ -34,7 +33,7 @@ def window_partition(x: torch.Tensor, window_h: int, window_w: int) -> torch.Ten
     One copy, whatever the strides of the trailing dimensions (a channel slice of a projection is read in place).
     """
     height, width = x.shape[1], x.shape[2]
-    trailing: List[int] = list(x.shape[3:])
+    trailing: list[int] = list(x.shape[3:])
     x = x.reshape([-1, height // window_h, window_h, width // window_w, window_w] + trailing)
     x = x.permute([0, 1, 3, 2, 4] + list(range(5, x.dim())))
     return x.reshape([-1, window_h * window_w] + trailing)
@@ -45,7 +44,7 @@ def window_reverse(windows: torch.Tensor, window_h: int, window_w: int, height: 
     """Inverse of :func:`window_partition` followed by :func:`pad_to_multiple`: (B * num_windows, area, ...) ->
     (B, height, width, ...), the padding cut off (a view of one copy)."""
     padded_h, padded_w = padded_size(height, width, window_h, window_w)
-    trailing: List[int] = list(windows.shape[2:])
+    trailing: list[int] = list(windows.shape[2:])
     x = windows.reshape([-1, padded_h // window_h, padded_w // window_w, window_h, window_w] + trailing)
     x = x.permute([0, 1, 3, 2, 4] + list(range(5, x.dim())))
     x = x.reshape([-1, padded_h, padded_w] + trailing)
@@ -54,7 +53,7 @@ def window_reverse(windows: torch.Tensor, window_h: int, window_w: int, height: 
     return x
 
 
-def split_heads(x: torch.Tensor, parts: int, num_heads: int) -> List[torch.Tensor]:
+def split_heads(x: torch.Tensor, parts: int, num_heads: int) -> list[torch.Tensor]:
     """(N, L, parts * C) projections stacked along channels -> ``parts`` views (N, heads, L, C / heads)."""
     return x.unflatten(-1, (parts, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
 
@@ -68,7 +67,7 @@ def padding_key_mask(
         batch: int,
         device: torch.device,
         dtype: torch.dtype,
-) -> Optional[torch.Tensor]:
+) -> torch.Tensor | None:
     """Additive mask (B * num_windows, 1, 1, window area) that hides padded keys, or None without padding.
 
     Masking padded keys makes attention in a window cut by the map border the same as attention over its valid

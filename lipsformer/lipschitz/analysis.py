@@ -12,7 +12,8 @@ makes the expectation the full product again.
 """
 import math
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,17 +31,17 @@ def _log_sum(values: Sequence[float]) -> float:
     return sum(math.log(v) if math.isfinite(v) else math.inf for v in values)
 
 
-def _exp(log_value: float) -> Union[float, str]:
+def _exp(log_value: float) -> float | str:
     """exp(log_value); inf if unbounded; a '10^x' string if finite but beyond float64 (e.g. 1/eps factors)."""
     if log_value < 700.0:
         return math.exp(log_value)
     return math.inf if math.isinf(log_value) else f'10^{log_value / math.log(10):.2f}'
 
 
-def _part_norms(entry: Entry, norms: MeasuredNorms) -> List[Dict[str, Any]]:
+def _part_norms(entry: Entry, norms: MeasuredNorms) -> list[dict[str, Any]]:
     rows = []
     for name, module, size in entry.parts:
-        row: Dict[str, Any] = {'name': name, 'reshaped_norm': norms.matrix(module, module.weight)}
+        row: dict[str, Any] = {'name': name, 'reshaped_norm': norms.matrix(module, module.weight)}
         if isinstance(module, nn.Conv2d):
             row.update(operator_norm=norms.conv(module, size), map_size=list(size))
         rows.append(row)
@@ -50,7 +51,7 @@ def _part_norms(entry: Entry, norms: MeasuredNorms) -> List[Dict[str, Any]]:
     return rows
 
 
-def network_bound(entries: List[Entry], norms: NormSource) -> Dict[str, Any]:
+def network_bound(entries: list[Entry], norms: NormSource) -> dict[str, Any]:
     """Theorem 2's product over ``entries`` with the norms of ``norms``, its exp(kappa) form and the drop-path mean."""
     plain, factors, lipschitz, alphas, kept = [], [], [], [], []
     unbounded, unproven = [], []
@@ -89,11 +90,11 @@ def network_bound(entries: List[Entry], norms: NormSource) -> Dict[str, Any]:
     }
 
 
-def _entry_rows(entries: List[Entry], operator: MeasuredNorms, reshaped: MeasuredNorms) -> List[Dict[str, Any]]:
+def _entry_rows(entries: list[Entry], operator: MeasuredNorms, reshaped: MeasuredNorms) -> list[dict[str, Any]]:
     rows = []
     for entry in entries:
         bound, paper_bound = entry.bound(operator), entry.bound(reshaped)
-        row: Dict[str, Any] = {'name': entry.name, 'kind': entry.kind, 'lipschitz_bound': bound.value,
+        row: dict[str, Any] = {'name': entry.name, 'kind': entry.kind, 'lipschitz_bound': bound.value,
                                'lipschitz_bound_reshaped': paper_bound.value, 'reason': bound.reason,
                                'proven': bound.proven}
         if entry.residual is not None:
@@ -105,8 +106,8 @@ def _entry_rows(entries: List[Entry], operator: MeasuredNorms, reshaped: Measure
     return rows
 
 
-def _empirical(model: nn.Module, entries: List[Entry], rows: List[Dict[str, Any]], x: torch.Tensor,
-               iterations: int, ascent_steps: int, branch_iterations: int, seed: int) -> Dict[str, Any]:
+def _empirical(model: nn.Module, entries: list[Entry], rows: list[dict[str, Any]], x: torch.Tensor,
+               iterations: int, ascent_steps: int, branch_iterations: int, seed: int) -> dict[str, Any]:
     residuals = [(entry, row) for entry, row in zip(entries, rows) if entry.residual is not None]
     with frozen(model), explicit_attention(model):
         captured = capture_inputs(model, [entry.residual.input_of for entry, _ in residuals], x)
@@ -121,14 +122,14 @@ def _empirical(model: nn.Module, entries: List[Entry], rows: List[Dict[str, Any]
 
 def analyze(
         model: nn.Module,
-        img_size: Optional[Union[int, Tuple[int, int]]] = None,
+        img_size: int | tuple[int, int] | None = None,
         empirical: bool = True,
         iterations: int = 10,
         ascent_steps: int = 10,
         branch_iterations: int = 5,
         seed: int = 0,
-        inputs: Optional[torch.Tensor] = None,
-) -> Dict[str, Any]:
+        inputs: torch.Tensor | None = None,
+) -> dict[str, Any]:
     """Bounds and empirical estimates of the Lipschitz constant of a LipsFormer model and of each of its branches.
 
     Args:
@@ -157,7 +158,7 @@ def analyze(
     operator = MeasuredNorms('operator')
     reshaped = MeasuredNorms('reshaped', cache=operator.cache)
     rows = _entry_rows(entries, operator, reshaped)
-    report: Dict[str, Any] = {
+    report: dict[str, Any] = {
         'model': getattr(model, 'pretrained_cfg', {}).get('architecture', type(model).__name__),
         'img_size': list(size),
         **network_bound(entries, operator),

@@ -6,8 +6,8 @@ LePE (a depthwise conv on the values of each stripe) and scales each branch by 1
 concatenated like heads. The output projection multiplies the whole.
 """
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
@@ -33,7 +33,7 @@ class Bound:
 @dataclass
 class _Heads:
     """Per-head bounds of one attention kernel, or why there is none."""
-    values: List[float]
+    values: list[float]
     reason: str
     covers_bias: bool
 
@@ -42,7 +42,7 @@ def _unbounded(reason: str) -> _Heads:
     return _Heads([math.inf], 'unbounded: ' + reason, covers_bias=True)
 
 
-def _head_rows(dim: int, channel_start: int, head_dim: int, head: int, tied: bool) -> Tuple[slice, slice, slice]:
+def _head_rows(dim: int, channel_start: int, head_dim: int, head: int, tied: bool) -> tuple[slice, slice, slice]:
     """Rows of the qkv weight that give one head's queries, keys and values."""
     start = channel_start + head * head_dim
     query = slice(start, start + head_dim)
@@ -51,7 +51,7 @@ def _head_rows(dim: int, channel_start: int, head_dim: int, head: int, tied: boo
     return query, slice(dim + start, dim + start + head_dim), slice(2 * dim + start, 2 * dim + start + head_dim)
 
 
-def _kernel_heads(kernel: nn.Module, qkv: nn.Linear, rows: Sequence[Tuple[slice, slice, slice]], num_tokens: int,
+def _kernel_heads(kernel: nn.Module, qkv: nn.Linear, rows: Sequence[tuple[slice, slice, slice]], num_tokens: int,
                   norms: NormSource) -> _Heads:
     weight = qkv.weight
     if isinstance(kernel, ScaledCosineAttention):
@@ -95,7 +95,7 @@ def window_attention_bound(attn: nn.Module, norms: NormSource) -> Bound:
     return Bound(value, heads.reason + ('' if math.isinf(value) else '; covers the relative-position bias'))
 
 
-def stripe_sizes(attn: nn.Module, feat_size: Tuple[int, int]) -> List[Tuple[int, int]]:
+def stripe_sizes(attn: nn.Module, feat_size: tuple[int, int]) -> list[tuple[int, int]]:
     """(height, width) of the stripes of each branch of a ``CrossStripeAttention`` on a ``feat_size`` map."""
     height, width = feat_size
     if attn.two_branches:
@@ -103,7 +103,7 @@ def stripe_sizes(attn: nn.Module, feat_size: Tuple[int, int]) -> List[Tuple[int,
     return [(height, width)]
 
 
-def cross_stripe_attention_bound(attn: nn.Module, feat_size: Tuple[int, int], norms: NormSource) -> Bound:
+def cross_stripe_attention_bound(attn: nn.Module, feat_size: tuple[int, int], norms: NormSource) -> Bound:
     """Bound of a CSwin ``CrossStripeAttention`` on a ``feat_size`` map (stripes with LePE and head scaling)."""
     dim = attn.proj.in_features
     stripes = stripe_sizes(attn, feat_size)
@@ -121,7 +121,7 @@ def cross_stripe_attention_bound(attn: nn.Module, feat_size: Tuple[int, int], no
     return Bound(value, reason + ('' if math.isinf(value) else '; plus LePE'))
 
 
-def mixer_bound(attn: nn.Module, feat_size: Tuple[int, int], norms: NormSource) -> Optional[Bound]:
+def mixer_bound(attn: nn.Module, feat_size: tuple[int, int], norms: NormSource) -> Bound | None:
     """Bound of a LipsFormer token mixer, or None if it is neither a window nor a cross-stripe attention."""
     if hasattr(attn, 'window_size') and hasattr(attn, 'kernel'):
         return window_attention_bound(attn, norms)

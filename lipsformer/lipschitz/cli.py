@@ -6,17 +6,18 @@ form, its drop-path expectation and empirical estimates; ``--json`` writes the s
 string "unbounded".
 """
 import argparse
-import json
 import math
-import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import timm
 import torch
 import yaml
 
 from ..checkpoint import CheckpointError, load_model_weights
+from ..hub.model_names import create_model, model_source
+from ..utils.io import write_json
 from .analysis import analyze
 
 __all__ = ['build_parser', 'format_report', 'main', 'to_json']
@@ -25,7 +26,8 @@ __all__ = ['build_parser', 'format_report', 'main', 'to_json']
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='python -m lipsformer.lipschitz', description=__doc__.split('\n\n')[1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny')
+    parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny, or one with its '
+                                                       'weights: local-dir:FOLDER, hf-hub:REPO_ID')
     parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.checkpoint reads); default: '
                                              'the model at initialisation')
     parser.add_argument('--use-ema', action='store_true', help='take the EMA weights from the checkpoint')
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
+def _model_kwargs(items: Sequence[str]) -> dict[str, Any]:
     kwargs = {}
     for item in items:
         key, sep, value = item.partition('=')
@@ -54,13 +56,13 @@ def _model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
     return kwargs
 
 
-def _number(value: Union[float, str, None], digits: int = 4) -> str:
+def _number(value: float | str | None, digits: int = 4) -> str:
     if value is None or isinstance(value, str):
         return value or '-'
     return 'unbounded' if math.isinf(value) else f'{value:.{digits}g}'
 
 
-def format_report(report: Dict[str, Any]) -> str:
+def format_report(report: dict[str, Any]) -> str:
     """The report as a table of branches and a summary of the network."""
     lines = [f'Lipschitz analysis of {report["model"]} at {report["img_size"][0]}x{report["img_size"][1]}'
              + (f' ({report["checkpoint"]})' if report.get('checkpoint') else ' (at initialisation)'), '',
@@ -110,14 +112,7 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def _write_json(report: Dict[str, Any], path: str) -> None:
-    tmp_path = f'{path}.tmp-{os.getpid()}'
-    with open(tmp_path, 'w') as f:
-        json.dump(to_json(report), f, indent=2)
-    os.replace(tmp_path, path)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,10 +120,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         kwargs = _model_kwargs(args.model_kwargs)
         if args.img_size is not None:
             kwargs['img_size'] = args.img_size
-        if not timm.is_model(args.model):
+        if not model_source(args.model) and not timm.is_model(args.model):
             names = ', '.join(timm.list_models('lipsformer*'))
             raise ValueError(f'unknown model {args.model!r}; LipsFormer models: {names}')
-        model = timm.create_model(args.model, **kwargs)
+        # A local-dir: or hf-hub: name means its weights, unless --checkpoint gives others.
+        model = create_model(args.model, pretrained=bool(model_source(args.model)) and not args.checkpoint, **kwargs)
         if args.checkpoint:
             load_model_weights(model, args.checkpoint, use_ema=args.use_ema)
         report = analyze(model, args.img_size, empirical=not args.no_empirical, iterations=args.iterations,
@@ -139,5 +135,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     report['checkpoint'] = args.checkpoint
     print(format_report(report))
     if args.json:
-        _write_json(report, args.json)
+        write_json(args.json, to_json(report))
     return 0

@@ -15,16 +15,14 @@ EMA of projected weights stays inside them (if it averages the projected weights
 
 Power iteration approaches a norm from below. Carried vectors follow a slowly turning top singular direction, but
 not a sudden new one: Adam's first steps at a high learning rate move a weight by a nearly rank-one update of
-spectral norm up to lr * sqrt(m n), and the estimate then trails the true norm for a few steps (measured on a tiny
-LipsFormer-CSwin with AdamW: weights up to 14% over their cap at lr 1e-3, 80% at lr 1e-2, back under within a few
-steps); it also converges slowly where the top singular values are close together, as in random matrices (about 1%
-under after a few dozen steps). ``exact=True`` computes every norm exactly, so that the caps, and the bound, hold
-after every step, at a much higher cost (lipsformer_swin_tiny on CPU, one training step of batch 8: 0.5% with one
-power iteration, 0.7% with two, 40% exact).
+spectral norm up to lr * sqrt(m n), and the estimate then trails the true norm for a few steps; it also converges
+slowly where the top singular values are close together, as in random matrices. ``exact=True`` computes every norm
+exactly, so that the caps, and the bound, hold after every step, at a much higher cost. docs/lipschitz_constraint.md
+gives the measured overshoot and cost.
 """
 import math
 import re
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,7 +37,7 @@ from .structure import describe
 __all__ = ['LipschitzConstraint']
 
 
-class _Caps(NormSource):
+class CappedNorms(NormSource):
     """Every norm at its cap: the worst case the constraint allows."""
 
     def __init__(self, constraint: 'LipschitzConstraint', alpha_max: float) -> None:
@@ -49,7 +47,7 @@ class _Caps(NormSource):
     def matrix(self, owner: nn.Module, weight: torch.Tensor, rows=None) -> float:
         return self.constraint.caps[id(owner)]  # a block of rows is at most the whole
 
-    def conv(self, conv: nn.Conv2d, input_size: Tuple[int, int]) -> float:
+    def conv(self, conv: nn.Conv2d, input_size: tuple[int, int]) -> float:
         return self.constraint.caps[id(conv)] * conv_overlap_factor(conv)
 
     def alpha(self, scale_layer: nn.Module) -> float:
@@ -74,12 +72,12 @@ class LipschitzConstraint:
             self,
             model: nn.Module,
             weight_cap: float = 1.0,
-            module_caps: Optional[Dict[str, float]] = None,
-            alpha_max: Optional[float] = None,
+            module_caps: dict[str, float] | None = None,
+            alpha_max: float | None = None,
             gamma_max: float = 1.0,
-            tau_max: Optional[float] = None,
-            max_bound: Optional[float] = None,
-            img_size: Optional[Union[int, Tuple[int, int]]] = None,
+            tau_max: float | None = None,
+            max_bound: float | None = None,
+            img_size: int | tuple[int, int] | None = None,
             power_iterations: int = 1,
             exact: bool = False,
             seed: int = 0,
@@ -123,18 +121,18 @@ class LipschitzConstraint:
 
     @staticmethod
     def _capped_matrices(model: nn.Module, weight_cap: float,
-                         module_caps: Dict[str, float]) -> List[Tuple[str, nn.Module, float]]:
+                         module_caps: dict[str, float]) -> list[tuple[str, nn.Module, float]]:
         def cap_of(name: str) -> float:
             return next((float(cap) for pattern, cap in module_caps.items() if re.search(pattern, name)), weight_cap)
         return [(name, module, cap_of(name)) for name, module in model.named_modules()
                 if isinstance(module, (nn.Linear, nn.Conv2d)) or hasattr(module, 'value_map')]
 
-    def _initial_vectors(self, seed: int) -> Dict[str, torch.Tensor]:
+    def _initial_vectors(self, seed: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         return {name: nn.functional.normalize(torch.randn(module.weight.shape[0], generator=generator), dim=0).to(
             module.weight) for name, module, _ in self.matrices if not hasattr(module, 'value_map')}
 
-    def _choose_alpha_max(self, alpha_max: Optional[float], max_bound: Optional[float]) -> float:
+    def _choose_alpha_max(self, alpha_max: float | None, max_bound: float | None) -> float:
         if alpha_max is not None:
             if max_bound is not None:
                 raise ValueError('give alpha_max or max_bound, not both (max_bound chooses alpha_max)')
@@ -142,7 +140,7 @@ class LipschitzConstraint:
         if max_bound is None:
             return max((m.gamma.detach().abs().max().item() for m in self.alphas), default=0.0)
         entries = describe(self.model, self.img_size)
-        at_zero = network_bound(entries, _Caps(self, 0.0))
+        at_zero = network_bound(entries, CappedNorms(self, 0.0))
         if at_zero['unbounded']:
             raise ValueError(f'max_bound={max_bound}: no bound exists, these parts are not Lipschitz: '
                              f'{", ".join(at_zero["unbounded"][:3])} (use attn_type l2 or lipnorm, or scsa with '
@@ -152,7 +150,8 @@ class LipschitzConstraint:
                              f'the layers outside the residuals at these caps; raise max_bound or lower the caps')
 
         def fits(alpha: float) -> bool:  # a hair below, so that the bound recomputed from logs stays <= max_bound
-            return network_bound(entries, _Caps(self, alpha))['log10_product_bound'] <= math.log10(max_bound) - 1e-12
+            bound = network_bound(entries, CappedNorms(self, alpha))['log10_product_bound']
+            return bound <= math.log10(max_bound) - 1e-12
 
         low, high = 0.0, 1.0
         while fits(high) and high < 1e6:
@@ -162,12 +161,12 @@ class LipschitzConstraint:
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
 
-    def bound(self) -> Union[float, str]:
+    def bound(self) -> float | str:
         """Theorem 2's product bound that the caps guarantee (inf if some part has no bound, '10^x' beyond float64)."""
-        return network_bound(describe(self.model, self.img_size), _Caps(self, self.alpha_max))['product_bound']
+        return network_bound(describe(self.model, self.img_size), CappedNorms(self, self.alpha_max))['product_bound']
 
     @torch.no_grad()
-    def refresh(self, iterations: int) -> Dict[str, torch.Tensor]:
+    def refresh(self, iterations: int) -> dict[str, torch.Tensor]:
         """Spectral norm estimates of every capped matrix: power iterations on Linear and Conv weights (exact norms
         with ``exact``), exact norms for the small (and, at the identity, degenerate) value maps of L2 attention."""
         sigmas = {}
@@ -205,11 +204,11 @@ class LipschitzConstraint:
         for kernel in self.taus:
             kernel.tau.clamp_(-self.tau_caps[id(kernel)], self.tau_caps[id(kernel)])
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The cached power-iteration vectors (tensors only, safe for weights-only loading)."""
         return {name: u.detach().clone() for name, u in self.vectors.items()}
 
-    def load_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Restore cached vectors saved by :meth:`state_dict` for the same model."""
         unknown = sorted(set(state_dict) - set(self.vectors))
         missing = sorted(set(self.vectors) - set(state_dict))

@@ -9,7 +9,7 @@
   such as one attention layer (Kim et al., Figure 2).
 """
 import contextlib
-from typing import Callable, Dict, Iterator, List, Tuple
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -47,7 +47,7 @@ def frozen(model: nn.Module) -> Iterator[None]:
 
 
 def jacobian_norm(fn: Function, x: torch.Tensor, iterations: int = 10, tol: float = 1e-3,
-                  seed: int = 0) -> Tuple[float, torch.Tensor]:
+                  seed: int = 0) -> tuple[float, torch.Tensor]:
     """Largest singular value of the Jacobian of ``fn`` at ``x``, by power iteration on J^T J.
 
     Args:
@@ -137,9 +137,9 @@ def jacobian_norm_ascent(fn: Function, x: torch.Tensor, ord: float = float('inf'
 
 
 @torch.no_grad()
-def capture_inputs(model: nn.Module, modules: List[nn.Module], x: torch.Tensor) -> Dict[int, torch.Tensor]:
+def capture_inputs(model: nn.Module, modules: list[nn.Module], x: torch.Tensor) -> dict[int, torch.Tensor]:
     """The forward input of each of ``modules`` when ``model`` runs on ``x``, keyed by ``id(module)``."""
-    captured: Dict[int, torch.Tensor] = {}
+    captured: dict[int, torch.Tensor] = {}
     hooks = [m.register_forward_pre_hook(lambda module, args: captured.setdefault(id(module), args[0].detach()))
              for m in modules]
     try:

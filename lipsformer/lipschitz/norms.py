@@ -7,7 +7,7 @@ so the true operator norm is found by power iteration on conv^T conv at the map 
 """
 import functools
 import math
-from typing import Callable, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -15,17 +15,20 @@ import torch.nn.functional as F
 
 from ..layers import spectral_norm as weight_spectral_norm
 
-__all__ = ['activation_lipschitz', 'conv_operator_norm', 'conv_overlap_factor', 'is_patchwise', 'reshaped_norm',
-           'spectral_norm']
+__all__ = ['activation_lipschitz', 'conv_operator_norm', 'conv_overlap_factor', 'is_patchwise',
+           'largest_singular_value', 'reshaped_norm']
 
 
 @torch.no_grad()
-def spectral_norm(matrix: torch.Tensor) -> float:
-    """Largest singular value of a matrix, or the largest over a stack of matrices (exact, float64)."""
-    matrix = matrix.detach()
-    if matrix.dim() == 2:
-        return weight_spectral_norm(matrix).item()
-    return max(weight_spectral_norm(m).item() for m in matrix.reshape(-1, *matrix.shape[-2:]))
+def largest_singular_value(matrices: torch.Tensor) -> float:
+    """The largest singular value of a matrix, or the largest over a stack of matrices (exact, float64).
+
+    One matrix's value is :func:`lipsformer.layers.spectral_norm` (a tensor, of the (out, -1) reshape) as a float.
+    """
+    matrices = matrices.detach()
+    if matrices.dim() == 2:
+        return weight_spectral_norm(matrices).item()
+    return max(weight_spectral_norm(m).item() for m in matrices.reshape(-1, *matrices.shape[-2:]))
 
 
 @torch.no_grad()
@@ -47,7 +50,7 @@ def conv_overlap_factor(conv: nn.Conv2d) -> float:
 
 
 @torch.no_grad()
-def conv_operator_norm(conv: nn.Conv2d, input_size: Tuple[int, int], iterations: int = 200, tol: float = 1e-6,
+def conv_operator_norm(conv: nn.Conv2d, input_size: tuple[int, int], iterations: int = 200, tol: float = 1e-6,
                        seed: int = 0, candidates: int = 8) -> float:
     """Operator norm of the convolution (bias excluded) on one ``input_size`` map.
 
@@ -96,7 +99,7 @@ def _power_iteration(conv: nn.Conv2d, weight: torch.Tensor, x: torch.Tensor, ite
     return estimate
 
 
-def _plane_waves(weight: torch.Tensor, input_size: Tuple[int, int]) -> torch.Tensor:
+def _plane_waves(weight: torch.Tensor, input_size: tuple[int, int]) -> torch.Tensor:
     """For each channel of a depthwise kernel, the plane wave on the map at its kernel's Fourier peak.
 
     Taps farther from the centre than the map is wide only ever meet zero padding, so they are dropped first.
@@ -120,7 +123,7 @@ def _largest_slope(activation: Callable[[torch.Tensor], torch.Tensor]) -> float:
     return slope.abs().max().item()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gelu_lipschitz(approximate: str) -> float:
     return _largest_slope(nn.GELU(approximate=approximate))
 

@@ -10,8 +10,8 @@ Lipschitz constant, a weighted residual x + alpha (.) f(x) by 1 + max|alpha| Lip
 ``bound`` returns for a residual).
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -48,8 +48,8 @@ class Entry:
     name: str
     kind: str
     bound: Callable[[NormSource], Bound]
-    parts: List[Tuple[str, nn.Module, Optional[Tuple[int, int]]]] = field(default_factory=list)
-    residual: Optional[Residual] = None
+    parts: list[tuple[str, nn.Module, tuple[int, int] | None]] = field(default_factory=list)
+    residual: Residual | None = None
 
 
 def norm_bound(norm: nn.Module, norms: NormSource) -> Bound:
@@ -64,7 +64,7 @@ def norm_bound(norm: nn.Module, norms: NormSource) -> Bound:
     return Bound(math.inf, f'unbounded: no known Lipschitz bound for {type(norm).__name__}')
 
 
-def _conv_shortcut(name: str, shortcut: nn.Module, size: Tuple[int, int]) -> Entry:
+def _conv_shortcut(name: str, shortcut: nn.Module, size: tuple[int, int]) -> Entry:
     def bound(norms: NormSource) -> Bound:
         value = activation_lipschitz(shortcut.act1) * norms.conv(shortcut.dw, size)
         if shortcut.pw is not None:
@@ -91,7 +91,7 @@ class PreNormed(nn.Module):
 
 
 def _pre_normed(norm: nn.Module, function: nn.Module, bound: Callable[[NormSource], Bound]
-                ) -> Tuple[nn.Module, Callable[[NormSource], Bound]]:
+                ) -> tuple[nn.Module, Callable[[NormSource], Bound]]:
     """A pre-norm block's branch f(norm(x)) and its bound Lip(f) Lip(norm), from f and its bound."""
     def normed_bound(norms: NormSource) -> Bound:
         inner, outer = bound(norms), norm_bound(norm, norms)
@@ -100,7 +100,7 @@ def _pre_normed(norm: nn.Module, function: nn.Module, bound: Callable[[NormSourc
     return PreNormed(norm, function), normed_bound
 
 
-def _attention(name: str, block: nn.Module, size: Tuple[int, int]) -> Entry:
+def _attention(name: str, block: nn.Module, size: tuple[int, int]) -> Entry:
     attn = block.attn
 
     def bound(norms: NormSource) -> Bound:
@@ -111,11 +111,7 @@ def _attention(name: str, block: nn.Module, size: Tuple[int, int]) -> Entry:
     if hasattr(attn, 'branches'):
         parts += [(f'{name}.branches.{index}.lepe', branch.lepe, stripe)
                   for index, (branch, stripe) in enumerate(zip(attn.branches, stripe_sizes(attn, size)))]
-    if getattr(block, 'pre_norm', False):
-        function, bound = _pre_normed(block.norm1, attn, bound)
-        return Entry(name, 'attention', bound, parts, Residual(block.alpha1, _drop_prob(block.drop_path1), function,
-                                                               block.norm1))
-    return Entry(name, 'attention', bound, parts, Residual(block.alpha1, _drop_prob(block.drop_path1), attn, attn))
+    return _branch(name, 'attention', block, attn, bound, parts, block.norm1, block.alpha1, block.drop_path1)
 
 
 def _mlp(name: str, block: nn.Module) -> Entry:
@@ -128,11 +124,16 @@ def _mlp(name: str, block: nn.Module) -> Entry:
         return Bound(value * norms.matrix(mlp.fc1, mlp.fc1.weight), 'fc2 o GELU o fc1')
 
     parts = [(f'{name}.fc1', mlp.fc1, None), (f'{name}.fc2', mlp.fc2, None)]
+    return _branch(name, 'mlp', block, mlp, bound, parts, block.norm2, block.alpha2, block.drop_path2)
+
+
+def _branch(name: str, kind: str, block: nn.Module, function: nn.Module, bound: Callable[[NormSource], Bound],
+            parts: list, norm: nn.Module, alpha: ScaleLayer, drop_path: nn.Module) -> Entry:
+    """A block's weighted residual branch around ``function``, with ``norm`` inside it in a pre-norm block."""
     if getattr(block, 'pre_norm', False):
-        function, bound = _pre_normed(block.norm2, mlp, bound)
-        return Entry(name, 'mlp', bound, parts, Residual(block.alpha2, _drop_prob(block.drop_path2), function,
-                                                         block.norm2))
-    return Entry(name, 'mlp', bound, parts, Residual(block.alpha2, _drop_prob(block.drop_path2), mlp, mlp))
+        normed, normed_bound = _pre_normed(norm, function, bound)
+        return Entry(name, kind, normed_bound, parts, Residual(alpha, _drop_prob(drop_path), normed, norm))
+    return Entry(name, kind, bound, parts, Residual(alpha, _drop_prob(drop_path), function, function))
 
 
 def _norm(name: str, norm: nn.Module) -> Entry:
@@ -143,14 +144,14 @@ def _drop_prob(drop_path: nn.Module) -> float:
     return float(getattr(drop_path, 'drop_prob', 0.0))
 
 
-def _stem(model: nn.Module, size: Tuple[int, int]) -> List[Entry]:
+def _stem(model: nn.Module, size: tuple[int, int]) -> list[Entry]:
     proj = model.patch_embed.proj
     conv = Entry('patch_embed.proj', 'conv', lambda norms: Bound(norms.conv(proj, size), 'patch conv'),
                  [('patch_embed.proj', proj, size)])
     return [conv, _norm('patch_embed.norm', model.patch_embed.norm)]
 
 
-def _downsample(name: str, downsample: nn.Module, size: Tuple[int, int]) -> List[Entry]:
+def _downsample(name: str, downsample: nn.Module, size: tuple[int, int]) -> list[Entry]:
     """Swin's PatchMerging (a permutation, norm, Linear) or CSwin's ConvMerge (conv, norm)."""
     if isinstance(downsample, nn.Identity):
         return []
@@ -165,7 +166,7 @@ def _downsample(name: str, downsample: nn.Module, size: Tuple[int, int]) -> List
                   [(f'{name}.conv', conv, size)]), _norm(f'{name}.norm', downsample.norm)]
 
 
-def _head(model: nn.Module, tokens: int) -> List[Entry]:
+def _head(model: nn.Module, tokens: int) -> list[Entry]:
     pool_type = model.head.global_pool.pool_type if hasattr(model.head, 'global_pool') else ''
     if pool_type not in _POOL_GAINS:
         pool = Bound(math.inf, f'unbounded: unknown pool {pool_type!r}')
@@ -179,7 +180,7 @@ def _head(model: nn.Module, tokens: int) -> List[Entry]:
     return entries
 
 
-def describe(model: nn.Module, img_size: Tuple[int, int]) -> List[Entry]:
+def describe(model: nn.Module, img_size: tuple[int, int]) -> list[Entry]:
     """The chain of maps of a LipsFormer model (Swin or CSwin) on ``img_size`` images, input to output."""
     if not (hasattr(model, 'patch_embed') and hasattr(model, 'stages')):
         raise TypeError(f'{type(model).__name__} is not a LipsFormer model (lipsformer_swin_* / lipsformer_cswin_*)')

@@ -94,7 +94,8 @@ def scsa_head_bound(num_tokens: int, tau: float, nu: float, normalize_lipschitz:
 
         |d out| <= nu L_n (sqrt(N) |W^V| + 2 tau (|W^Q| + sqrt(N) |W^K|)) |dX|_F.
 
-    At X = 0 the Jacobian of the paper's form is nu sigma_max(W^V) / sqrt(eps) (paper.md check 4), below this bound.
+    At X = 0 the Jacobian of the paper's form is nu sigma_max(W^V) / sqrt(eps) (by differentiation there), below this
+    bound.
     """
     root_n = math.sqrt(num_tokens)
     return nu * normalize_lipschitz * (root_n * value_norm + 2 * abs(tau) * (query_norm + root_n * key_norm))

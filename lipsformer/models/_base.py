@@ -7,8 +7,9 @@ Feature maps are NHWC throughout, as in timm's Swin.
 """
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -16,8 +17,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, PatchEmbed, calculate_drop_path_rates, to_2tuple
 from timm.models import checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
-from timm.models._input import update_model_input_size
 
+from .._compat import update_model_input_size
 from ..layers import (
     ResidualDropPath,
     ScaledOutputMlp,
@@ -37,7 +38,7 @@ class MixerArgs(NamedTuple):
     stage: int
     block: int
     dim: int
-    feat_size: Tuple[int, int]  # the stage's map at the model's img_size
+    feat_size: tuple[int, int]  # the stage's map at the model's img_size
     make_kernel: Callable[[int, int], nn.Module]  # (head_dim, heads) -> the attention kernel
     qkv_bias: bool
     proj_drop: float
@@ -107,7 +108,7 @@ class LipsFormerBlock(nn.Module):
 class LipsFormerStage(nn.Module):
     """Optional downsampling followed by a sequence of blocks, on NHWC maps."""
 
-    def __init__(self, downsample: nn.Module, blocks: List[nn.Module]) -> None:
+    def __init__(self, downsample: nn.Module, blocks: list[nn.Module]) -> None:
         super().__init__()
         self.downsample = downsample
         self.blocks = nn.Sequential(*blocks)
@@ -148,7 +149,7 @@ class LipsFormer(nn.Module):
             post_attn_norm: bool,
             final_norm: bool,
             alpha_init: float,
-            img_size: Union[int, Tuple[int, int]] = 224,
+            img_size: int | tuple[int, int] = 224,
             patch_size: int = 4,
             in_chans: int = 3,
             num_classes: int = 1000,
@@ -163,7 +164,7 @@ class LipsFormer(nn.Module):
             v_norm: bool = False,
             nu: float = 1.0,
             conv_config: str = 'D',
-            norm_layer: Union[str, Callable[[int], nn.Module]] = 'center',
+            norm_layer: str | Callable[[int], nn.Module] = 'center',
             weight_init: str = 'spectral',
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
@@ -251,12 +252,12 @@ class LipsFormer(nn.Module):
         self.weight_init = weight_init
         self.apply(partial(init_weights_, mode=weight_init))
 
-    def _check_img_size(self, img_size: Tuple[int, int]) -> None:
+    def _check_img_size(self, img_size: tuple[int, int]) -> None:
         if img_size[0] % self.input_divisor or img_size[1] % self.input_divisor:
             raise ValueError(f'img_size must be a multiple of {self.input_divisor}, got {img_size[0]}x{img_size[1]}')
 
     @torch.jit.ignore
-    def set_input_size(self, img_size: Union[int, Tuple[int, int]]) -> None:
+    def set_input_size(self, img_size: int | tuple[int, int]) -> None:
         """Make ``img_size`` the model's default input size (any multiple of the stride works without this)."""
         img_size = to_2tuple(img_size)
         self._check_img_size(img_size)
@@ -264,7 +265,7 @@ class LipsFormer(nn.Module):
         update_model_input_size(self, img_size)
 
     @torch.jit.ignore
-    def no_weight_decay(self) -> Set[str]:
+    def no_weight_decay(self) -> set[str]:
         return {n for n, _ in self.named_parameters() if 'relative_position_bias_table' in n or n.endswith('.tau')}
 
     @torch.jit.ignore
@@ -286,7 +287,7 @@ class LipsFormer(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head.fc
 
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         self.num_classes = num_classes
         self.head.reset(num_classes, pool_type=global_pool, in_features=self.num_features)
         self.head.fc.apply(partial(init_weights_, mode=self.weight_init))
@@ -297,12 +298,12 @@ class LipsFormer(nn.Module):
     def forward_intermediates(
             self,
             x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
+            indices: int | list[int] | None = None,
             norm: bool = False,
             stop_early: bool = False,
             output_fmt: str = 'NCHW',
             intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """Forward returning the stage outputs (NCHW) listed in ``indices``, as timm's ``forward_intermediates``.
 
         Args:
@@ -337,10 +338,10 @@ class LipsFormer(nn.Module):
 
     def prune_intermediate_layers(
             self,
-            indices: Union[int, List[int]] = 1,
+            indices: int | list[int] = 1,
             prune_norm: bool = False,
             prune_head: bool = True,
-    ) -> List[int]:
+    ) -> list[int]:
         """Drop the stages (and norm / head) that the intermediates in ``indices`` do not need."""
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         prune_end = max_index < len(self.stages) - 1

@@ -8,7 +8,8 @@ locally-enhanced positional encoding (LePE), each branch divided by sqrt(its hea
 the MLP residual, alpha = 0.2, two conv shortcuts per block, spectral init, no final norm.
 """
 import re
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -109,7 +110,7 @@ class CrossStripeAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
@@ -147,7 +148,7 @@ class LipsFormerCSwin(LipsFormer):
             num_heads: Sequence[int] = (2, 4, 8, 16),
             split_size: Sequence[int] = (1, 2, 7, 7),
             tau: float = 12.0,
-            alpha_init: Optional[float] = None,
+            alpha_init: float | None = None,
             drop_path_rate: float = 0.2,
             **kwargs: Any,
     ) -> None:

@@ -8,7 +8,8 @@ CenterNorm after the attention and after the MLP residuals, alpha = 1 / sum(dept
 spectral init. The paper's variants (shifted windows, l2-normalised v with nu, other tau and alpha) are options.
 """
 import re
-from typing import Any, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,8 +37,8 @@ class WindowAttention(nn.Module):
             self,
             dim: int,
             num_heads: int,
-            window_size: Tuple[int, int],
-            shift_size: Tuple[int, int],
+            window_size: tuple[int, int],
+            shift_size: tuple[int, int],
             kernel: nn.Module,
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
@@ -89,7 +90,7 @@ class WindowAttention(nn.Module):
         mask = region.unsqueeze(1) - region.unsqueeze(2)
         return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         batch, height, width, _ = x.shape
         window_h, window_w = self.window_size
@@ -128,7 +129,7 @@ class LipsFormerSwin(LipsFormer):
             window_size: int = 7,
             shift_windows: bool = False,
             tau: float = 10.0,
-            alpha_init: Optional[float] = None,
+            alpha_init: float | None = None,
             drop_path_rate: float = 0.2,
             **kwargs: Any,
     ) -> None:

@@ -2,12 +2,27 @@
 
 ``python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x`` is the
 command-line front; :func:`train` with a :class:`Config` from :func:`load_config` is the same from Python.
+
+- :mod:`.config`: every config key with its type, default, documentation and allowed values; :mod:`.config_io` reads
+  YAML (``base:`` files, ``key.sub=value`` overrides), checks it and writes it (and ``configs/reference.yaml``);
+- :mod:`.data`: dataset sources and transforms, the samplers that make resuming exact, batches on the device;
+  :mod:`.splits`: which images each split means and the one class map of a run;
+- :mod:`.optim`: optimizer, schedule, losses, mixup and EMA from timm, with the paper's batch-size scaling;
+- :mod:`.session`: everything a run holds (accelerator, model, EMA, optimizer, data, Lipschitz constraint), built in
+  the order Accelerate needs;
+- :mod:`.loop`: one training epoch and one evaluation pass; :mod:`.signals`: graceful stop on SIGTERM / SIGINT;
+- :mod:`.train_state`: resumable checkpoints with RNG and distributed states, the newest and the best of a run;
+- :mod:`.run_files`: a run folder's ``config.yaml``, ``train.log`` and ``metrics.jsonl``;
+- :mod:`.trainer`: :func:`train`, a run from its start or a checkpoint to its end; :mod:`.finish`: timm-format exports,
+  plots and ``summary.json``;
+- :mod:`.overhead`: what the loop costs on top of the model (``python -m lipsformer.training.overhead``).
 """
-from .checkpoints import latest_checkpoint
-from .config import ConfigError, config_to_dict, load_config
-from .config_schema import Config
+from .config import Config, ConfigError
+from .config_io import config_to_dict, config_to_yaml, load_config, reference_yaml
 from .loop import NonFiniteLossError
+from .splits import DatasetError, DatasetNotFoundError
+from .train_state import latest_checkpoint
 from .trainer import train
 
-__all__ = ['Config', 'ConfigError', 'NonFiniteLossError', 'config_to_dict', 'latest_checkpoint', 'load_config',
-           'train']
+__all__ = ['Config', 'ConfigError', 'DatasetError', 'DatasetNotFoundError', 'NonFiniteLossError', 'config_to_dict',
+           'config_to_yaml', 'latest_checkpoint', 'load_config', 'reference_yaml', 'train']

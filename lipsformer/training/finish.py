@@ -1,23 +1,36 @@
-"""The end of a run: timm-format exports, plots and ``summary.json``."""
+"""The end of a run: final weights in timm's format, PNG curves of the metrics and ``summary.json``.
+
+``export/<which>/model.safetensors`` (+ ``model_ema.safetensors``) and the ``config.json`` that
+``timm.models.save_for_hf`` writes, so that both
+
+    timm.create_model('local-dir:<run>/export/best', pretrained=True)
+    timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file='<run>/export/best/model.safetensors'))
+
+rebuild the trained network (the second needs the same architecture kwargs as the training config, and for a class
+count other than 1000 ``num_classes`` in the overlay too, or timm drops the trained classifier). The plots (loss,
+accuracy, alpha per stage) need matplotlib, an optional dependency.
+"""
 import hashlib
 import logging
 import os
+import shutil
 from typing import Any
 
+import timm
 import torch
 from accelerate.utils import gather_object
 
-from .atomic import write_json
-from .checkpoints import best_checkpoint
-from .distributed_state import is_sharded
-from .export import export_checkpoint
+from ..checkpoint import load_file
+from ..utils.io import atomic_open, replace_dir, write_json
 from .optim import best_metric_name
-from .plots import write_plots
 from .session import Session
+from .train_state import best_checkpoint, is_sharded
 
 _logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = 'summary.json'
+EXPORT_DIR = 'export'
+PLOTS_DIR = 'plots'
 
 
 def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any]:
@@ -62,3 +75,96 @@ def _weights_digest(model: torch.nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name: str, model_kwargs: dict[str, Any],
+                      data_config: dict[str, Any], class_names: list[str] | None) -> str:
+    """Write ``export/<which>`` from a training checkpoint folder, atomically.
+
+    Args:
+        run_dir: The run folder.
+        which: ``last`` or ``best``.
+        checkpoint_dir: The checkpoint whose weights to export.
+        model_name: timm model name.
+        model_kwargs: The keyword arguments the model was created with (recorded in config.json).
+        data_config: input_size / mean / std / interpolation / crop_pct for the pretrained config.
+        class_names: Label names in index order, when the dataset has them.
+
+    Returns:
+        The export folder.
+    """
+    with torch.device('meta'):  # no initialisation work: every saved tensor comes from the checkpoint
+        model = timm.create_model(model_name, pretrained=False, **model_kwargs)
+    model.load_state_dict(load_file(os.path.join(checkpoint_dir, 'model.safetensors')), assign=True)
+    final_dir = os.path.join(run_dir, EXPORT_DIR, which)
+    tmp_dir = os.path.join(run_dir, EXPORT_DIR, f'.tmp-{which}')
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    model_config = {'label_names': class_names} if class_names else None
+    timm.models.save_for_hf(model, tmp_dir, model_config=model_config, safe_serialization=True,
+                            data_config=data_config)
+    ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
+    if os.path.isfile(ema_path):
+        shutil.copyfile(ema_path, os.path.join(tmp_dir, 'model_ema.safetensors'))
+    replace_dir(tmp_dir, final_dir)
+    return final_dir
+
+
+def write_plots(history: list[dict[str, Any]], run_dir: str) -> list[str]:
+    """Draw ``loss.png``, ``accuracy.png`` and ``alpha.png`` into ``<run>/plots``; returns the files written.
+
+    Without matplotlib nothing is drawn and a hint to install it is logged.
+    """
+    if not history:
+        return []
+    try:  # an optional dependency, imported only when plots are drawn
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _logger.info('plots skipped: matplotlib is not installed (pip install "lipsformer[plots]")')
+        return []
+    folder = os.path.join(run_dir, PLOTS_DIR)
+    os.makedirs(folder, exist_ok=True)
+    panels = [
+        ('loss.png', 'loss', [('train_loss', 'train'), ('val_loss', 'val'), ('ema_val_loss', 'val (EMA)')]),
+        ('accuracy.png', 'accuracy (%)', [('val_top1', 'top-1'), ('val_top5', 'top-5'),
+                                          ('ema_val_top1', 'top-1 (EMA)'), ('ema_val_top5', 'top-5 (EMA)')]),
+    ]
+    figures = [(filename, ylabel, [(label, _series(history, key), None) for key, label in series
+                                   if _series(history, key)]) for filename, ylabel, series in panels]
+    stages = sorted({k[:-len('/mean')] for line in history for k in line if k.startswith('alpha/')
+                     and k.endswith('/mean')})
+    figures.append(('alpha.png', 'alpha (mean ± std)', [_alpha_curve(history, stage) for stage in stages]))
+    return [_draw(plt, os.path.join(folder, filename), ylabel, curves) for filename, ylabel, curves in figures
+            if curves]
+
+
+def _series(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(line['epoch'], line[key]) for line in history if key in line]
+
+
+def _alpha_curve(history: list[dict[str, Any]], prefix: str) -> tuple[str, list[tuple[int, float]], list[float]]:
+    """Mean and std of one stage's alphas over epochs (the paper's Figure 5)."""
+    means, stds = _series(history, f'{prefix}/mean'), dict(_series(history, f'{prefix}/std'))
+    return prefix.split('/', 1)[1], means, [stds.get(epoch, 0.0) for epoch, _ in means]
+
+
+def _draw(plt, path: str, ylabel: str, curves: list[tuple[str, list[tuple[int, float]], list[float] | None]]) -> str:
+    """One PNG of curves over epochs: (label, points, spread shaded around them or None)."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label, points, spread in curves:
+        epochs, values = zip(*points, strict=True)
+        axis.plot(epochs, values, marker='o', markersize=3, label=label)
+        if spread is not None:
+            axis.fill_between(epochs, [v - s for v, s in zip(values, spread, strict=True)],
+                              [v + s for v, s in zip(values, spread, strict=True)], alpha=0.2)
+    axis.set_xlabel('epoch')
+    axis.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    axis.set_ylabel(ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    with atomic_open(path, 'wb') as f:
+        figure.savefig(f, format='png', dpi=120)
+    plt.close(figure)
+    return path

@@ -1,13 +1,17 @@
-"""One training epoch and one evaluation pass.
+"""One training epoch, one evaluation pass, and the alpha statistics logged after each epoch.
 
 Accumulation is explicit: gradients are synchronised only on the last micro-batch of each window
 (``accelerator.no_sync`` before it), epochs hold whole windows, and checkpoints fall on window boundaries, so a
 resumed run splits its batches into the same windows. The host synchronises once per update, to agree across
-processes on a non-finite loss or a stop signal; the running loss stays on the device between log lines.
+processes on a non-finite loss or a stop signal; the running loss stays on the device between log lines. Every stop
+decision (after an update, between epochs, between evaluation batches) is agreed by all processes, so none of them
+waits in a collective operation that the others have left.
 """
 import logging
+import re
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .session import Session
 from .signals import StopSignal
+from .train_state import Progress
 
 _logger = logging.getLogger(__name__)
 
@@ -29,60 +34,88 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class EpochResult:
-    """What one call of :func:`train_epoch` did."""
+    """What one call of :func:`train_epoch` did: the epoch's mean loss, images and seconds (a resumed epoch's
+    included), and whether it ran to its end (a stop on its last update still completes it)."""
     loss: float
     images: int
     seconds: float
-    stopped: bool
+    completed: bool
 
 
 @dataclass
-class _Tally:
-    """Running totals of an epoch, kept on the device so that logging does not synchronise every step."""
+class EpochTally:
+    """Running totals of an epoch, kept on the device so that logging does not synchronise every step.
+
+    A mid-epoch checkpoint saves them (:meth:`totals`) and a resumed epoch starts from them.
+    """
     loss_sum: torch.Tensor
     loss_count: torch.Tensor
     window_bad: torch.Tensor
     start_time: float
     images: int = 0
     consecutive_bad: int = 0
+    earlier_seconds: float = 0.0
 
     @classmethod
-    def start(cls, device: torch.device) -> '_Tally':
+    def start(cls, device: torch.device, progress: Progress, is_main: bool) -> 'EpochTally':
         zero = torch.zeros((), device=device)
-        return cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), time.perf_counter())
+        tally = cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), time.perf_counter())
+        if progress.batch_in_epoch and progress.epoch_totals:
+            loss_sum, loss_count, images, seconds = progress.epoch_totals
+            if is_main:  # the saved sums are over all processes
+                tally.loss_sum += loss_sum
+                tally.loss_count += loss_count
+            tally.images, tally.earlier_seconds = int(images), seconds
+        return tally
 
     def mean_loss(self) -> torch.Tensor:
         return self.loss_sum / self.loss_count.clamp(min=1)
 
+    def totals(self, accelerator) -> list[float]:
+        """Loss sum and count over all processes, images and seconds of the epoch so far (call on every process)."""
+        sums = torch.stack([self.loss_sum, self.loss_count])
+        if accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums, reduction='sum')
+        loss_sum, loss_count = sums.tolist()
+        return [loss_sum, loss_count, self.images, self.earlier_seconds + time.perf_counter() - self.start_time]
 
-def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], None]) -> EpochResult:
+
+def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool]) -> EpochResult:
     """Train the rest of ``session.progress.epoch``, from ``progress.batch_in_epoch``.
 
     Args:
-        session: The run.
-        stop: Polled after each update; when set (on any process) the epoch ends early.
-        on_update: Called after every update (periodic checkpoints).
+        session: The run; ``session.tally`` holds the epoch's running totals while it trains.
+        stop: Polled after each update; when set (on any process) the epoch ends after that update.
+        on_update: Called after every update (periodic checkpoints); returns whether it saved a checkpoint, after
+            which a stop requested meanwhile ends the epoch at once, without another update.
 
     Raises:
         NonFiniteLossError: ``train.max_nonfinite_steps`` consecutive updates had a non-finite loss.
     """
     accelerator = session.accelerator
-    tally = _Tally.start(accelerator.device)
+    tally = session.tally = EpochTally.start(accelerator.device, session.progress, accelerator.is_main_process)
     session.model.train()
     bar = _progress_bar(session)
     with logging_redirect_tqdm(loggers=[logging.getLogger('lipsformer')]) if bar is not None else nullcontext():
-        stopped = _train_batches(session, stop, on_update, tally, bar)
+        _train_batches(session, stop, on_update, tally, bar)
     if bar is not None:
         bar.close()
-    totals = accelerator.reduce(torch.stack([tally.loss_sum, tally.loss_count]), reduction='sum')
-    mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return EpochResult(loss=mean_loss, images=tally.images, seconds=time.perf_counter() - tally.start_time,
-                       stopped=stopped)
+    loss_sum, loss_count, images, seconds = tally.totals(accelerator)
+    completed = session.progress.batch_in_epoch == session.updates_per_epoch * session.config.train.grad_accum_steps
+    return EpochResult(loss=loss_sum / max(loss_count, 1), images=int(images), seconds=seconds, completed=completed)
 
 
-def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], None], tally: _Tally,
-                   bar: tqdm | None) -> bool:
-    """The micro-batch loop of :func:`train_epoch`; returns whether a stop was requested."""
+def stop_agreed(accelerator, stop: StopSignal) -> bool:
+    """Whether any process has been asked to stop (a collective operation: call it on every process)."""
+    if accelerator.num_processes == 1:
+        return stop.requested
+    flag = torch.tensor(float(stop.requested), device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction='max').item())
+
+
+def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], bool], tally: EpochTally,
+                   bar: tqdm | None) -> None:
+    """The micro-batch loop of :func:`train_epoch`, until the epoch's end or an agreed stop."""
     progress, accum = session.progress, session.config.train.grad_accum_steps
     batches = session.train_batches.epoch(progress.epoch, start_batch=progress.batch_in_epoch)
     for batch_index in range(progress.batch_in_epoch, session.updates_per_epoch * accum):
@@ -106,10 +139,9 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], N
         progress.step += 1
         session.scheduler.step_update(num_updates=progress.step)
         _report(session, bar, tally)
-        on_update()
-        if stopped:
-            return True
-    return False
+        saved = on_update()
+        if stopped or (saved and stop_agreed(session.accelerator, stop)):
+            return
 
 
 def _forward_backward(session: Session, images: torch.Tensor, targets: torch.Tensor,
@@ -179,7 +211,7 @@ def _progress_bar(session: Session) -> tqdm | None:
                 unit='batch', dynamic_ncols=True, leave=False)
 
 
-def _report(session: Session, bar: tqdm | None, tally: _Tally) -> None:
+def _report(session: Session, bar: tqdm | None, tally: EpochTally) -> None:
     if bar is not None:
         bar.update(session.config.train.grad_accum_steps)
     step = session.progress.step
@@ -196,16 +228,20 @@ def _report(session: Session, bar: tqdm | None, tally: _Tally) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator) -> dict[str, float]:
+def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | None = None) -> dict[str, float] | None:
     """Top-1 / top-5 accuracy (percent) and mean loss over the whole validation set, all processes together.
 
-    Targets of -1 (padding, unreadable images) are left out; ``val_samples`` is the number of images counted.
+    Targets of -1 (padding, unreadable images) are left out; ``samples`` is the number of images counted. Returns
+    None, without finishing, when a stop is requested (checked before every batch, agreed across processes).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device  # an EMA kept on the CPU (ema.cpu) is evaluated there
     sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # top-1 hits, top-5 hits, loss, count
     for images, targets in loader:
+        if stop is not None and stop_agreed(accelerator, stop):
+            model.train(was_training)
+            return None
         with accelerator.autocast():
             logits = model(images.to(device)).float().to(targets.device)
         keep = targets >= 0
@@ -223,3 +259,28 @@ def evaluate(model: torch.nn.Module, loader, accelerator) -> dict[str, float]:
     denominator = max(count, 1)
     return dict(top1=100 * top1_hits / denominator, top5=100 * top5_hits / denominator, loss=loss_sum / denominator,
                 samples=int(count))
+
+
+# The weighted-residual scales: alpha1 / alpha2 of attention and MLP, conv_shortcuts.N.alpha of the conv branches.
+_ALPHA_PARAM = re.compile(r'(?:^|\.)alpha\d*\.gamma$')
+_STAGE = re.compile(r'(?:^|\.)(?:layers|stages)\.(\d+)\.')
+
+
+def alpha_statistics(model: torch.nn.Module) -> dict[str, float]:
+    """Mean and standard deviation of every alpha entry per stage, as ``alpha/stage<i>/mean`` and ``.../std``.
+
+    Models without alpha parameters give an empty dict.
+    """
+    per_stage: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for name, param in model.named_parameters():
+        if _ALPHA_PARAM.search(name):
+            match = _STAGE.search(name)
+            per_stage[f'stage{match.group(1)}' if match else 'other'].append(param.detach().float().flatten())
+    stats = {}
+    for stage, values in sorted(per_stage.items()):
+        flat = torch.cat(values)
+        if flat.numel() == 0:  # a shard without this stage's alphas (FSDP)
+            continue
+        stats[f'alpha/{stage}/mean'] = flat.mean().item()
+        stats[f'alpha/{stage}/std'] = flat.std().item() if flat.numel() > 1 else 0.0
+    return stats

@@ -8,7 +8,7 @@ from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 
-from .config_schema import Config
+from .config import Config
 
 
 def global_batch_size(config: Config, num_processes: int) -> int:

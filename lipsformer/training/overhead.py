@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .config import load_config
+from .config_io import load_config
 from .loop import train_epoch
 from .session import Session, create_accelerator, create_session
 from .signals import StopSignal
@@ -25,11 +25,12 @@ def time_full_loop(session: Session, updates: int, warmup: int) -> float:
     """Images per second of ``train_epoch`` between update ``warmup`` and update ``updates``."""
     stop, stamps = StopSignal(), []
 
-    def on_update() -> None:
+    def on_update() -> bool:
         _synchronize(session.accelerator.device)
         stamps.append(time.perf_counter())
         if len(stamps) == updates:
             stop.received = 'benchmark'
+        return False  # saved no checkpoint
 
     train_epoch(session, stop, on_update)
     if len(stamps) < updates:

@@ -1,70 +1,153 @@
-"""Continuing a run: which checkpoint, whether it fits this run, and restoring it."""
+"""Continuing a run from a checkpoint: which one, what must match, and what becomes of the checkpoints it overtakes.
+
+- ``--resume auto`` takes the run's newest checkpoint; one with an unreadable file (truncated, corrupt) is moved to
+  ``checkpoints/unreadable/`` and the one before it is taken, with a warning. An explicit checkpoint that cannot be
+  read is an error.
+- Refused with a :class:`~lipsformer.checkpoint.CheckpointError`, before anything in the run folder changes: another
+  model (name, or an architecture the weights do not fit), another ``optimizer.name``, other training classes, or
+  another batch layout.
+- Applied and said: the optimizer's settings (weight decay, betas, eps, momentum, ...) are the config's, and those
+  that differ from the checkpoint's are logged; a changed schedule follows the config; every other changed key is
+  listed.
+- An explicit ``--resume`` of an older checkpoint abandons the run's newer ones: they are moved to
+  ``checkpoints/abandoned/``, so that a later ``--resume auto`` continues this branch, not the abandoned one.
+"""
 import logging
 import os
 from typing import Any
 
+import torch
+
 from ..checkpoint import CheckpointError
-from .checkpoints import latest_checkpoint, list_checkpoints, load_checkpoint, mark_best, read_meta
-from .config import config_to_dict
+from .config_io import config_to_dict, flat_dict
 from .optim import best_metric_name
-from .run_folder import flat_dict
 from .session import Session
+from .train_state import (
+    SavedState,
+    checkpoints_root,
+    list_checkpoints,
+    read_checkpoint,
+    restore_best_pointer,
+    restore_checkpoint,
+    set_aside,
+)
+
+__all__ = ['resume_session']
 
 _logger = logging.getLogger(__name__)
 
 
-def checkpoint_to_resume(run_dir: str, resume: str | None) -> str | None:
-    """The checkpoint folder to continue from; refuses to start over a run that already has checkpoints."""
-    if resume is None:
-        if list_checkpoints(run_dir):
-            raise CheckpointError(f'{run_dir!r} already holds checkpoints of a run; continue it with --resume auto, '
-                                  f'or give another --output')
-        return None
-    if resume == 'auto':
-        found = latest_checkpoint(run_dir)
-        _logger.info('resume auto: %s', f'continuing from {found}' if found else 'no checkpoint yet, starting fresh')
-        return found
-    if not os.path.isdir(resume):
-        raise CheckpointError(f'--resume {resume!r}: no such folder; give a checkpoint folder, a run folder or auto')
-    if os.path.isfile(os.path.join(resume, 'meta.json')):
-        return resume
-    found = latest_checkpoint(resume)
-    if found is None:
-        raise CheckpointError(f'--resume {resume!r}: neither a checkpoint folder (with meta.json) nor a run folder '
-                              f'with checkpoints/')
-    return found
+def resume_session(session: Session, candidates: list[str], explicit: bool) -> None:
+    """Restore the first readable of ``candidates`` into the session, after checking that it fits.
 
+    Args:
+        session: The freshly built run.
+        candidates: Checkpoint folders, the preferred first (:func:`~.train_state.checkpoints_to_resume`).
+        explicit: The user named the checkpoint (no fallback; the run's newer checkpoints are abandoned).
 
-def resume_session(session: Session, checkpoint: str) -> None:
-    meta = read_meta(checkpoint)
-    _check_geometry(meta, session, checkpoint)
-    session.progress, _ = load_checkpoint(checkpoint, session.training_objects())
-    session.scheduler.step_update(num_updates=session.progress.step)
-    session.last_checkpoint = checkpoint
-    changed = _changed_keys(meta.get('config', {}), config_to_dict(session.config))
+    Raises:
+        CheckpointError: No candidate is readable, or the checkpoint does not fit the config.
+    """
+    saved = _first_readable(session, candidates, explicit)
+    _check_fits(saved, session)
+    changed_settings = restore_checkpoint(saved, session.training_objects())
+    progress = session.progress = saved.progress
+    session.scheduler.step_update(num_updates=progress.step)
+    session.last_checkpoint = saved.folder
+    in_this_run = os.path.dirname(os.path.abspath(saved.folder)) == os.path.abspath(checkpoints_root(session.run_dir))
+    session.saved_at = progress.position() if in_this_run else None  # else this run saves its own copy
+    if changed_settings:
+        _logger.warning('the optimizer continues with the config\'s settings, not the checkpoint\'s: %s',
+                        '; '.join(changed_settings))
+    changed = _changed_keys(saved.meta.get('config', {}), config_to_dict(session.config))
     if changed:
         _logger.warning('resuming with config keys changed since the checkpoint: %s', ', '.join(changed))
-    progress = session.progress
-    if session.accelerator.is_main_process and progress.best_checkpoint:
-        if os.path.isdir(os.path.join(session.run_dir, 'checkpoints', progress.best_checkpoint)):
-            mark_best(session.run_dir, progress.best_checkpoint, best_metric_name(session.config),
-                      progress.best_value, progress.best_epoch)
-    _logger.info('resumed from %s: epoch %d, micro-batch %d, step %d', checkpoint, progress.epoch + 1,
-                 progress.batch_in_epoch, progress.step)
+    if session.accelerator.is_main_process:
+        if explicit:
+            _abandon_newer(session.run_dir, progress.position())
+        restore_best_pointer(session.run_dir, progress, best_metric_name(session.config))
+    session.accelerator.wait_for_everyone()
+    _logger.info('resumed from %s: epoch %d, micro-batch %d, step %d%s', saved.folder, progress.epoch + 1,
+                 progress.batch_in_epoch, progress.step,
+                 '; the last epoch\'s evaluation comes first' if progress.unscored else '')
 
 
-def _check_geometry(meta: dict[str, Any], session: Session, checkpoint: str) -> None:
-    saved, now = meta.get('geometry', {}), session.geometry()
-    mid_epoch = meta['progress']['batch_in_epoch'] > 0
+def _all_processes(accelerator: Any, ok: bool) -> bool:
+    if accelerator.num_processes == 1:
+        return ok
+    return bool(accelerator.reduce(torch.tensor(float(ok), device=accelerator.device), reduction='min').item())
+
+
+def _first_readable(session: Session, candidates: list[str], explicit: bool) -> SavedState:
+    accelerator = session.accelerator
+    for folder in candidates:
+        try:
+            saved, problem = read_checkpoint(folder, accelerator.process_index), None
+        except CheckpointError as e:
+            saved, problem = None, e
+        if _all_processes(accelerator, problem is None):
+            return saved
+        reason = problem or 'unreadable on another process'
+        if explicit:
+            raise CheckpointError(f'cannot resume from {folder!r}: {reason}. Resume from an older checkpoint, or with '
+                                  f'--resume auto (which takes the newest readable one)')
+        _logger.warning('%s cannot be read (%s); it is moved to checkpoints/unreadable/ and the run continues from '
+                        'the checkpoint before it', folder, reason)
+        if accelerator.is_main_process:
+            set_aside(session.run_dir, folder, 'unreadable')
+        accelerator.wait_for_everyone()
+    raise CheckpointError(f'no checkpoint of {session.run_dir!r} can be read (each was moved to '
+                          f'checkpoints/unreadable/); start a new run with another --output')
+
+
+def _check_fits(saved: SavedState, session: Session) -> None:
+    """Refuse what the restored states cannot carry: another model, optimizer, class list or batch layout."""
+    config, where = session.config, saved.folder
+    saved_config = saved.meta.get('config', {})
+    for key in ('model.name', 'optimizer.name'):
+        section, name = key.split('.')
+        before, now = saved_config.get(section, {}).get(name), getattr(getattr(config, section), name)
+        if before is not None and str(before).lower() != str(now).lower():
+            raise CheckpointError(
+                f'{where!r} was trained with {key}={before}, the config says {now}: its state cannot continue '
+                f'another {section}. Resume with {key}={before}, or start a new run from its weights with '
+                f'model.init_checkpoint={os.path.join(where, "model.safetensors")}')
+    saved_classes = saved.meta.get('model', {}).get('class_names')
+    if saved_classes and session.class_names and saved_classes != session.class_names:
+        raise CheckpointError(
+            f'{where!r} was trained on the classes {_head(saved_classes)}, the training split now has '
+            f'{_head(session.class_names)}: the classifier\'s outputs would mean other classes. Resume with the '
+            f'same class folders (or data.class_map)')
+    _check_geometry(saved, session)
+
+
+def _head(names: list[str], limit: int = 6) -> str:
+    return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '')
+
+
+def _check_geometry(saved: SavedState, session: Session) -> None:
+    before, now = saved.meta.get('geometry', {}), session.geometry()
+    mid_epoch = saved.progress.batch_in_epoch > 0
     keys = ('world_size', 'batch_size', 'grad_accum_steps', 'updates_per_epoch') if mid_epoch else (
         'global_batch_size', 'updates_per_epoch')
-    different = [f'{k} {saved.get(k)} -> {now[k]}' for k in keys if saved.get(k) != now[k]]
+    different = [f'{k} {before.get(k)} -> {now[k]}' for k in keys if before.get(k) != now[k]]
     if different:
         where = 'mid-epoch' if mid_epoch else 'at an epoch boundary'
-        raise CheckpointError(f'{checkpoint!r} was saved {where} with another batch layout ({"; ".join(different)}); '
-                              f'resume with the same processes, train.batch_size and train.grad_accum_steps')
+        raise CheckpointError(f'{saved.folder!r} was saved {where} with another batch layout '
+                              f'({"; ".join(different)}); resume with the same processes, train.batch_size and '
+                              f'train.grad_accum_steps')
 
 
 def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     saved_flat, current_flat = flat_dict(saved), flat_dict(current)
     return sorted(k for k in set(saved_flat) | set(current_flat) if saved_flat.get(k) != current_flat.get(k))
+
+
+def _abandon_newer(run_dir: str, position: tuple[int, int, int]) -> None:
+    """Move the run's checkpoints that are further on than ``position`` out of its list."""
+    newer = [folder for at, folder in list_checkpoints(run_dir) if at > position]
+    if newer:
+        moved = [set_aside(run_dir, folder, 'abandoned') for folder in newer]
+        _logger.warning('resuming from an earlier point abandons %d newer checkpoint(s) of this run (%s); they are '
+                        'moved to %s so that --resume auto continues from here', len(newer),
+                        ', '.join(os.path.basename(f) for f in newer), os.path.dirname(moved[0]))

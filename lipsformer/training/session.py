@@ -4,36 +4,44 @@ The model is created with the same seed on every process, moved to the device, c
 out of ``accelerator.prepare``), given to the optimizer, and only then prepared. Data loaders are not prepared:
 their sharding is done by this package's samplers so that resuming is exact. The scheduler is stepped by hand after
 every update and saved with the checkpoints.
+
+The optional Lipschitz constraint (``lipschitz.*`` in the config) is built here too: ``lipschitz.target`` names a
+factory as ``module:callable``, called once as ``factory(model, **kwargs)`` with the unwrapped model; what it returns
+is called with no arguments after every update, and saved with the checkpoints when it has ``state_dict`` /
+``load_state_dict`` (cached power-iteration vectors, say).
 """
+import importlib
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, set_seed
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedDataParallelKwargs, TorchDynamoPlugin, is_tensorboard_available, set_seed
 from timm.utils import ModelEmaV3
 
 from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
-from .checkpoints import Progress, TrainingObjects
-from .config import ConfigError
-from .config_schema import Config
+from ..hub.model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
+from ..hub.model_names import create_model as create_timm_model
+from .config import Config, ConfigError, LipschitzConfig
 from .data import (
     InputSpec,
     TrainBatches,
+    class_map_of,
     class_names_of,
     create_eval_loader,
     create_split,
     num_classes_of,
     resolve_input_spec,
 )
-from .distributed_state import is_sharded
-from .lipschitz_hook import create_lipschitz_constraint
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
+from .train_state import Progress, TrainingObjects, is_sharded
 
 _logger = logging.getLogger(__name__)
 
@@ -60,6 +68,8 @@ class Session:
     lipschitz: Any | None = None
     progress: Progress = field(default_factory=Progress)
     last_checkpoint: str | None = None
+    saved_at: tuple[int, int, int] | None = None  # the progress position of this run's last checkpoint
+    tally: Any = None  # the running totals of the epoch in training (loop.EpochTally)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -80,7 +90,6 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop."""
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
-    from accelerate.utils import is_tensorboard_available
     tensorboard = config.log.tensorboard
     if tensorboard is None:
         tensorboard = is_tensorboard_available()
@@ -100,7 +109,6 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
 def release_accelerator() -> None:
     """Forget Accelerate's per-process settings (precision, plugins) so that another run in this process may use
     other ones; the device and any process group stay as they are."""
-    from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
 
@@ -113,8 +121,9 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Se
     _check_model_name(config.model.name)
     rank, world = accelerator.process_index, accelerator.num_processes
     spec = resolve_input_spec(config)
-    train_set = create_split(config, spec, is_training=True)
-    val_set = create_split(config, spec, is_training=False)
+    with accelerator.main_process_first():  # a download (data.download) or unpacking happens once, in the main process
+        train_set = create_split(config, spec, is_training=True)
+        val_set = create_split(config, spec, is_training=False, class_map=class_map_of(train_set))
     num_classes = config.model.num_classes or num_classes_of(train_set)
     if num_classes is None:
         raise ConfigError(f'model.num_classes: got null and dataset {config.data.dataset!r} does not say how many '
@@ -157,11 +166,15 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
         kwargs['img_size'] = settings.img_size
     runtime = dict(drop_rate=settings.drop_rate, drop_path_rate=settings.drop_path_rate)
     try:
-        model = timm.create_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
+        model = create_timm_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
     except TypeError as e:
         raise ConfigError(f'model.kwargs: {settings.name} does not accept {sorted(settings.kwargs)} ({e})') from e
+    except ModelSourceError as e:
+        raise ConfigError(f'model.name: {e}') from e
     except ValueError as e:
         raise ConfigError(f'model: {settings.name} cannot be built with {kwargs} ({e})') from e
+    if settings.pretrained and classifier_reset_note(model):
+        _logger.info('model.pretrained: %s', classifier_reset_note(model))
     if settings.init_checkpoint:
         load_initial_weights(model, settings.init_checkpoint)
     if settings.grad_checkpointing:
@@ -194,9 +207,33 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     _logger.info('initial weights from %s', path)
 
 
+def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Module) -> Callable[[], None]:
+    """Build the constraint named by ``settings.target`` for ``model``."""
+    module_name, _, attribute = settings.target.partition(':')
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f'lipschitz.target: cannot import {settings.target!r} ({e}); give module:callable, or set '
+                          f'lipschitz.enabled=false') from e
+    try:
+        constraint = factory(model, **settings.kwargs)
+    except TypeError as e:
+        raise ConfigError(f'lipschitz.kwargs: {settings.target} does not accept {settings.kwargs} ({e})') from e
+    except ValueError as e:
+        raise ConfigError(f'lipschitz.kwargs: {settings.target} rejects {settings.kwargs}: {e}') from e
+    if not callable(constraint):
+        raise ConfigError(f'lipschitz.target: {settings.target}(model, ...) returned a {type(constraint).__name__}, '
+                          f'which cannot be called after each update')
+    return constraint
+
+
 def _check_model_name(name: str) -> None:
-    import lipsformer  # noqa: F401  (registers the lipsformer_* models with timm)
-    if not timm.is_model(name):
+    if model_source(name):  # hf-hub:REPO / local-dir:FOLDER
+        try:
+            check_model_source(name)
+        except ValueError as e:
+            raise ConfigError(f'model.name: {e}') from e
+    elif not timm.is_model(name):
         close = timm.list_models(f'*{name.split("_")[0]}*')[:12] or timm.list_models('lipsformer*')
         raise ConfigError(f'model.name: {name!r} is not a timm model; for example: {", ".join(close)}')
 

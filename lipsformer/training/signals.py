@@ -1,8 +1,11 @@
 """Graceful stop on SIGTERM / SIGINT: the loop saves a checkpoint at the next update and exits cleanly.
 
 Clusters preempt jobs with SIGTERM and a grace period; Ctrl-C sends SIGINT. The first signal only sets a flag that
-the loop polls after every optimizer update (agreed across processes), so the checkpoint is consistent. A second
-Ctrl-C interrupts immediately.
+the loop polls after every optimizer update, between epochs and between evaluation batches (agreed across processes,
+so every process stops at the same point), so the checkpoint is consistent and an evaluation is cut short. A second
+SIGTERM changes nothing (the save under way finishes); a second Ctrl-C aborts at once without saving (train.py exits
+130; every checkpoint already saved stays whole). Data loader workers ignore both signals and leave them to the main
+process.
 """
 import logging
 import signal
@@ -35,8 +38,23 @@ class StopSignal:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            _logger.warning('received %s again: already stopping after saving a checkpoint (Ctrl-C aborts without '
+                            'saving)', name)
+            return
+        self.received = name
         _logger.warning('received %s: saving a checkpoint after the current update, then exiting '
                         '(press Ctrl-C again to abort without saving)', self.received)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave SIGTERM / SIGINT to the main process, which saves a checkpoint before stopping them.
+
+    A cluster preempting a job signals every process in it; a worker that died of it would end the run before the
+    checkpoint is written.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,4 +1,11 @@
-"""The training run: epochs, evaluation, metrics, checkpoints, resume, graceful stop and the final export."""
+"""The training run: epochs, evaluation, metrics, checkpoints, resuming, graceful stop and the final export.
+
+An epoch ends in this order: its checkpoint is saved (the training state is complete), then the model and its EMA are
+evaluated, then the scores are recorded (in the checkpoint's ``meta.json``, ``best.json``, ``metrics.jsonl`` and the
+trackers). A failed or interrupted evaluation loses no training, and a stop signal during an evaluation cuts it short:
+the resumed run evaluates that epoch before it trains on. No state is saved twice, and ``config.yaml`` is written only
+once the run has started (a refused resume leaves the folder as it was).
+"""
 import logging
 import os
 import time
@@ -7,17 +14,25 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from .checkpoints import mark_best, prune_checkpoints, save_checkpoint
-from .config import config_to_dict
-from .config_schema import Config
-from .finish import finish_run
-from .loop import EpochResult, evaluate, train_epoch
-from .metrics import MetricsFile, alpha_statistics, peak_memory_mb
+from ..utils.env import peak_memory_mb
+from ..utils.io import remove_stale_temporaries
+from .config import Config
+from .config_io import config_to_dict, flat_dict
+from .finish import EXPORT_DIR, finish_run
+from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, total_epochs
-from .resume import checkpoint_to_resume, resume_session
-from .run_folder import attach_log_file, flat_dict, write_config
+from .resume import resume_session
+from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .session import Session, create_accelerator, create_session, release_accelerator
 from .signals import StopSignal
+from .train_state import (
+    checkpoints_root,
+    checkpoints_to_resume,
+    mark_best,
+    prune_checkpoints,
+    save_checkpoint,
+    update_progress,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -26,17 +41,18 @@ def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, 
     """Train (or continue training) a model as ``config`` says, writing everything into ``run_dir``.
 
     Args:
-        config: A validated config (:func:`~lipsformer.training.config.load_config`).
+        config: A validated config (:func:`~lipsformer.training.config_io.load_config`).
         run_dir: The run folder (created if needed).
-        resume: None for a new run; ``'auto'`` to continue from the newest checkpoint in ``run_dir`` if there is
-            one; or a checkpoint folder (or run folder) to continue from.
+        resume: None for a new run; ``'auto'`` to continue from the newest readable checkpoint in ``run_dir`` if
+            there is one; or a checkpoint folder (or run folder) to continue from.
 
     Returns:
         The run summary (also written to ``summary.json``): ``status`` is ``'finished'`` or ``'stopped'``.
 
     Raises:
-        ConfigError: The config does not fit the data or the model.
-        CheckpointError: The checkpoint to resume from is unusable.
+        ConfigError: The config does not fit the data, the model or the run folder.
+        DatasetError: A split is missing or its classes do not fit (DatasetNotFoundError: data not on disk).
+        CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
         NonFiniteLossError: Training diverged.
     """
     accelerator = create_accelerator(config, run_dir)
@@ -50,17 +66,19 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
     if logging.getLogger('lipsformer').level == logging.NOTSET:  # progress from the main process only
         logging.getLogger('lipsformer').setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
     start_time = time.perf_counter()
-    checkpoint = checkpoint_to_resume(run_dir, resume)
     if accelerator.is_main_process:
         os.makedirs(run_dir, exist_ok=True)
-        write_config(config, run_dir)
+        _clear_interrupted_writes(run_dir)
+    check_run_folder_shared(accelerator, run_dir)
+    candidates = checkpoints_to_resume(run_dir, resume)
     log_handler = attach_log_file(run_dir, accelerator.is_main_process)
     try:
         session = create_session(config, run_dir, accelerator)
-        if checkpoint is not None:
-            resume_session(session, checkpoint)
+        if candidates:
+            resume_session(session, candidates, explicit=resume != 'auto')
         metrics = MetricsFile(run_dir)
         if accelerator.is_main_process:
+            write_config(config, run_dir)
             metrics.reset(session.progress.history)
         accelerator.init_trackers('tensorboard', config=flat_dict(config_to_dict(config)))  # <run>/tensorboard
         with StopSignal() as stop:
@@ -74,75 +92,121 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
             log_handler.close()
 
 
+def _clear_interrupted_writes(run_dir: str) -> None:
+    for folder in (run_dir, checkpoints_root(run_dir), os.path.join(run_dir, EXPORT_DIR)):
+        cleared = remove_stale_temporaries(folder)
+        if cleared:
+            _logger.info('%s: cleared what an interrupted write left: %s', folder, ', '.join(cleared))
+
+
 def _run_epochs(session: Session, stop: StopSignal, metrics: MetricsFile) -> str:
-    config, progress = session.config, session.progress
+    config, progress, accelerator = session.config, session.progress, session.accelerator
+    if progress.unscored is not None and not _score_epoch(session, stop, metrics):
+        return _stopped(stop, f'during the evaluation of epoch {progress.epoch}')
     while progress.epoch < total_epochs(config):
-        if stop.requested:
-            return 'stopped'
+        if stop_agreed(accelerator, stop):
+            return _stopped(stop, f'before epoch {progress.epoch + 1}')
         result = train_epoch(session, stop, on_update=lambda: _periodic_checkpoint(session))
-        if result.stopped:
+        if not result.completed:
             _save(session, f'step_{progress.step:08d}')
-            _logger.info('stopped by %s at step %d; resume with --resume auto', stop.received, progress.step)
-            return 'stopped'
-        line = _end_epoch(session, result)
-        if session.accelerator.is_main_process:
-            metrics.append(line)
-        session.accelerator.log({k: v for k, v in line.items() if isinstance(v, (int, float))}, step=progress.step)
+            return _stopped(stop, f'at step {progress.step}')
+        _close_epoch(session, result)
+        if stop_agreed(accelerator, stop) or not _score_epoch(session, stop, metrics):
+            return _stopped(stop, f'after epoch {progress.epoch}, before its evaluation finished')
     return 'finished'
 
 
-def _end_epoch(session: Session, result: EpochResult) -> dict[str, Any]:
-    """Evaluate, log, save the epoch checkpoint and update the best one; returns the metrics line."""
+def _stopped(stop: StopSignal, when: str) -> str:
+    _logger.info('stopped by %s %s; the checkpoint is saved, continue with --resume auto',
+                 stop.received or 'a signal to another process', when)
+    return 'stopped'
+
+
+def _close_epoch(session: Session, result: EpochResult) -> None:
+    """Save the checkpoint of the epoch just trained, its training metrics waiting for its evaluation."""
+    progress = session.progress
+    progress.epoch += 1
+    progress.batch_in_epoch = 0
+    progress.epoch_totals = None
+    progress.unscored = dict(epoch=progress.epoch, step=progress.step, train_loss=result.loss,
+                             lr=session.optimizer.param_groups[0]['lr'],
+                             images_per_s=result.images / max(result.seconds, 1e-9), epoch_time_s=result.seconds)
+    _save(session, f'epoch_{progress.epoch:04d}')
+
+
+def _score_epoch(session: Session, stop: StopSignal, metrics: MetricsFile) -> bool:
+    """Evaluate the last finished epoch (when due) and record its line; False when a stop cut the evaluation short."""
     config, progress, accelerator = session.config, session.progress, session.accelerator
-    last_epoch = progress.epoch + 1 == total_epochs(config)
-    line: dict[str, Any] = dict(epoch=progress.epoch + 1, step=progress.step, train_loss=result.loss,
-                                lr=session.optimizer.param_groups[0]['lr'],
-                                images_per_s=result.images / max(result.seconds, 1e-9),
-                                epoch_time_s=result.seconds)
-    if (progress.epoch + 1) % config.train.eval_interval == 0 or last_epoch:
-        raw = evaluate(session.model, session.val_loader, accelerator)
+    line = dict(progress.unscored)
+    if line['epoch'] % config.train.eval_interval == 0 or line['epoch'] == total_epochs(config):
+        raw = validate(session.model, session.val_loader, accelerator, stop)
+        if raw is None:
+            return False
         line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'])
         if session.ema is not None:
-            ema = evaluate(session.ema.module, session.val_loader, accelerator)
+            ema = validate(session.ema.module, session.val_loader, accelerator, stop)
+            if ema is None:
+                return False
             line.update(ema_val_loss=ema['loss'], ema_val_top1=ema['top1'], ema_val_top5=ema['top5'])
     line.update(peak_memory_mb=_max_over_processes(accelerator, peak_memory_mb(accelerator.device)),
                 nonfinite_steps=progress.nonfinite_total, **alpha_statistics(session.unwrapped_model))
-    progress.epoch += 1
-    progress.batch_in_epoch = 0
+    progress.unscored = None
     progress.history.append(line)
-    name = f'epoch_{progress.epoch:04d}'
-    metric = best_metric_name(config)
+    name, metric = f'epoch_{line["epoch"]:04d}', best_metric_name(config)
     improved = metric in line and (progress.best_value is None or line[metric] > progress.best_value)
     if improved:
-        progress.best_value, progress.best_epoch, progress.best_checkpoint = line[metric], progress.epoch, name
-    _save(session, name)
-    if improved and accelerator.is_main_process:
-        mark_best(session.run_dir, name, metric, line[metric], progress.epoch)
-    _logger.info('epoch %d: %s', progress.epoch, ', '.join(f'{k} {v:.4g}' for k, v in line.items()
-                                                           if isinstance(v, float) and not k.startswith('alpha')))
-    return line
+        progress.best_value, progress.best_epoch, progress.best_checkpoint = line[metric], line['epoch'], name
+    _record_scores(session, name)
+    if accelerator.is_main_process:
+        if improved:
+            mark_best(session.run_dir, name, metric, line[metric], line['epoch'])
+        prune_checkpoints(session.run_dir, config.checkpoint.keep_last)
+        metrics.append(line)
+    accelerator.log({k: v for k, v in line.items() if isinstance(v, (int, float))}, step=progress.step)
+    _logger.info('epoch %d: %s', line['epoch'], ', '.join(f'{k} {v:.4g}' for k, v in line.items()
+                                                          if isinstance(v, float) and not k.startswith('alpha')))
+    accelerator.wait_for_everyone()
+    return True
 
 
-def _periodic_checkpoint(session: Session) -> None:
+def _record_scores(session: Session, name: str) -> None:
+    """Put the scored progress into the epoch's checkpoint: its meta.json when this run saved it, else a new save."""
+    checkpoint = os.path.join(checkpoints_root(session.run_dir), name)
+    if session.saved_at == session.progress.position() and os.path.isdir(checkpoint):
+        if session.accelerator.is_main_process:
+            update_progress(checkpoint, session.progress)
+    else:  # resumed from another run's checkpoint of this epoch
+        _save(session, name)
+
+
+def _periodic_checkpoint(session: Session) -> bool:
     every = session.config.checkpoint.every_n_steps
     progress = session.progress
     at_epoch_end = progress.batch_in_epoch == session.updates_per_epoch * session.config.train.grad_accum_steps
     if every and progress.step % every == 0 and not at_epoch_end:
-        _save(session, f'step_{progress.step:08d}')
+        return _save(session, f'step_{progress.step:08d}')
+    return False
 
 
-def _save(session: Session, name: str) -> None:
-    meta = dict(geometry=session.geometry(), config=config_to_dict(session.config), time=time.time())
-    session.last_checkpoint = save_checkpoint(session.run_dir, name, session.training_objects(), session.progress,
-                                              meta)
+def _save(session: Session, name: str) -> bool:
+    """Save a checkpoint unless this state is the last one saved (call on every process); returns whether it did."""
+    progress = session.progress
+    if session.saved_at == progress.position():
+        return False
+    if progress.batch_in_epoch:
+        progress.epoch_totals = session.tally.totals(session.accelerator)
+    meta = dict(geometry=session.geometry(), config=config_to_dict(session.config), time=time.time(),
+                model=dict(name=session.config.model.name, kwargs=session.model_kwargs,
+                           class_names=session.class_names))
+    session.last_checkpoint = save_checkpoint(session.run_dir, name, session.training_objects(), progress, meta)
+    session.saved_at = progress.position()
     if session.accelerator.is_main_process:
         prune_checkpoints(session.run_dir, session.config.checkpoint.keep_last)
     session.accelerator.wait_for_everyone()
+    return True
 
 
 def _max_over_processes(accelerator, value: float) -> float:
     if accelerator.num_processes == 1:
         return value
     return accelerator.reduce(torch.tensor(value, device=accelerator.device), reduction='max').item()
-
-

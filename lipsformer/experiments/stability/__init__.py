@@ -5,7 +5,7 @@ gradient clipping, at the paper's learning rate 2e-3 and a harder 1e-2, in nine 
 each Lipschitz component swapped alone for its standard counterpart, all swapped at once (a post-norm and a pre-norm
 Transformer of the same shape), and the full model with 5 epochs of warmup; three seeds each, 54 runs.
 
-Sized to run the whole grid in about 80 core-minutes on a 2-core CPU (one thread per run):
+Sized so that the whole grid runs on a small CPU, one thread per run (docs/stability.md gives the measured cost):
 
 - Model: LipsFormer-CSwin, embed_dim 16 (stage widths 16, 32, 64, 128), depths (1, 2, 21, 1) = 25 blocks (the
   paper's CSwin-T depths), heads (2, 2, 4, 8), stripes (1, 2, 2, 1), patch 4 on 32x32 inputs (maps 8, 4, 2, 1),
@@ -15,11 +15,8 @@ Sized to run the whole grid in about 80 core-minutes on a 2-core CPU (one thread
 - Training: 500 steps of batch 64 (25 epochs), AdamW (weight decay 0.05, none on 1-D parameters), cosine decay to
   lr / 100, cross-entropy without label smoothing. The warmup arm warms up linearly over 5 epochs = 100 steps,
   20% of the run (the paper: 5 of 100 epochs, 5%).
-- Cost on one thread of a 2.x GHz CPU core: about 0.19 s per step with conv shortcuts and 0.10-0.12 s without, about
-  1 s per Lipschitz-bound measurement (every 50 steps and at the end) and 2 s for the test evaluation: about 110 s per
-  run with conv shortcuts, 60 s without.
 
-Records per run (``OUT/<arm>/lr<lr>/seed<seed>/``, see :mod:`.runs`): per step the loss, gradient norm, largest
+Records per run (``OUT/<arm>/lr<lr>/seed<seed>/``, see :mod:`.training_run`): per step the loss, gradient norm, largest
 per-token activation norm over block outputs and learning rate; every 50 steps the log10 of Theorem 2's product bound
 over the parts of the network that have a bound (with the authors' SCSA, whose values are not normalised, and with
 LayerNorm or dot-product attention, the full product is infinite); at the end the test accuracy. A non-finite loss

@@ -5,8 +5,9 @@ component: LayerNorm for CenterNorm, dot-product attention for scaled cosine sim
 normal for spectral init, a plain residual (alpha fixed at 1) for the learnable weighted residual, and no conv
 shortcuts (Table 3's configuration A) for configuration D.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Sequence
+from typing import Any
 
 from ...models.lipsformer_cswin import LipsFormerCSwin
 
@@ -26,7 +27,7 @@ class Arm:
     """One arm: the model options that differ from the shared shape, and the warmup in epochs."""
     name: str
     description: str
-    model_options: Dict[str, Any]
+    model_options: dict[str, Any]
     warmup_epochs: int = 0
 
 
@@ -58,7 +59,7 @@ class ModelShape:
     split_size: Sequence[int] = (1, 2, 2, 1)
     img_size: int = 32
 
-    def options(self) -> Dict[str, Any]:
+    def options(self) -> dict[str, Any]:
         return dict(img_size=self.img_size, in_chans=1, num_classes=10, embed_dim=self.embed_dim,
                     depths=tuple(self.depths), num_heads=tuple(self.num_heads), split_size=tuple(self.split_size),
                     drop_path_rate=0.0)

@@ -1,15 +1,16 @@
 """Command line of the stability experiment: run (or resume) the grid, or write the report from its results."""
 import argparse
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 import torch
 
 from .arms import ARMS, ModelShape
-from .data import load_subsets, synthetic_subsets
 from .grid import run_grid
-from .trainer import RunSettings
+from .report import write_report
+from .subsets import load_subsets, synthetic_subsets
+from .training_run import RunSettings
 
 __all__ = ['main']
 
@@ -17,15 +18,15 @@ DEFAULT_LRS = (2e-3, 1e-2)
 DEFAULT_SEEDS = (0, 1, 2)
 
 
-def _ints(text: str) -> List[int]:
+def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(',') if v]
 
 
-def _floats(text: str) -> List[float]:
+def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(',') if v]
 
 
-def _arms(text: str) -> List[str]:
+def _arms(text: str) -> list[str]:
     names = [v for v in text.split(',') if v]
     unknown = sorted(set(names) - set(ARMS))
     if unknown:
@@ -33,7 +34,7 @@ def _arms(text: str) -> List[str]:
     return names
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults, shape = RunSettings(), ModelShape()
     parser = argparse.ArgumentParser(
         prog='python -m lipsformer.experiments.stability', description=__doc__,
@@ -70,11 +71,10 @@ def settings_from_args(args: argparse.Namespace) -> RunSettings:
         shape=ModelShape(embed_dim=args.embed_dim, depths=tuple(args.depths)))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s')
     if args.report is not None:
-        from .report import write_report
         write_report(args.out, args.report)
         return
     torch.set_num_threads(args.threads)

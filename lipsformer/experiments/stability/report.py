@@ -5,11 +5,13 @@ regeneration; a missing file is created with the markers and a stub.
 """
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
+from ...utils.io import atomic_open, read_json, write_text
 from .arms import ARMS
-from .runs import RunFiles, read_json
+from .training_run import RunFiles
 
 __all__ = ['LOSS_THRESHOLD', 'SMOOTHING_STEPS', 'steps_to_loss', 'summarize', 'write_report']
 
@@ -19,12 +21,12 @@ SMOOTHING_STEPS = 20  # the moving average of the training loss that must fall b
 PLOTS = {'loss': 'stability_loss.png', 'grad_norm': 'stability_grad_norm.png',
          'log10_bounded_parts': 'stability_lipschitz.png'}
 
-Run = Tuple[Dict[str, Any], List[Dict[str, Any]]]  # result.json and steps.jsonl of one finished run
+Run = tuple[dict[str, Any], list[dict[str, Any]]]  # result.json and steps.jsonl of one finished run
 
 
-def load_runs(out: Path) -> Dict[Tuple[str, float], List[Run]]:
+def load_runs(out: Path) -> dict[tuple[str, float], list[Run]]:
     """The finished runs under ``out`` by (arm, lr), seeds in order."""
-    runs: Dict[Tuple[str, float], List[Run]] = {}
+    runs: dict[tuple[str, float], list[Run]] = {}
     for result_path in sorted(Path(out).glob('*/lr*/seed*/result.json')):
         result = read_json(result_path)
         runs.setdefault((result['arm'], result['lr']), []).append((result, RunFiles(result_path.parent).read_steps()))
@@ -33,7 +35,7 @@ def load_runs(out: Path) -> Dict[Tuple[str, float], List[Run]]:
     return runs
 
 
-def moving_average(values: Sequence[float], window: int) -> List[float]:
+def moving_average(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` values."""
     out, total = [], 0.0
     for i, value in enumerate(values):
@@ -44,15 +46,15 @@ def moving_average(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def steps_to_loss(steps: List[Dict[str, Any]], threshold: float = LOSS_THRESHOLD,
-                  window: int = SMOOTHING_STEPS) -> Optional[int]:
+def steps_to_loss(steps: list[dict[str, Any]], threshold: float = LOSS_THRESHOLD,
+                  window: int = SMOOTHING_STEPS) -> int | None:
     """First step at which the trailing ``window``-step mean training loss is below ``threshold`` (None if never)."""
     finite = [r for r in steps if r.get('loss') is not None]
     smoothed = moving_average([r['loss'] for r in finite], window)
     return next((r['step'] for r, loss in zip(finite, smoothed) if loss < threshold), None)
 
 
-def _mean_spread(values: List[float], scale: float = 1.0, digits: int = 1) -> str:
+def _mean_spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     if not values:
         return '-'
     mean = statistics.mean(values) * scale
@@ -61,7 +63,7 @@ def _mean_spread(values: List[float], scale: float = 1.0, digits: int = 1) -> st
     return f'{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}'
 
 
-def summarize(runs: List[Run]) -> Dict[str, str]:
+def summarize(runs: list[Run]) -> dict[str, str]:
     """One table row's cells for the runs (seeds) of an arm at one learning rate."""
     results = [result for result, _ in runs]
     diverged = [r for r in results if r['diverged']]
@@ -83,7 +85,7 @@ def summarize(runs: List[Run]) -> Dict[str, str]:
     }
 
 
-def table(runs: Dict[Tuple[str, float], List[Run]]) -> str:
+def table(runs: dict[tuple[str, float], list[Run]]) -> str:
     header = (f'| arm | lr | diverged seeds | test accuracy % (mean ± sd, finished seeds) | steps to smoothed train '
               f'loss < {LOSS_THRESHOLD} (mean ± sd, seeds reaching it) | peak grad norm (median over seeds) | final '
               f'log10 bound (bounded parts) |')
@@ -96,7 +98,7 @@ def table(runs: Dict[Tuple[str, float], List[Run]]) -> str:
     return '\n'.join(lines)
 
 
-def _settings_lines(runs: Dict[Tuple[str, float], List[Run]]) -> List[str]:
+def _settings_lines(runs: dict[tuple[str, float], list[Run]]) -> list[str]:
     results = [result for seeds in runs.values() for result, _ in seeds]
     settings = results[0]['settings']
     core_seconds = sum(r['seconds']['total'] for r in results)
@@ -119,16 +121,16 @@ def _settings_lines(runs: Dict[Tuple[str, float], List[Run]]) -> List[str]:
     return [runs_line, time_line]
 
 
-def generated_section(runs: Dict[Tuple[str, float], List[Run]]) -> str:
+def generated_section(runs: dict[tuple[str, float], list[Run]]) -> str:
     if not runs:
         return f'{START}\nNo finished runs yet.\n{END}'
     images = '\n'.join(f'![{metric}]({name})' for metric, name in PLOTS.items())
     return '\n\n'.join([START, table(runs), '\n'.join(_settings_lines(runs)), images, END])
 
 
-def _mean_curve(runs: List[Run], metric: str) -> Tuple[List[int], List[float]]:
+def _mean_curve(runs: list[Run], metric: str) -> tuple[list[int], list[float]]:
     """Mean over seeds at every step where some seed recorded the metric (seeds that diverged drop out)."""
-    by_step: Dict[int, List[float]] = {}
+    by_step: dict[int, list[float]] = {}
     for _, steps in runs:
         for record in steps:
             if record.get(metric) is not None:
@@ -137,7 +139,7 @@ def _mean_curve(runs: List[Run], metric: str) -> Tuple[List[int], List[float]]:
     return steps, [statistics.mean(by_step[s]) for s in steps]
 
 
-def plot(runs: Dict[Tuple[str, float], List[Run]], metric: str, path: Path) -> None:
+def plot(runs: dict[tuple[str, float], list[Run]], metric: str, path: Path) -> None:
     """One panel per learning rate, one line per arm (mean over seeds), an x where a seed diverged."""
     import matplotlib
     matplotlib.use('Agg')
@@ -171,7 +173,8 @@ def plot(runs: Dict[Tuple[str, float], List[Run]], metric: str, path: Path) -> N
     axes[0][-1].legend(fontsize=7, loc='best')
     fig.suptitle('x / dotted line: a seed diverged (non-finite loss) at that step', fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_open(path, 'wb') as f:
+        fig.savefig(f, format='png', dpi=110)
     plt.close(fig)
 
 
@@ -189,4 +192,4 @@ def write_report(out: Path, docs: Path) -> None:
         raise ValueError(f'{page} lacks the markers {START!r} and {END!r} around the generated table')
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
-    page.write_text(head + generated_section(runs) + tail)
+    write_text(page, head + generated_section(runs) + tail)

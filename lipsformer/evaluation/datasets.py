@@ -12,9 +12,9 @@ import torch
 from accelerate import Accelerator
 
 from .errors import EvaluationError
-from .layouts import ImageList, list_image_folder, list_imagenet_v2, list_imagenet_val
+from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
-from .predict import predict
+from .predict import InferenceSettings, predict
 from .real import real_labels_for
 
 __all__ = ['DataRequest', 'DatasetResult', 'PlannedPass', 'plan_datasets', 'evaluate']
@@ -31,11 +31,13 @@ class DataRequest:
         layout: ``imagenet`` or ``imagefolder`` for ``data_dir``.
         real_labels: ReaL label sets by file name, to score ``data_dir`` against them too.
         v2_dirs: ImageNet-V2 variant folders.
+        class_names: The model's classes, saved with its weights: class folders are labelled by these names.
     """
     data_dir: str | None = None
     layout: str = 'imagenet'
     real_labels: dict[str, list[int]] | None = None
     v2_dirs: tuple[str, ...] = ()
+    class_names: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def plan_datasets(request: DataRequest) -> list[PlannedPass]:
         raise EvaluationError('nothing to evaluate: give --data-dir and/or --v2-dir')
     if request.real_labels is not None and (request.data_dir is None or request.layout != 'imagenet'):
         raise EvaluationError('--real-labels scores ImageNet val: it needs --data-dir with the imagenet layout')
+    if request.v2_dirs or (request.data_dir is not None and request.layout == 'imagenet'):
+        check_imagenet_class_names(request.class_names)
     passes = []
     if request.data_dir is not None:
         if request.layout == 'imagenet':
@@ -85,7 +89,7 @@ def plan_datasets(request: DataRequest) -> list[PlannedPass]:
             real = real_labels_for(images.paths, request.real_labels) if request.real_labels is not None else None
             passes.append(PlannedPass('imagenet', images, real))
         else:
-            passes.append(PlannedPass('imagefolder', list_image_folder(request.data_dir)))
+            passes.append(PlannedPass('imagefolder', list_image_folder(request.data_dir, request.class_names)))
     passes.extend(PlannedPass('imagenet-v2', list_imagenet_v2(path)) for path in request.v2_dirs)
     return passes
 
@@ -102,10 +106,7 @@ def evaluate(
         passes: list[PlannedPass],
         data_config: dict,
         accelerator: Accelerator,
-        batch_size: int,
-        workers: int,
-        channels_last: bool = False,
-        log_every: int = 50,
+        settings: InferenceSettings = InferenceSettings(),
 ) -> list[DatasetResult]:
     """Predict on each planned image list and score it (ReaL from the val pass's predictions).
 
@@ -119,8 +120,7 @@ def evaluate(
                 f'{planned.images.num_classes} classes; evaluate a checkpoint trained on this label space')
     results = []
     for planned in passes:
-        predictions = predict(model, planned.images.paths, data_config, accelerator, batch_size, workers,
-                              channels_last=channels_last, log_every=log_every, name=planned.dataset)
+        predictions = predict(model, planned.images.paths, data_config, accelerator, settings, name=planned.dataset)
         skipped = [path for path, ok in zip(planned.images.paths, predictions.readable.tolist()) if not ok]
         if skipped:
             _logger.warning('%s: skipped %d unreadable images, e.g. %s', planned.dataset, len(skipped), skipped[0])

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torchvision.datasets import FashionMNIST
 
-from ...training.sources import prepare_dataset
+from ...training.data import prepare_dataset
 
 __all__ = ['Batches', 'Subsets', 'load_subsets', 'synthetic_subsets']
 
@@ -49,7 +50,6 @@ def _to_inputs(images: torch.Tensor) -> torch.Tensor:
 
 def load_subsets(root: str, train_size: int, test_size: int) -> Subsets:
     """Class-balanced subsets of real Fashion-MNIST (unpacked from the Debian package into ``root`` if needed)."""
-    from torchvision.datasets import FashionMNIST
     prepare_dataset('torch/fashion_mnist', root, download=False)
     train, test = FashionMNIST(root, train=True), FashionMNIST(root, train=False)
     train_idx = balanced_indices(train.targets, train_size)

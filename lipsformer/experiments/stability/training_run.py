@@ -1,16 +1,22 @@
 """One run of the stability grid: an arm at a learning rate and seed, trained with resumption and measured per step.
 
+Its folder holds ``config.json`` (the run's settings; resuming with different settings is refused), ``steps.jsonl``
+(one JSON record per optimizer step, appended every log interval), ``checkpoint.pt`` (model, optimizer, scheduler,
+RNG and step, replaced atomically; deleted when the run finishes) and ``result.json`` (written atomically last; its
+presence means the run is done).
+
 Per step: training loss, total gradient norm (L2 over all parameters, before the update; no clipping), the largest
 per-token L2 norm over all block outputs, and the learning rate. Every ``bound_every`` steps (from the first): the
 log10 of the Lipschitz product bound (Theorem 2) over the parts of the network that have a bound. A non-finite loss
 ends the run as diverged at that step.
 """
+import itertools
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,15 +24,14 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
-from ...benchmark import cpu_name
 from ...lipschitz import describe, network_bound
 from ...lipschitz.sources import MeasuredNorms
-from ...training.atomic import save_torch, write_json
+from ...utils.env import cpu_name
+from ...utils.io import JsonLines, read_json, save_torch, write_json
 from .arms import Arm, ModelShape, build_model
-from .data import Batches, Subsets
-from .runs import RunFiles, read_json
+from .subsets import Batches, Subsets
 
-__all__ = ['RunSettings', 'train_run']
+__all__ = ['RunFiles', 'RunSettings', 'train_run']
 
 _logger = logging.getLogger(__name__)
 
@@ -47,17 +52,42 @@ class RunSettings:
     synthetic: bool = False
     shape: ModelShape = field(default_factory=ModelShape)
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         settings = asdict(self)
         settings['shape'] = {k: list(v) if isinstance(v, tuple) else v for k, v in settings['shape'].items()}
         return settings
 
 
+class RunFiles:
+    """Paths of one run's files and the reading and writing of its step records."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.config = self.directory / 'config.json'
+        self.steps = self.directory / 'steps.jsonl'
+        self.checkpoint = self.directory / 'checkpoint.pt'
+        self.result = self.directory / 'result.json'
+
+    def done(self) -> bool:
+        return self.result.exists()
+
+    def append_steps(self, records: list[dict[str, Any]]) -> None:
+        JsonLines(self.steps).append(records)
+
+    def read_steps(self) -> list[dict[str, Any]]:
+        return JsonLines(self.steps).read()
+
+    def truncate_steps(self, last_step: int) -> None:
+        """Keep the records of steps up to ``last_step`` (those a checkpoint covers); drop a torn last line too."""
+        steps = JsonLines(self.steps)
+        steps.rewrite(itertools.takewhile(lambda record: record['step'] <= last_step, steps.read()))
+
+
 class ActivationMonitor:
     """The largest per-token L2 norm over the outputs of the hooked blocks since the last ``take``."""
 
-    def __init__(self, blocks: List[nn.Module]) -> None:
-        self.largest: Optional[torch.Tensor] = None
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.largest: torch.Tensor | None = None
         self.handles = [block.register_forward_hook(self._hook) for block in blocks]
 
     def _hook(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
@@ -74,14 +104,16 @@ class ActivationMonitor:
             handle.remove()
 
 
-def lipschitz_log10(model: nn.Module, img_size: int) -> Dict[str, Any]:
+def lipschitz_log10(model: nn.Module, img_size: int) -> dict[str, Any]:
     """log10 of the product bound over the parts that have one, and which parts have none."""
     bound = network_bound(describe(model, (img_size, img_size)), MeasuredNorms('operator'))
     return {'log10_bounded_parts': bound['log10_bounded_parts_product'], 'unbounded_parts': len(bound['unbounded'])}
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 500) -> Dict[str, float]:
+def score_test_set(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                   batch_size: int = 500) -> dict[str, float]:
+    """Accuracy (a fraction) and mean cross-entropy on the test subset."""
     model.eval()
     correct, loss = 0, 0.0
     for start in range(0, len(labels), batch_size):
@@ -94,7 +126,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
 
 
 def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler,
-                seconds: Dict[str, float]) -> Dict[str, Any]:
+                seconds: dict[str, float]) -> dict[str, Any]:
     state = {'step': step, 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
              'scheduler': scheduler.state_dict(), 'seconds': dict(seconds), 'torch_rng': torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -102,23 +134,17 @@ def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, s
     return state
 
 
-def _save_atomically(state: Dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(f'{path.name}.tmp')
-    save_torch(state, str(tmp))
-    tmp.replace(path)
-
-
-def _check_config(files: RunFiles, config: Dict[str, Any]) -> None:
+def _check_config(files: RunFiles, config: dict[str, Any]) -> None:
     if files.config.exists():
         found = read_json(files.config)
         if found != config:
             raise ValueError(f'{files.directory} was started with other settings ({found}); now {config}. Use '
                              f'another --out, or delete that run folder to restart it.')
     else:
-        write_json(str(files.config), config)
+        write_json(files.config, config)
 
 
-def _machine(device: torch.device) -> Dict[str, Any]:
+def _machine(device: torch.device) -> dict[str, Any]:
     """Where the run trained, for the report."""
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()
     return {'device': name, 'threads': torch.get_num_threads(), 'torch': torch.__version__}
@@ -135,7 +161,7 @@ def _warmup_steps(arm: Arm, batches: Batches, steps: int) -> int:
 
 
 def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Subsets, files: RunFiles,
-              device: torch.device) -> Dict[str, Any]:
+              device: torch.device) -> dict[str, Any]:
     """Train (or resume) one run to its end or divergence; write and return its result.
 
     Args:
@@ -178,32 +204,32 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
               'warmup_steps': warmup_steps, 'steps_per_epoch': batches.steps_per_epoch}
     if diverged_step is None:
         start = time.perf_counter()
-        result.update(evaluate(model, subsets.test_images, subsets.test_labels))
+        result.update(score_test_set(model, subsets.test_images, subsets.test_labels))
         seconds['eval'] += time.perf_counter() - start
         start = time.perf_counter()
         result['final_lipschitz'] = lipschitz_log10(model, settings.shape.img_size)
         seconds['bound'] += time.perf_counter() - start
     result.update(seconds={**seconds, 'total': sum(seconds.values())}, finished_at=time.time(),
                   machine=_machine(device))
-    write_json(str(files.result), result)
+    write_json(files.result, result)
     files.checkpoint.unlink(missing_ok=True)
     return result
 
 
-def _finite_or_none(value: float) -> Optional[float]:
+def _finite_or_none(value: float) -> float | None:
     """JSON has no inf or NaN: a non-finite measurement is recorded as null."""
     return value if math.isfinite(value) else None
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler, batches: Batches,
            settings: RunSettings, files: RunFiles, monitor: ActivationMonitor, start_step: int,
-           seconds: Dict[str, float]) -> Optional[int]:
+           seconds: dict[str, float]) -> int | None:
     """Steps ``start_step + 1`` .. ``settings.steps``; the step whose loss was non-finite, or None."""
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    pending: List[Dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
     for step in range(start_step + 1, settings.steps + 1):
-        record: Dict[str, Any] = {'step': step}
+        record: dict[str, Any] = {'step': step}
         if (step - 1) % settings.bound_every == 0:  # the bound of the weights this step starts from
             start = time.perf_counter()
             record.update(lipschitz_log10(model, settings.shape.img_size))
@@ -228,5 +254,5 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Cosine
             files.append_steps(pending)
             pending = []
         if step % settings.checkpoint_every == 0 and step < settings.steps:
-            _save_atomically(_checkpoint(step, model, optimizer, scheduler, seconds), files.checkpoint)
+            save_torch(_checkpoint(step, model, optimizer, scheduler, seconds), files.checkpoint)
     return None

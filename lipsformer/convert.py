@@ -1,0 +1,218 @@
+"""Command line: ``python -m lipsformer.convert SRC OUT_DIR [--model NAME] [--model-kwargs K=V ...]``.
+
+Turns weights into a timm model folder (``config.json`` + ``model.safetensors``, as ``timm.models.save_for_hf``
+writes it) that ``timm.create_model('local-dir:OUT_DIR', pretrained=True)`` loads, and checks that it does: the
+folder is reloaded that way and its logits compared with the source model's before it is moved into place.
+
+SRC is an authors' checkpoint (``{'model', ..., 'config'}``; the architecture, classes, input size and interpolation
+come from its yacs config), or anything validate.py's ``--checkpoint`` takes: a training run folder, an export, a
+checkpoint folder, a ``.safetensors`` or timm ``.pth.tar`` file (``--model`` names the architecture when nothing
+next to the file does). Files are read by :mod:`lipsformer.checkpoint`, which never runs pickled code.
+"""
+import argparse
+import logging
+import os
+import shutil
+import sys
+from typing import Any
+
+import timm
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
+from timm.utils import ParseKwargs
+
+from .checkpoint import CheckpointError, load_checkpoint_dict, load_file
+from .evaluation.errors import EvaluationError
+from .evaluation.models import create_eval_model, resolve_checkpoint
+from .utils.io import replace_dir
+
+__all__ = ['ConversionError', 'authors_model_config', 'convert', 'main']
+
+_logger = logging.getLogger(__name__)
+
+# The authors' yacs MODEL.TYPE -> our family, and where each constructor argument lives in their config.
+_AUTHORS_FAMILIES = {'swin': 'lipsformer_swin'}
+_AUTHORS_SWIN_KEYS = {'patch_size': 'PATCH_SIZE', 'in_chans': 'IN_CHANS', 'embed_dim': 'EMBED_DIM',
+                      'depths': 'DEPTHS', 'num_heads': 'NUM_HEADS', 'window_size': 'WINDOW_SIZE',
+                      'mlp_ratio': 'MLP_RATIO', 'qkv_bias': 'QKV_BIAS'}
+# ImageNet label sets by class count, for the authors' ImageNet checkpoints (DATA.DATASET imagenet / imagenet22K).
+_IMAGENET_SUBSETS = {1000: 'imagenet-1k', 21841: 'imagenet-22k'}
+
+
+class ConversionError(ValueError):
+    """A source that cannot be converted, or an output folder that must not be written."""
+
+
+def authors_model_config(config: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], list[str] | None]:
+    """The model an authors' yacs config describes.
+
+    Args:
+        config: The ``config`` entry of an authors' checkpoint (read as nested dicts).
+
+    Returns:
+        The registered model name (the variant whose width, depths and heads match, else the family's tiny one with
+        every argument given), its constructor arguments, the preprocessing (input size, interpolation, crop_pct)
+        and the label names (ImageNet synsets for their ImageNet checkpoints, else None).
+    """
+    model, data = config.get('MODEL', {}), config.get('DATA', {})
+    family = _AUTHORS_FAMILIES.get(str(model.get('TYPE', '')).lower())
+    if family is None:
+        raise ConversionError(f'the checkpoint\'s config has MODEL.TYPE {model.get("TYPE")!r}; only the authors\' '
+                              f'{", ".join(_AUTHORS_FAMILIES)} models are known. Give --model to name the architecture')
+    section = model.get('SWIN', {})
+    kwargs = {ours: section[theirs] for ours, theirs in _AUTHORS_SWIN_KEYS.items() if theirs in section}
+    kwargs.update(num_classes=model['NUM_CLASSES'], img_size=data['IMG_SIZE'])
+    for key in ('depths', 'num_heads'):
+        kwargs[key] = tuple(kwargs[key])
+    name = _matching_variant(family, kwargs)
+    crop_pct = 0.875 if config.get('TEST', {}).get('CROP', True) else 1.0
+    data_config = dict(input_size=(kwargs.get('in_chans', 3), data['IMG_SIZE'], data['IMG_SIZE']), crop_pct=crop_pct,
+                       interpolation=data.get('INTERPOLATION', 'bicubic'), mean=IMAGENET_DEFAULT_MEAN,
+                       std=IMAGENET_DEFAULT_STD)
+    subset = _IMAGENET_SUBSETS.get(kwargs['num_classes'])
+    imagenet = str(data.get('DATASET', '')).lower().startswith('imagenet')
+    label_names = ImageNetInfo(subset).label_names() if imagenet and subset else None
+    return name, kwargs, data_config, label_names
+
+
+def _matching_variant(family: str, kwargs: dict[str, Any]) -> str:
+    """The registered variant whose own width, depths and heads build the same weights, else the family's tiny one
+    (every argument is passed to the constructor anyway; the name is what config.json and the card show)."""
+    shape = {key: kwargs[key] for key in ('embed_dim', 'depths', 'num_heads') if key in kwargs}
+    rest = {key: value for key, value in kwargs.items() if key not in shape}
+    with torch.device('meta'):
+        wanted = _shapes(timm.create_model(f'{family}_tiny', **kwargs))
+        for name in timm.list_models(f'{family}_*'):
+            if _shapes(timm.create_model(name, **rest)) == wanted:
+                return name
+    return f'{family}_tiny'
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def _authors_config(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    config = checkpoint.get('config')
+    return config if isinstance(config, dict) and isinstance(config.get('MODEL'), dict) else None
+
+
+def load_source(src: str, model_name: str | None = None, model_kwargs: dict[str, Any] | None = None,
+                use_ema: bool = False) -> tuple[torch.nn.Module, dict[str, Any] | None, dict[str, Any] | None]:
+    """The model SRC holds, with its weights, preprocessing (None: the model's pretrained cfg) and label config.
+
+    Raises:
+        ConversionError, CheckpointError: SRC cannot be read or does not fit the model.
+    """
+    checkpoint = load_file(src) if os.path.isfile(src) else None
+    authors_config = _authors_config(checkpoint) if checkpoint is not None else None
+    if authors_config is None:
+        try:
+            resolved = resolve_checkpoint(src, use_ema=use_ema)
+            model, _ = create_eval_model(model_name, resolved, model_kwargs=model_kwargs)
+        except EvaluationError as e:
+            raise ConversionError(str(e)) from e
+        label_names = model.pretrained_cfg.get('label_names')  # from the config.json beside the weights
+        return model, None, {'label_names': label_names} if label_names else None
+    name, kwargs, data_config, label_names = authors_model_config(authors_config)
+    if model_name is not None:
+        name = model_name
+    kwargs.update(model_kwargs or {})
+    model = timm.create_model(name, **kwargs)
+    load_checkpoint_dict(model, checkpoint, source=src, use_ema=use_ema)
+    return model.eval(), data_config, {'label_names': label_names} if label_names else None
+
+
+def _check_output(out_dir: str, src: str, force: bool) -> None:
+    if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        return
+    if not os.path.isdir(out_dir):
+        raise ConversionError(f'{out_dir!r} is a file; give a folder to write the timm model folder into')
+    if not force:
+        raise ConversionError(f'{out_dir!r} is not empty; give an empty or new folder, or --force to replace a '
+                              f'model folder')
+    if os.path.commonpath([os.path.abspath(src), os.path.abspath(out_dir)]) == os.path.abspath(out_dir):
+        raise ConversionError(f'--force would delete the source: {src!r} is inside {out_dir!r}')
+    if not os.path.isfile(os.path.join(out_dir, 'config.json')):
+        raise ConversionError(f'--force replaces model folders only, and {out_dir!r} has no config.json; remove it '
+                              f'yourself if nothing in it is needed')
+
+
+def logit_difference(model: torch.nn.Module, folder: str, batch_size: int = 2) -> float:
+    """Max |logit difference| between ``model`` and ``timm.create_model('local-dir:<folder>', pretrained=True)`` on
+    random images of the folder's input size."""
+    reloaded = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    inputs = torch.randn(batch_size, *reloaded.pretrained_cfg['input_size'], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (model.eval()(inputs) - reloaded(inputs)).abs().max().item()
+
+
+def convert(src: str, out_dir: str, model_name: str | None = None, model_kwargs: dict[str, Any] | None = None,
+            use_ema: bool = False, force: bool = False) -> dict[str, Any]:
+    """Write SRC's model as a timm folder at ``out_dir`` (atomically) after checking it reloads to equal logits.
+
+    Args:
+        src: An authors' checkpoint, a training run, an export, a checkpoint folder or a weights file.
+        out_dir: The folder to write; it must be new or empty, or a model folder with ``force``.
+        model_name: Registered model name; needed for a weights file with no config beside it.
+        model_kwargs: Constructor arguments added to (or replacing) the ones found.
+        use_ema: Convert the EMA weights.
+        force: Replace an existing model folder.
+
+    Returns:
+        ``out_dir``, ``architecture``, ``num_classes``, ``params`` and ``max_abs_logit_difference``.
+    """
+    src, out_dir = os.path.abspath(src), os.path.abspath(out_dir)
+    if not os.path.exists(src):
+        raise ConversionError(f'{src!r} does not exist')
+    _check_output(out_dir, src, force)
+    model, data_config, model_config = load_source(src, model_name, model_kwargs, use_ema)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = os.path.join(parent, f'.{os.path.basename(out_dir)}.tmp-{os.getpid()}')
+    try:
+        timm.models.save_for_hf(model, tmp_dir, model_config=model_config, safe_serialization=True,
+                                data_config=data_config)
+        difference = logit_difference(model, tmp_dir)
+        if difference != 0.0:
+            raise ConversionError(f'the written folder does not reproduce the source model (max |logit difference| '
+                                  f'{difference:g}); nothing was written to {out_dir!r}')
+        replace_dir(tmp_dir, out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return dict(out_dir=out_dir, architecture=model.pretrained_cfg['architecture'], num_classes=model.num_classes,
+                params=sum(p.numel() for p in model.parameters()), max_abs_logit_difference=difference)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog='python -m lipsformer.convert', description=__doc__.split('\n\n')[1],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('src', help='authors\' checkpoint, training run folder, export, checkpoint folder or weights '
+                                    'file')
+    parser.add_argument('out_dir', help='timm model folder to write (new or empty; see --force)')
+    parser.add_argument('--model', help='registered model name (default: from the authors\' config, the config.json '
+                                        'or config.yaml beside the weights)')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='constructor arguments, as timm\'s scripts take them (num_classes=10 depths=[2,2,6,2])')
+    parser.add_argument('--use-ema', action='store_true', help='convert the EMA weights')
+    parser.add_argument('--force', action='store_true', help='replace OUT_DIR if it is a model folder')
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
+    logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
+    args = build_parser().parse_args(argv)
+    try:
+        result = convert(args.src, args.out_dir, args.model, args.model_kwargs, args.use_ema, args.force)
+    except (ConversionError, CheckpointError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    print(f'wrote {result["out_dir"]}: {result["architecture"]}, {result["num_classes"]} classes, '
+          f'{result["params"]:,} parameters; timm.create_model(\'local-dir:{result["out_dir"]}\', pretrained=True) '
+          f'reproduces the source logits (max |difference| {result["max_abs_logit_difference"]:g})')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

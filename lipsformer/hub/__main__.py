@@ -1,0 +1,54 @@
+"""Command line: ``python -m lipsformer.hub card RUN_DIR`` and ``python -m lipsformer.hub push RUN_DIR|EXPORT REPO_ID``.
+
+``card`` writes the model card (README.md) and the run's plots into the run's export; ``push`` does the same with the
+repository's name in the card and uploads the export to the Hugging Face Hub.
+"""
+import argparse
+import logging
+import sys
+
+from ..checkpoint import CheckpointError
+from .model_card import CardError, write_card
+from .upload import push
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog='python -m lipsformer.hub', description=__doc__.split('\n\n')[1])
+    commands = parser.add_subparsers(dest='command', required=True)
+    card = commands.add_parser('card', help='write README.md (the model card) and plots into the run\'s export')
+    upload = commands.add_parser('push', help='write the card and upload the export to the Hugging Face Hub')
+    for sub in (card, upload):
+        sub.add_argument('target', metavar='RUN_DIR|EXPORT', help='training run folder, or an export / model folder')
+    upload.add_argument('repo_id', help='Hub repository, USER/REPO (created if missing)')
+    card.add_argument('--repo-id', help='Hub repository the card\'s loading example names')
+    upload.add_argument('--private', action='store_true', help='create the repository private')
+    upload.add_argument('--token', help='Hub token (default: the one huggingface-cli login / HF_TOKEN gives)')
+    upload.add_argument('--revision', help='branch to push to')
+    upload.add_argument('--keep-card', action='store_true', help='upload an existing README.md as it is')
+    for sub in (card, upload):
+        sub.add_argument('--which', choices=('best', 'last'), default='best', help='which of the run\'s exports')
+        sub.add_argument('--no-lipschitz', action='store_true',
+                         help="leave the Lipschitz bounds out of the card (seconds for a full-size model)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
+    logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(name)s: %(message)s')
+    args = build_parser().parse_args(argv)
+    lipschitz = not args.no_lipschitz
+    try:
+        if args.command == 'card':
+            print(f'wrote {write_card(args.target, args.repo_id, args.which, lipschitz)}')
+        else:
+            commit = push(args.target, args.repo_id, private=args.private, which=args.which, token=args.token,
+                          revision=args.revision, keep_card=args.keep_card, lipschitz=lipschitz)
+            print(f'uploaded to {getattr(commit, "commit_url", args.repo_id)}')
+    except (CardError, CheckpointError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

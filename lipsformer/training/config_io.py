@@ -1,0 +1,291 @@
+"""Reading, overriding, checking and writing training configs.
+
+A config is YAML with the sections of :class:`~lipsformer.training.config.Config`. A file may start from
+another with ``base: other.yaml`` (a path relative to the file); its keys are merged over the base's. Command-line
+overrides ``key.sub=value`` are parsed as YAML values and applied last. Every key, type and value is checked before
+anything is built, and a mistake raises :class:`ConfigError` naming the key, the value and what is allowed. A key
+given twice in one mapping is an error too (plain YAML keeps the last one and drops the other without a word).
+"""
+import dataclasses
+import difflib
+import os
+import textwrap
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from ..utils.io import write_text
+from .config import Config, ConfigError, Rule, check_config
+
+__all__ = ['config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config', 'flat_dict', 'load_config',
+           'parse_override', 'reference_yaml']
+
+_BASE_KEY = 'base'
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that names a key twice (merge keys ``<<`` excepted)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == 'tag:yaml.org,2002:merge':
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in lines:
+                raise yaml.constructor.ConstructorError(
+                    'while reading a mapping', node.start_mark,
+                    f'found the key {key!r} twice (first on line {lines[key] + 1}); YAML would keep the last value '
+                    f'and ignore the other, so keep one of them', key_node.start_mark)
+            lines[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(stream: Any) -> Any:
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (following ``base:`` links), apply ``key.sub=value`` overrides and validate it.
+
+    Args:
+        path: YAML file; None starts from the defaults.
+        overrides: Strings ``key.sub=value``; the value is parsed as YAML (``optimizer.betas=[0.9,0.99]``).
+
+    Returns:
+        The checked config.
+
+    Raises:
+        ConfigError: Unreadable file, unknown key, wrong type or impossible value.
+    """
+    raw = _read_yaml_with_bases(os.fspath(path), chain=()) if path is not None else {}
+    for override in overrides:
+        key, value = parse_override(override)
+        _set_dotted(raw, key, value)
+    return config_from_dict(raw)
+
+
+def parse_override(override: str) -> tuple[str, Any]:
+    """Split ``key.sub=value`` into the dotted key and the YAML-parsed value."""
+    key, sep, text = override.partition('=')
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f'override {override!r} is not of the form key.sub=value (e.g. optimizer.lr=1e-3)')
+    try:
+        value = _load_yaml(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f'override {override!r}: the value is not valid YAML ({e})') from e
+    return key, value
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from nested plain data (missing keys take their defaults)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f'a config must be a mapping of sections, got {type(raw).__name__}')
+    raw = {k: v for k, v in raw.items() if k != _BASE_KEY}
+    config = _build_dataclass(Config, raw, prefix='')
+    check_config(config)
+    return config
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """The config as nested plain data (what ``config.yaml`` holds)."""
+    return dataclasses.asdict(config)
+
+
+def config_to_yaml(config: Config) -> str:
+    """The fully resolved config as YAML (what ``config.yaml`` holds and ``train.py --print-config`` prints)."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=None)
+
+
+def dump_config(config: Config, path: str | os.PathLike) -> None:
+    """Write the fully resolved config as YAML, atomically."""
+    write_text(path, config_to_yaml(config))
+
+
+def flat_dict(data: dict[str, Any], prefix: str = '') -> dict[str, Any]:
+    """Nested config data as ``{'section.key': value}`` with plain values (for trackers and comparisons)."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_dict(value, f'{prefix}{key}.'))
+        else:
+            flat[f'{prefix}{key}'] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+def reference_yaml() -> str:
+    """A YAML file with every key at its default, each preceded by its documentation and what it allows."""
+    lines = ['# Every training config key, at its default, documented once (generated from',
+             '# lipsformer/training/config.py by `python train.py --print-reference`).',
+             '# A config file may start with `base: other.yaml` and override any subset of these keys;',
+             '# train.py also takes overrides as key.sub=value arguments (values parsed as YAML).', '']
+    defaults = Config()
+    hints = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        section_value = getattr(defaults, section.name)
+        lines.append(f'# {"-" * 70}')
+        lines.append(f'# {section.name}: {type(section_value).__doc__.strip()}')
+        lines.append(f'{section.name}:')
+        key_hints = typing.get_type_hints(hints[section.name])
+        for key in dataclasses.fields(section_value):
+            lines += [f'  # {line}' for line in textwrap.wrap(key.metadata['help'], width=100)]
+            allowed = _allowed(key.metadata['rule'], key_hints[key.name])
+            if allowed:
+                lines.append(f'  # allowed: {allowed}')
+            dumped = yaml.safe_dump({key.name: getattr(section_value, key.name)}, default_flow_style=True)
+            lines.append('  ' + dumped.strip()[1:-1])
+        lines.append('')
+    return '\n'.join(lines)
+
+
+def _allowed(rule: Rule | None, annotation: Any) -> str | None:
+    """What a key allows beyond its plain type: its rule, or the values of a Literal type."""
+    if rule is not None:
+        return rule.allowed
+    literal = any(typing.get_origin(a) is Literal for a in (annotation, *typing.get_args(annotation)))
+    return _describe(annotation) if literal else None
+
+
+def _read_yaml_with_bases(path: str, chain: tuple[str, ...]) -> dict[str, Any]:
+    """Load a YAML mapping, merged over the file named by its ``base`` key (recursively)."""
+    real_path = os.path.realpath(path)
+    if real_path in chain:
+        raise ConfigError(f'config {path!r} includes itself through base: ' + ' -> '.join(chain + (real_path,)))
+    try:
+        with open(path) as f:
+            data = _load_yaml(f)
+    except OSError as e:
+        raise ConfigError(f'cannot read config file {path!r}: {e.strerror}') from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f'config file {path!r} is not valid YAML: {e}') from e
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f'config file {path!r} must hold a mapping of sections, got {type(data).__name__}')
+    base = data.pop(_BASE_KEY, None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f'{path!r}: base must be a path to another YAML file, got {base!r}')
+    base_path = os.path.join(os.path.dirname(path), base)
+    return _deep_merge(_read_yaml_with_bases(base_path, chain + (real_path,)), data)
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split('.')
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f'{prefix.rstrip(".") or "config"}: expected a mapping of keys, got {raw!r}')
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(prefix, str(key), list(fields)))
+    values = {}
+    for name, value in raw.items():
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            values[name] = _build_dataclass(annotation, value, f'{prefix}{name}.')
+        else:
+            values[name] = _coerce(f'{prefix}{name}', value, annotation)
+    return cls(**values)
+
+
+def _unknown_key_message(prefix: str, key: str, valid: list[str]) -> str:
+    where = prefix.rstrip('.') or 'the top level'
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ''
+    return f"unknown config key '{prefix}{key}'{hint}; keys allowed in {where}: {', '.join(valid)}"
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against ``annotation``, converting only lossless cases (int -> float, '1e-3' -> 0.001)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f'{key}: got {value!r}; expected {_describe(annotation)}')
+    if origin is Literal:
+        if value is False and 'no' in args:  # YAML 1.1 reads a bare `no` as false
+            return 'no'
+        if value in args and not isinstance(value, bool):
+            return value
+        raise ConfigError(f'{key}: got {value!r}; allowed values: {", ".join(map(repr, args))}')
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f'{key}: got {value!r}; expected a list of {_describe(args[0])}')
+        return [_coerce(f'{key}[{i}]', item, args[0]) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f'{key}: got {value!r}; expected a mapping')
+        return dict(value)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        number = _as_float(value)
+        if number is not None:
+            return number
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f'{key}: got {value!r} ({type(value).__name__}); expected {_describe(annotation)}')
+
+
+def _as_float(value: Any) -> float | None:
+    """A float from a number or from a numeric string (PyYAML reads ``1e-3`` as a string)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _describe(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return ' or '.join('null' if a is type(None) else _describe(a) for a in args)
+    if origin is Literal:
+        return 'one of ' + ', '.join(map(repr, args))
+    if origin is list:
+        return f'a list of {_describe(args[0])}'
+    if origin is dict:
+        return 'a mapping'
+    return {bool: 'true or false', int: 'an integer', float: 'a number', str: 'a string'}.get(
+        annotation, str(annotation))

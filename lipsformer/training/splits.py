@@ -1,0 +1,127 @@
+"""Which images ``data.train_split`` and ``data.val_split`` mean, and one class map for both.
+
+timm's ``create_dataset`` forgives mistakes silently: a split folder that is not there falls back to the dataset root
+(so a missing ``validation/`` validates on the training images, and ``train_split: trian`` trains on every split),
+a torchvision dataset takes any split name that is not ``train`` for its test set, and each class folder tree is
+numbered on its own (so a validation split without one class scores every later class against the wrong label). Here:
+
+- a split of an image-folder dataset is ``<data_dir>/<split>`` (a folder or a ``.tar``), else one of timm's synonyms
+  of that name (``val`` for ``validation``, ...); anything else is an error naming what was looked for and what exists;
+- the training split's classes are the class map of the run (or ``data.class_map`` when given): the validation split
+  is scored with those indices; a validation class the training split lacks (an extra or renamed folder) is an error,
+  a class missing from validation is fine; a training class folder without images is an error (validate.py checks
+  class folders against a model's saved classes with the same :func:`check_split_classes`);
+- a torchvision dataset's split must be one of the names that select its training or test set.
+"""
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+from timm.data.readers.img_extensions import get_img_extensions
+from timm.utils.misc import natural_key
+
+__all__ = ['DatasetError', 'DatasetNotFoundError', 'check_split_classes', 'check_torchvision_split',
+           'class_folders_without_images', 'split_folder']
+
+_logger = logging.getLogger(__name__)
+
+# timm's split synonyms (timm.data.dataset_factory): the names one split is found under.
+TRAIN_NAMES = ('train', 'training')
+EVAL_NAMES = ('validation', 'val', 'valid', 'eval', 'evaluation')
+# torchvision datasets that have a training set and a test set, chosen by timm from the split name.
+_TORCHVISION_TRAIN_TEST = ('cifar10', 'cifar100', 'mnist', 'kmnist', 'fashion_mnist', 'qmnist')
+
+
+class DatasetError(Exception):
+    """A dataset whose splits or classes cannot be used as given; the message says what is wrong and how to fix it."""
+
+
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """The dataset or one of its splits is not on disk and cannot be fetched; the message says how to get it."""
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    names = sorted(names, key=natural_key)
+    return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '') or 'nothing'
+
+
+def split_folder(root: str, split: str, key: str) -> str:
+    """The folder (or ``.tar`` file) holding ``split`` of an image-folder dataset under ``root``.
+
+    Args:
+        root: ``data.data_dir``.
+        split: The split's name.
+        key: The config key that named it (``train_split`` or ``val_split``), for the message.
+
+    Raises:
+        DatasetNotFoundError: Neither the split nor a synonym of it is under ``root``.
+    """
+    if not os.path.isdir(root):
+        raise DatasetNotFoundError(f'data.data_dir {root!r} is not a folder; an image-folder dataset is a folder with '
+                                   f'one sub-folder per split (data.{key}: {split!r})')
+    family = next((names for names in (TRAIN_NAMES, EVAL_NAMES) if split in names), ())
+    tried = [split, *(name for name in family if name != split)]
+    for name in tried:
+        for candidate in (name, f'{name}.tar'):
+            path = os.path.join(root, candidate)
+            if os.path.exists(path):
+                if name != split:
+                    _logger.info('data.%s: %r is not under %s; using %r, a synonym timm accepts', key, split, root,
+                                 candidate)
+                return path
+    present = [entry.name for entry in os.scandir(root) if not entry.name.startswith('.') and (
+        entry.is_dir() or entry.name.endswith('.tar'))]
+    hint = (f'; if {root!r} itself holds the class folders of one split, point data.data_dir at the folder above it '
+            f'and name the split' if present and not set(present) & set(TRAIN_NAMES + EVAL_NAMES) else '')
+    raise DatasetNotFoundError(
+        f'data.{key}: no split {split!r} under {root!r} (looked for {", ".join(tried)}, as a folder or a .tar); it '
+        f'holds {_listing(present)}. Set data.{key} to the sub-folder to use{hint}')
+
+
+def check_torchvision_split(dataset: str, split: str, key: str) -> None:
+    """Refuse a split name with which timm would silently pick the test set of a torchvision dataset."""
+    name = dataset.split('/', 1)[1].lower()
+    if name in _TORCHVISION_TRAIN_TEST and split not in (*TRAIN_NAMES, 'test', *EVAL_NAMES):
+        raise DatasetNotFoundError(
+            f'data.{key}: {split!r} is not a split of torchvision\'s {name}, which has a training set ('
+            f'{" or ".join(TRAIN_NAMES)}) and a test set (test, or {", ".join(EVAL_NAMES)})')
+
+
+def class_folders_without_images(root: str, class_to_idx: Mapping[str, int]) -> list[str]:
+    """Class folders directly under ``root`` that hold no image at any depth (the reader never sees them)."""
+    if not os.path.isdir(root):
+        return []
+    extensions = get_img_extensions(as_set=True)
+    empty = []
+    for entry in os.scandir(root):
+        if entry.name.startswith('.') or not entry.is_dir() or entry.name in class_to_idx:
+            continue
+        if not any(os.path.splitext(f)[1].lower() in extensions for _, _, files in os.walk(entry.path) for f in files):
+            empty.append(entry.name)
+    return empty
+
+
+def check_split_classes(found: Iterable[str], reference: Iterable[str], where: str, source: str,
+                        error: type[Exception] = DatasetError) -> None:
+    """Check that every class of a split is among the classes it is scored with, so each gets its right index.
+
+    Args:
+        found: The split's class folder names.
+        reference: The class names it is labelled with (the run's class map, a model's saved classes).
+        where: The split, for the message (``data.val_split: '<folder>'``).
+        source: What ``reference`` is, for the message (``the training split's classes``).
+        error: The exception to raise.
+
+    Raises:
+        error: The split has classes the reference lacks (extra or renamed folders).
+    """
+    found, reference = list(found), list(reference)
+    unknown = [name for name in found if name not in reference]
+    if unknown:
+        raise error(f'{where} has class folders that are not among {source}: {_listing(unknown)} ({source}: '
+                    f'{_listing(reference)}). Their images could only be scored against the wrong labels; rename '
+                    f'those folders to the class they hold, or remove them')
+    missing = [name for name in reference if name not in found]
+    if missing:
+        _logger.info('%s has no images of %d of %d classes (%s); the others are scored by their names among %s',
+                     where, len(missing), len(reference), _listing(missing), source)

@@ -1,0 +1,33 @@
+"""The machine a run or a measurement ran on: CPU name and peak memory."""
+import platform
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ['cpu_name', 'peak_memory_mb', 'peak_rss_mb']
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path('/proc/cpuinfo').read_text().splitlines():
+            if line.startswith('model name'):
+                return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_rss_mb() -> float:
+    """The most resident memory this process has held so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 20 if sys.platform == 'darwin' else peak / 2 ** 10  # bytes on macOS, KiB on Linux
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak accelerator memory allocated by this process on ``device`` (on a CPU, its peak resident memory), in MiB."""
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return peak_rss_mb()

@@ -1,0 +1,269 @@
+"""The Hub and timm folders: model cards, the upload (stopped at the network), and hf-hub: / local-dir: names in
+train.py, validate.py, the Lipschitz analysis and the benchmark. No test reaches the network: the upload's final
+calls and the Hub downloads are replaced by fakes that record what would be sent or serve a local folder."""
+import json
+import os
+import re
+import shutil
+
+import huggingface_hub
+import pytest
+import timm
+import timm.models._hub
+import torch
+from accelerate.state import AcceleratorState
+from huggingface_hub.utils import LocalEntryNotFoundError
+from training_support import make_image_folder, tiny_overrides
+
+from lipsformer.benchmark import BenchmarkConfig, _build, parse_model_specs
+from lipsformer.checkpoint import load_file
+from lipsformer.convert import convert
+from lipsformer.evaluation.cli import main as validate_main
+from lipsformer.evaluation.models import create_eval_model, expand_model_names
+from lipsformer.hub import CardError, ModelSourceError, check_model_source, create_model, write_card
+from lipsformer.hub.__main__ import main as hub_main
+from lipsformer.lipschitz.analysis import analyze
+from lipsformer.lipschitz.cli import main as lipschitz_main
+from lipsformer.training import ConfigError, load_config, train
+from lipsformer.training.data import resolve_input_spec
+from lipsformer.training.session import create_model as create_training_model
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+
+@pytest.fixture(scope='module')
+def run_dir(data_dir, tmp_path_factory):
+    """A finished two-epoch run with EMA, plots and exports."""
+    folder = str(tmp_path_factory.mktemp('run') / 'run')
+    train(load_config(None, tiny_overrides(data_dir, **{'log.plots': True})), folder)
+    return folder
+
+
+def _copy(run_dir: str, tmp_path) -> str:
+    target = str(tmp_path / 'run')
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(2, 1, 32, 32, generator=torch.Generator().manual_seed(3))
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(_inputs())
+
+
+def _export_model(export: str) -> torch.nn.Module:
+    """The exported network built by hand: registered name, saved arguments, the export's weights."""
+    config = json.load(open(os.path.join(export, 'config.json')))
+    model = timm.create_model(config['architecture'], **config['model_args'])
+    model.load_state_dict(load_file(os.path.join(export, 'model.safetensors')))
+    return model
+
+
+def _header(card: str) -> dict[str, object]:
+    header = card.split('---\n')[1]
+    return {k: v for k, v in re.findall(r'^(\w+): (.+)$', header, re.M)}
+
+
+def test_card_describes_the_run(run_dir, tmp_path, capsys):
+    run = _copy(run_dir, tmp_path)
+    assert hub_main(['card', run]) == 0
+    export = os.path.join(run, 'export', 'best')
+    card = open(os.path.join(export, 'README.md')).read()
+    assert _header(card) == {'library_name': 'timm', 'license': 'apache-2.0', 'pipeline_tag': 'image-classification'}
+    assert '- accuracy' in card and 'datasets:\n- ' in card and '- lipsformer' in card
+    summary = json.load(open(os.path.join(run, 'summary.json')))
+    final = summary['final_metrics']
+    assert f'| raw | `model.safetensors` | {final["val_top1"]:.2f} | {final["val_top5"]:.2f} |' in card
+    assert f'| EMA | `model_ema.safetensors` | {final["ema_val_top1"]:.2f} | {final["ema_val_top5"]:.2f} |' in card
+    assert f'Best {summary["best_metric"]}: {summary["best_value"]:.2f} at epoch {summary["best_epoch"]}' in card
+    params = sum(p.numel() for p in _export_model(export).parameters())
+    assert f'parameters: {params / 1e6:.2f}M' in card
+    assert '| optimizer.lr | 0.002 |' in card and '| scheduler.warmup_epochs | 0.0 |' in card
+    assert 'Theorem 2 product bound' in card and 'stage0' in card  # bounds of the weights, alphas of the run
+    for name in ('loss.png', 'accuracy.png', 'alpha.png'):  # relative links to copies inside the export
+        assert f'](plots/{name})' in card
+        assert open(os.path.join(export, 'plots', name), 'rb').read() == \
+            open(os.path.join(run, 'plots', name), 'rb').read()
+    assert "timm.create_model('hf-hub:USER/REPO', pretrained=True)" in card and 'local-dir:' in card
+    assert '@inproceedings{qi2023lipsformer' in card
+    assert hub_main(['card', run, '--which', 'last', '--repo-id', 'me/tiny', '--no-lipschitz']) == 0
+    last = open(os.path.join(run, 'export', 'last', 'README.md')).read()
+    assert "'hf-hub:me/tiny'" in last and 'Theorem 2' not in last
+
+
+def test_card_of_a_converted_folder_and_bad_targets(run_dir, tmp_path, capsys):
+    folder = str(tmp_path / 'converted')
+    shutil.copytree(os.path.join(run_dir, 'export', 'best'), folder)
+    path = write_card(folder, lipschitz=False)
+    card = open(path).read()
+    assert 'No training run beside this folder' in card and 'datasets:' not in card
+    assert hub_main(['card', str(tmp_path / 'nothing')]) == 2
+    assert 'neither a training run' in capsys.readouterr().err
+    with pytest.raises(CardError):
+        write_card(str(tmp_path))
+
+
+class _FakeHub:
+    """Stands in for the two HfApi calls that reach the network and records what they were given."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        fake = self
+
+        def create_repo(api, repo_id, private=False, exist_ok=False, **kwargs):
+            fake.calls.append(('create_repo', dict(repo_id=repo_id, private=private, exist_ok=exist_ok,
+                                                   library=api.library_name)))
+            return huggingface_hub.RepoUrl(f'https://huggingface.co/{repo_id}')
+
+        def upload_folder(api, repo_id, folder_path, allow_patterns=None, **kwargs):
+            sent = sorted(os.path.relpath(os.path.join(root, name), folder_path)
+                          for root, _, names in os.walk(folder_path) for name in names
+                          if os.path.relpath(os.path.join(root, name), folder_path) in allow_patterns)
+            fake.calls.append(('upload_folder', dict(repo_id=repo_id, folder=folder_path, files=sent, **kwargs)))
+            fake.card = open(os.path.join(folder_path, 'README.md')).read()
+            return None
+
+        monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', create_repo)
+        monkeypatch.setattr(huggingface_hub.HfApi, 'upload_folder', upload_folder)
+
+
+def test_push_sends_the_export_with_its_card(run_dir, tmp_path, monkeypatch, capsys):
+    run = _copy(run_dir, tmp_path)
+    hub = _FakeHub(monkeypatch)
+    assert hub_main(['push', run, 'me/lipsformer-tiny', '--private', '--no-lipschitz']) == 0
+    (create, created), (upload, uploaded) = hub.calls
+    assert create == 'create_repo' and created == dict(repo_id='me/lipsformer-tiny', private=True, exist_ok=True,
+                                                       library='timm')
+    assert upload == 'upload_folder' and uploaded['repo_id'] == 'me/lipsformer-tiny'
+    assert uploaded['folder'] == os.path.join(run, 'export', 'best')
+    assert uploaded['files'] == ['README.md', 'config.json', 'model.safetensors', 'model_ema.safetensors',
+                                 'plots/accuracy.png', 'plots/alpha.png', 'plots/loss.png']
+    assert "timm.create_model('hf-hub:me/lipsformer-tiny', pretrained=True)" in hub.card
+    assert uploaded['commit_message'] == 'Add lipsformer_swin_tiny weights'
+    # An export pushed alone, its edited card kept; a public repository unless --private.
+    export = os.path.join(run, 'export', 'last')
+    open(os.path.join(export, 'README.md'), 'w').write('my own card\n')
+    hub.calls.clear()
+    assert hub_main(['push', export, 'me/other', '--keep-card']) == 0
+    assert hub.calls[0][1]['private'] is False and hub.card == 'my own card\n'
+
+
+def test_push_refuses_an_incomplete_export(run_dir, tmp_path, monkeypatch, capsys):
+    run = _copy(run_dir, tmp_path)
+    os.remove(os.path.join(run, 'export', 'best', 'model.safetensors'))
+    hub = _FakeHub(monkeypatch)
+    assert hub_main(['push', os.path.join(run, 'export', 'best'), 'me/x', '--no-lipschitz']) == 2
+    assert 'lacks model.safetensors' in capsys.readouterr().err and hub.calls == []
+
+
+def test_fine_tune_from_a_local_dir_export_with_another_class_count(run_dir, tmp_path, caplog):
+    export = os.path.join(run_dir, 'export', 'best')
+    name = f'local-dir:{export}'
+    three_classes = make_image_folder(str(tmp_path / 'images'), num_classes=3)
+    overrides = tiny_overrides(three_classes, **{'train.epochs': 1, 'model.pretrained': True,
+                                                 'checkpoint.export': False})
+    config = load_config(None, [o for o in overrides if not o.startswith(('model.name=', 'model.kwargs='))]
+                         + [f'model.name={name}'])
+    caplog.set_level('INFO', logger='lipsformer.training.session')
+    model, _ = create_training_model(config, 3, resolve_input_spec(config))
+    assert 'the pretrained weights have a 4-class classifier and the model 3 classes: head.fc starts from its ' \
+           'initialisation' in caplog.text
+    exported = _export_model(export).state_dict()
+    for key, value in model.state_dict().items():
+        if not key.startswith('head.fc.'):
+            assert torch.equal(value, exported[key]), key
+    assert model.head.fc.weight.shape == (3, 128)
+    summary = train(config, str(tmp_path / 'fine-tuned'))  # the whole run works from that name
+    assert summary['status'] == 'finished'
+
+
+def test_bad_local_dir_names_fail_before_anything_is_built(run_dir, data_dir, tmp_path):
+    with pytest.raises(ModelSourceError, match='holds no config.json'):
+        check_model_source(f'local-dir:{tmp_path}')
+    with pytest.raises(ModelSourceError, match='does not exist'):
+        check_model_source(f'local-dir:{tmp_path / "missing"}')
+    (tmp_path / 'config.json').write_text(json.dumps({'architecture': 'lipsformer_swin_tiny'}))
+    with pytest.raises(ModelSourceError, match='no weights file'):
+        check_model_source(f'local-dir:{tmp_path}')
+    config = load_config(None, tiny_overrides(data_dir, **{'model.name': f'local-dir:{tmp_path / "missing"}'}))
+    with pytest.raises(ConfigError, match='model.name: local-dir:'):
+        train(config, str(tmp_path / 'run'))
+
+
+def test_validate_scores_a_local_dir_export_as_training_did(run_dir, data_dir, tmp_path):
+    export = os.path.join(run_dir, 'export', 'best')
+    results = tmp_path / 'results.json'
+    AcceleratorState._reset_state(reset_partial_state=True)  # as a new process has it
+    assert validate_main(['--model', f'local-dir:{export}', '--data-layout', 'imagefolder', '--data-dir',
+                          os.path.join(data_dir, 'validation'), '--workers', '0', '--results-file', str(results)]) == 0
+    (result,) = json.loads(results.read_text())['results']
+    summary = json.load(open(os.path.join(run_dir, 'summary.json')))
+    epochs = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
+    (best,) = [line for line in epochs if line.get('epoch') == summary['best_epoch'] and 'val_top1' in line]
+    assert result['top1'] == pytest.approx(best['val_top1']) and result['count'] == best['val_samples']
+
+
+def test_lipschitz_and_benchmark_take_local_dir(run_dir, tmp_path, capsys):
+    export = os.path.join(run_dir, 'export', 'best')
+    name = f'local-dir:{export}'
+    assert expand_model_names(name) == [name]
+    out = tmp_path / 'lipschitz.json'
+    assert lipschitz_main(['--model', name, '--no-empirical', '--json', str(out)]) == 0
+    alphas = [row['alpha'] for row in json.loads(out.read_text())['branches']]
+    # The export's weights (the trained alphas), not an initialisation.
+    assert alphas == [row['alpha'] for row in analyze(_export_model(export), empirical=False)['branches']]
+    assert alphas != [row['alpha'] for row in analyze(timm.create_model(name), empirical=False)['branches']]
+    (spec,) = parse_model_specs(name)
+    built, inputs = _build(spec, BenchmarkConfig(batch_size=2, img_size=32))
+    assert inputs.shape == (2, 1, 32, 32) and built(inputs).shape == (2, 4)
+
+
+class _FakeDownloads:
+    """timm's Hub downloads served from a local folder (as a repository's files), or failing as offline."""
+
+    def __init__(self, monkeypatch, folder: str | None):
+        def download(repo_id, filename, revision=None, cache_dir=None, **kwargs):
+            path = os.path.join(folder or '', filename)
+            if folder is None or not os.path.isfile(path):
+                raise LocalEntryNotFoundError('cannot find the requested files in the local cache')
+            self.requested.append((repo_id, filename))
+            return path
+        self.requested = []
+        monkeypatch.setattr(timm.models._hub, 'hf_hub_download', download)
+
+
+def test_hf_hub_names_up_to_the_download(run_dir, data_dir, monkeypatch):
+    export = os.path.join(run_dir, 'export', 'best')
+    expected = _logits(_export_model(export))
+    downloads = _FakeDownloads(monkeypatch, export)
+    model, _ = create_eval_model('hf-hub:me/tiny', None, pretrained=True)  # validate.py --model hf-hub:me/tiny
+    assert torch.equal(_logits(model), expected)
+    assert downloads.requested == [('me/tiny', 'config.json'), ('me/tiny', 'model.safetensors')]
+    overrides = tiny_overrides(data_dir, **{'model.pretrained': True})
+    config = load_config(None, [o for o in overrides if not o.startswith(('model.name=', 'model.kwargs='))]
+                         + ['model.name=hf-hub:me/tiny'])
+    model, _ = create_training_model(config, 4, resolve_input_spec(config))  # train.py's model.name
+    assert torch.equal(_logits(model), expected)
+    _FakeDownloads(monkeypatch, None)
+    for build in (lambda: create_eval_model('hf-hub:me/tiny', None, pretrained=True),
+                  lambda: create_model('hf-hub:me/tiny', pretrained=True)):
+        with pytest.raises(ModelSourceError, match=r'hf-hub:me/tiny: cannot get its files from the Hugging Face Hub '
+                                                   r'\(LocalEntryNotFoundError.*local-dir:FOLDER'):
+            build()
+
+
+def test_convert_a_run_folder_raw_and_ema(run_dir, tmp_path):
+    export = os.path.join(run_dir, 'export', 'best')
+    convert(run_dir, str(tmp_path / 'raw'))
+    result = convert(run_dir, str(tmp_path / 'ema'), use_ema=True)
+    assert result['max_abs_logit_difference'] == 0.0
+    for name, weights in (('raw', 'model.safetensors'), ('ema', 'model_ema.safetensors')):
+        converted, exported = load_file(tmp_path / name / 'model.safetensors'), load_file(os.path.join(export, weights))
+        assert converted.keys() == exported.keys()
+        assert all(torch.equal(converted[key], exported[key]) for key in converted), name
+    saved = json.loads((tmp_path / 'ema' / 'config.json').read_text())
+    assert saved['label_names'] == ['class_0', 'class_1', 'class_2', 'class_3']
+    assert saved['pretrained_cfg']['mean'] == [0.5] and saved['model_args']['in_chans'] == 1

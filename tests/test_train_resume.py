@@ -1,0 +1,137 @@
+"""Resuming a run when something has changed: the config (applied and said, or refused leaving the run folder as it
+was), a checkpoint that cannot be read (the one before it is taken), an explicit resume of an older checkpoint (the
+newer ones are moved aside), a torn metrics line."""
+import json
+import logging
+import os
+import signal
+
+import pytest
+from training_support import SIGNALS_AT_CALLS, tiny_overrides
+
+from lipsformer.checkpoint import CheckpointError
+from lipsformer.checkpoint import load_file as load_any
+from lipsformer.training import load_config, train
+from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
+
+pytestmark = pytest.mark.usefixtures('one_thread')
+
+
+def _run(data_dir: str, run_dir, resume: str | None = None, **extra) -> dict:
+    overrides = tiny_overrides(data_dir, **{'model.name': 'nan_probe_net', 'model.kwargs': '{}',
+                                            'checkpoint.export': False, 'checkpoint.keep_last': 10, **extra})
+    return train(load_config(None, overrides), str(run_dir), resume=resume)
+
+
+@pytest.fixture
+def one_epoch(data_dir, tmp_path) -> str:
+    run_dir = str(tmp_path / 'run')
+    _run(data_dir, run_dir, **{'train.epochs': 1})
+    return run_dir
+
+
+def _folder_state(run_dir: str) -> dict[str, bytes]:
+    """Every file of the run folder but its log, with its content."""
+    state = {}
+    for folder, _, files in os.walk(run_dir):
+        for name in files:
+            if name != 'train.log':
+                path = os.path.join(folder, name)
+                state[os.path.relpath(path, run_dir)] = open(path, 'rb').read()
+    return state
+
+
+def test_changed_optimizer_settings_are_the_config_s_and_are_said(data_dir, one_epoch, caplog):
+    """Loading the optimizer's state used to bring back the checkpoint's weight decay and betas while config.yaml
+    claimed the new ones."""
+    _run(data_dir, one_epoch, resume='auto', **{'optimizer.weight_decay': 0.1, 'optimizer.betas': '[0.8, 0.99]'})
+    assert ("the optimizer continues with the config's settings, not the checkpoint's: group 0 betas: (0.9, 0.999) "
+            "-> (0.8, 0.99); group 1 weight_decay: 0.05 -> 0.1; group 1 betas: (0.9, 0.999) -> (0.8, 0.99)"
+            ) in caplog.text  # group 0: biases and other 1-D parameters, not decayed
+    groups = load_any(os.path.join(one_epoch, 'checkpoints', 'epoch_0002', 'optimizer.pt'))['param_groups']
+    assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.0, (0.8, 0.99)), (0.1, (0.8, 0.99))]
+    assert load_config(os.path.join(one_epoch, 'config.yaml')).optimizer.weight_decay == 0.1
+
+
+@pytest.mark.parametrize('change, message', [
+    ({'model.num_classes': 5}, "checkpoint model.safetensors does not fit NanProbeNet .shape mismatch: head.bias"),
+    ({'optimizer.name': 'sgd'}, "was trained with optimizer.name=adamw, the config says sgd: its state cannot "
+                                "continue another optimizer"),
+    ({'model.name': 'resnet10t', 'model.img_size': 'null'},
+     'was trained with model.name=nan_probe_net, the config says resnet10t'),
+    ({'train.batch_size': 4}, 'another batch layout .global_batch_size 8 -> 4'),
+])
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(data_dir, one_epoch, change, message):
+    """config.yaml in particular: it must go on describing the model of the checkpoints next to it."""
+    before = _folder_state(one_epoch)
+    with pytest.raises(CheckpointError, match=message):
+        _run(data_dir, one_epoch, resume='auto', **change)
+    assert _folder_state(one_epoch) == before
+
+
+def test_other_training_classes_are_refused(data_dir, tmp_path, one_epoch):
+    renamed = tmp_path / 'renamed'
+    os.makedirs(renamed)
+    for split in ('train', 'validation'):
+        for index in range(4):
+            os.makedirs(renamed / split, exist_ok=True)
+            os.symlink(os.path.join(data_dir, split, f'class_{index}'), renamed / split / f'kind_{index}')
+    with pytest.raises(CheckpointError, match="trained on the classes class_0, class_1, class_2, class_3, the training "
+                                              "split now has kind_0, kind_1, kind_2, kind_3"):
+        _run(str(renamed), one_epoch, resume='auto')
+
+
+def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_one_before_taken(data_dir, tmp_path, caplog):
+    run_dir = tmp_path / 'run'
+    _run(data_dir, run_dir)
+    newest = run_dir / 'checkpoints' / 'epoch_0002'
+    weights = (newest / 'model.safetensors').read_bytes()
+    (newest / 'model.safetensors').write_bytes(weights[:len(weights) // 2])  # a copy cut short, a failing disk
+    os.makedirs(run_dir / 'checkpoints' / '.tmp-step_00000009')  # left by a process killed while saving
+    with pytest.raises(CheckpointError, match=r"cannot resume from '.*epoch_0002': .*not a readable safetensors "
+                                              r"file.*Resume from an older checkpoint, or with --resume auto"):
+        _run(data_dir, run_dir, resume=str(newest))
+    summary = _run(data_dir, run_dir, resume='auto', **{'train.epochs': 3})
+    assert summary['status'] == 'finished' and summary['step'] == 18
+    assert 'epoch_0002 cannot be read' in caplog.text and 'continues from the checkpoint before it' in caplog.text
+    (aside,) = os.listdir(run_dir / 'checkpoints' / 'unreadable')
+    assert aside.startswith('epoch_0002-')
+    assert (run_dir / 'checkpoints' / 'unreadable' / aside / 'model.safetensors').read_bytes() == weights[:len(
+        weights) // 2]  # kept as it was, not deleted
+    assert not [name for name in os.listdir(run_dir / 'checkpoints') if name.startswith('.')]
+    lines = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
+    assert [(line['epoch'], line['step']) for line in lines] == [(1, 6), (2, 12), (3, 18)]
+
+
+def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_path, caplog):
+    """Otherwise a later --resume auto would pick the abandoned run's epoch_0002 over this branch's step 8."""
+    run_dir = tmp_path / 'run'
+    _run(data_dir, run_dir)
+    SIGNALS_AT_CALLS[('train', 2)] = signal.SIGTERM  # at the second update of the resumed run: step 8
+    try:
+        summary = _run(data_dir, run_dir, resume=str(run_dir / 'checkpoints' / 'epoch_0001'))
+    finally:
+        SIGNALS_AT_CALLS.clear()
+    assert summary['status'] == 'stopped' and summary['step'] == 8
+    assert 'abandons 1 newer checkpoint(s) of this run (epoch_0002)' in caplog.text
+    assert os.path.basename(latest_checkpoint(str(run_dir))) == 'step_00000008'
+    (aside,) = os.listdir(run_dir / 'checkpoints' / 'abandoned')
+    assert aside.startswith('epoch_0002-')
+    best = json.load(open(run_dir / 'checkpoints' / 'best.json'))
+    assert best['name'] == 'epoch_0001' and best['epoch'] == 1  # not the abandoned epoch_0002
+    summary = _run(data_dir, run_dir, resume='auto')
+    assert summary['status'] == 'finished' and summary['step'] == 12
+    assert [os.path.basename(f) for _, f in list_checkpoints(str(run_dir))] == [
+        'epoch_0001', 'step_00000008', 'epoch_0002']
+
+
+def test_a_torn_metrics_line_is_dropped_and_said(data_dir, one_epoch, caplog):
+    with open(os.path.join(one_epoch, 'metrics.jsonl'), 'a') as f:
+        f.write('{"epoch": 2, "step": 1')  # a kill or a full disk during an append
+    with caplog.at_level(logging.WARNING):
+        summary = _run(data_dir, one_epoch, resume='auto', **{'train.epochs': 2})
+    assert summary['status'] == 'finished'
+    assert 'metrics.jsonl: line 2 is not a whole JSON record' in caplog.text
+    lines = [json.loads(line) for line in open(os.path.join(one_epoch, 'metrics.jsonl'))]
+    assert [line['epoch'] for line in lines] == [1, 2]
+    assert read_meta(os.path.join(one_epoch, 'checkpoints', 'epoch_0002'))['progress']['history'] == lines

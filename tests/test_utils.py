@@ -1,0 +1,146 @@
+"""lipsformer.utils: writes that leave the old file or the new one whatever happens, JSON lines, machine facts."""
+import logging
+import os
+import stat
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lipsformer.utils.io as io_module
+from lipsformer.utils import (
+    JsonLines,
+    atomic_open,
+    cpu_name,
+    peak_memory_mb,
+    peak_rss_mb,
+    read_json,
+    remove_stale_temporaries,
+    replace_dir,
+    save_safetensors,
+    save_torch,
+    write_json,
+)
+
+
+def test_write_json_replaces_the_file_with_open_permissions_and_no_leftovers(tmp_path):
+    path = tmp_path / 'data.json'
+    write_json(path, {'a': 1})
+    write_json(path, [1, 2])
+    assert read_json(path) == [1, 2]
+    assert os.listdir(tmp_path) == ['data.json']
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask  # what open() would give, not mkstemp's 0600
+
+
+def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path):
+    path = tmp_path / 'data.txt'
+    path.write_text('old')
+    with pytest.raises(RuntimeError, match='disk full'):
+        with atomic_open(path) as f:
+            f.write('half of the new')
+            raise RuntimeError('disk full')
+    assert path.read_text() == 'old' and os.listdir(tmp_path) == ['data.txt']
+
+
+def test_torch_and_safetensors_files_round_trip(tmp_path):
+    weight = torch.randn(3, 4)
+    save_torch({'weight': weight}, tmp_path / 'state.pt')
+    assert torch.equal(torch.load(tmp_path / 'state.pt', weights_only=True)['weight'], weight)
+    save_safetensors({'a': weight, 'b': weight}, tmp_path / 'model.safetensors')  # shared storage is cloned
+    loaded = load_file(tmp_path / 'model.safetensors')
+    assert torch.equal(loaded['a'], weight) and torch.equal(loaded['b'], weight)
+    assert sorted(os.listdir(tmp_path)) == ['model.safetensors', 'state.pt']
+
+
+def test_json_lines_stop_at_a_torn_line_say_so_and_rewrite_cleans_it(tmp_path, caplog):
+    lines = JsonLines(tmp_path / 'log.jsonl')
+    assert lines.read() == []
+    lines.append([{'step': 1}, {'step': 2}])
+    lines.append([{'step': 3}])
+    with open(lines.path, 'a') as f:
+        f.write('{"step": 4, "lo')  # a process killed in the middle of an append
+    with caplog.at_level(logging.WARNING):
+        assert lines.read() == [{'step': 1}, {'step': 2}, {'step': 3}]
+    assert 'log.jsonl: line 4 is not a whole JSON record (\'{"step": 4, "lo\'); it and the 0 line(s)' in caplog.text
+    lines.rewrite(lines.read()[:2])
+    assert (tmp_path / 'log.jsonl').read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_replace_dir_swaps_a_whole_folder(tmp_path):
+    (tmp_path / 'new').mkdir()
+    (tmp_path / 'new' / 'file').write_text('new')
+    replace_dir(str(tmp_path / 'new'), str(tmp_path / 'target'))
+    (tmp_path / 'newer').mkdir()
+    (tmp_path / 'newer' / 'file').write_text('newer')
+    replace_dir(str(tmp_path / 'newer'), str(tmp_path / 'target'))
+    assert os.listdir(tmp_path) == ['target'] and (tmp_path / 'target' / 'file').read_text() == 'newer'
+
+
+def _folder(path, content: str) -> str:
+    path.mkdir()
+    (path / 'file').write_text(content)
+    return str(path)
+
+
+class _Killed(BaseException):
+    """What a SIGKILL does to a process, as far as the files it was writing are concerned."""
+
+
+def _killed_after_first_rename(monkeypatch) -> None:
+    rename = os.rename
+    calls = []
+
+    def rename_then_die(*args):
+        if calls:
+            raise _Killed
+        calls.append(args)
+        rename(*args)
+    monkeypatch.setattr(os, 'rename', rename_then_die)
+
+
+def test_replacing_a_folder_is_one_step(tmp_path, monkeypatch):
+    """A kill at any point of a replacement leaves the target whole: the old folder or the new one."""
+    target = _folder(tmp_path / 'target', 'old')
+    with monkeypatch.context() as patch:
+        _killed_after_first_rename(patch)
+        replace_dir(_folder(tmp_path / '.tmp-target', 'new'), target)
+    assert os.listdir(tmp_path) == ['target'] and (tmp_path / 'target' / 'file').read_text() == 'new'
+
+
+def test_without_an_atomic_swap_a_killed_replacement_is_undone_at_the_next_start(tmp_path, monkeypatch):
+    target = _folder(tmp_path / 'target', 'old')
+    monkeypatch.setattr(io_module, '_exchange', lambda first, second: False)  # e.g. NFS
+    with monkeypatch.context() as patch, pytest.raises(_Killed):
+        _killed_after_first_rename(patch)
+        replace_dir(_folder(tmp_path / '.tmp-target', 'new'), target)
+    assert not os.path.exists(target)
+    (tmp_path / '.summary.json.tmp-1234-a1b2c3').write_text('{"half')  # a killed atomic_open
+    (tmp_path / 'keep.json').write_text('{}')
+    assert remove_stale_temporaries(str(tmp_path)) == ['.old-target', '.summary.json.tmp-1234-a1b2c3', '.tmp-target']
+    assert sorted(os.listdir(tmp_path)) == ['keep.json', 'target']
+    assert (tmp_path / 'target' / 'file').read_text() == 'old'
+    replace_dir(_folder(tmp_path / '.tmp-target', 'new'), target)
+    assert (tmp_path / 'target' / 'file').read_text() == 'new'
+
+
+def test_renames_are_flushed_with_their_folder(tmp_path, monkeypatch):
+    """The folder entry is flushed after the rename that makes a file or folder visible (best.json, summary.json,
+    exports), or a power cut can lose the rename."""
+    flushed = []
+    fsync_file = io_module._fsync_file
+    monkeypatch.setattr(io_module, '_fsync_file', lambda path: (flushed.append(path), fsync_file(path)))
+    write_json(tmp_path / 'best.json', {'a': 1})
+    assert flushed[-1] == str(tmp_path) and os.path.basename(flushed[-2]).startswith('.best.json.tmp-')
+    flushed.clear()
+    replace_dir(_folder(tmp_path / '.tmp-export', 'x'), str(tmp_path / 'export'))
+    assert flushed == [str(tmp_path / '.tmp-export' / 'file'), str(tmp_path / '.tmp-export'), str(tmp_path)]
+
+
+def test_machine_facts():
+    assert cpu_name().strip()
+    # The kernel's own high-water mark of this process, in kB (Linux); the two agree up to its counters' lag.
+    high_water_mb = next(int(line.split()[1]) / 1024 for line in open('/proc/self/status') if line.startswith('VmHWM:'))
+    assert peak_rss_mb() == pytest.approx(high_water_mb, abs=4)
+    assert peak_memory_mb(torch.device('cpu')) == peak_rss_mb()
