@@ -88,8 +88,9 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_one_before_taken(d
     weights = (newest / 'model.safetensors').read_bytes()
     (newest / 'model.safetensors').write_bytes(weights[:len(weights) // 2])  # a copy cut short, a failing disk
     os.makedirs(run_dir / 'checkpoints' / '.tmp-step_00000009')  # left by a process killed while saving
-    with pytest.raises(CheckpointError, match=r"cannot resume from '.*epoch_0002': .*not a readable safetensors "
-                                              r"file.*Resume from an older checkpoint, or with --resume auto"):
+    with pytest.raises(CheckpointError, match=r"cannot resume from '.*epoch_0002': .*corrupt or truncated "
+                                              r"safetensors file.*\)\. Resume from an older checkpoint, or with "
+                                              r"--resume auto"):
         _run(data_dir, run_dir, resume=str(newest))
     summary = _run(data_dir, run_dir, resume='auto', **{'train.epochs': 3})
     assert summary['status'] == 'finished' and summary['step'] == 18

@@ -87,7 +87,7 @@ def _first_readable(session: Session, candidates: list[str], explicit: bool) -> 
             saved, problem = None, e
         if _all_processes(accelerator, problem is None):
             return saved
-        reason = problem or 'unreadable on another process'
+        reason = str(problem or 'unreadable on another process').rstrip('.')
         if explicit:
             raise CheckpointError(f'cannot resume from {folder!r}: {reason}. Resume from an older checkpoint, or with '
                                   f'--resume auto (which takes the newest readable one)')
