@@ -52,7 +52,9 @@ def create_attention_kernel(
         attn_drop: float = 0.0,
         num_heads: int | None = None,
 ) -> nn.Module:
-    """The attention kernel (q, k, v, bias -> out, on (batch, heads, tokens, head_dim) tensors) for ``attn_type``.
+    """The attention kernel for ``attn_type``: ``kernel(q, k, v, attn_bias=None)`` maps (batch, heads, tokens, head_dim)
+    q, k, v and additive logits broadcastable to (batch, heads, tokens, tokens) (or None) to (batch, heads, tokens,
+    head_dim).
 
     Args:
         attn_type: 'scsa' (LipsFormer's scaled cosine similarity), 'dot' (standard scaled dot product), 'l2' (Kim et

@@ -27,12 +27,7 @@ class DotProductAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.attn_drop = nn.Dropout(attn_drop)
 
-    def forward(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         dropout_p = self.attn_drop.p if self.training else 0.0
         return softmax_attention(q, k, v, attn_bias, dropout_p, self.fused_attn, self.scale)

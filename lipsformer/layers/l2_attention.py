@@ -65,21 +65,9 @@ class L2Attention(nn.Module):
         with torch.no_grad():
             self.value_map.copy_(torch.eye(self.head_dim).expand(self.num_heads, -1, -1))
 
-    def forward(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """
-        Args:
-            q, k, v: (batch, heads, tokens, head_dim); the same tensor X W^Q_h for Kim's tied attention.
-            attn_bias: Additive logits broadcastable to (batch, heads, tokens, tokens), or None.
-
-        Returns:
-            (batch, heads, tokens, head_dim).
-        """
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """As every kernel (``create_attention_kernel``); q, k and v are the same tensor X W^Q_h, Kim's tied form."""
         values = v @ self.value_map
         centre = k.mean(dim=-2, keepdim=True)  # distances are translation invariant
         q = q - centre

@@ -58,22 +58,10 @@ class ScaledCosineAttention(nn.Module):
         self.tau = nn.Parameter(torch.tensor(self.tau_init)) if tau_learnable else self.tau_init
         self.attn_drop = nn.Dropout(attn_drop)
 
-    def forward(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """
-        Args:
-            q, k, v: (batch, heads, tokens, head_dim).
-            attn_bias: Additive logits broadcastable to (batch, heads, tokens, tokens) (a relative-position bias, a
-                -inf/-100 mask), or None.
-
-        Returns:
-            (batch, heads, tokens, head_dim).
-        """
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """(batch, heads, tokens, head_dim) q, k, v and an additive bias (a relative-position bias, a -inf/-100 mask)
+        broadcastable to the logits -> (batch, heads, tokens, head_dim)."""
         # tau scales q, not the (tokens x tokens) logits, and the scale of softmax_attention (a Python float for
         # SDPA) can stay 1 when tau is learned.
         if self.tau_learnable:
