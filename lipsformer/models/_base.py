@@ -15,10 +15,11 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, PatchEmbed, calculate_drop_path_rates, to_2tuple
-from timm.models import checkpoint_seq, register_notrace_function
+from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
 
 from .._compat import update_model_input_size
+from ..checkpoint import CheckpointError
 from ..layers import (
     ResidualDropPath,
     ScaledOutputMlp,
@@ -29,7 +30,7 @@ from ..layers import (
     init_weights_,
 )
 
-__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs',
+__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'build_lipsformer',
            'check_checkpoint_depths', 'check_norm_position', 'default_cfg']
 
 
@@ -374,7 +375,6 @@ def check_checkpoint_depths(keys: Iterable[str], block_pattern: str, model: 'Lip
         block_pattern: Regex whose two groups capture the stage and block indices of a block's key.
         model: The model the checkpoint is loaded into.
     """
-    from ..checkpoint import CheckpointError
     blocks = defaultdict(set)
     for key in keys:
         match = re.match(block_pattern, key)
@@ -397,3 +397,17 @@ def default_cfg(url: str = '', **kwargs: Any) -> dict[str, Any]:
         'paper_name': 'LipsFormer: Introducing Lipschitz Continuity to Vision Transformers',
         'origin_url': 'https://github.com/IDEA-Research/LipsFormer', 'license': 'apache-2.0', **kwargs,
     }
+
+
+def build_lipsformer(model_cls: type[LipsFormer], variant: str, pretrained: bool,
+                     checkpoint_filter_fn: Callable[[dict[str, Any], nn.Module], dict[str, torch.Tensor]],
+                     model_args: dict[str, Any], **kwargs: Any) -> LipsFormer:
+    """A registered variant through timm's ``build_model_with_cfg``: its ``model_args`` overridden by the caller's
+    ``kwargs``, a feature map per stage (``features_only``), checkpoints mapped by the family's filter."""
+    kwargs = dict(model_args, **kwargs)
+    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs['depths']))))
+    return build_model_with_cfg(
+        model_cls, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        **kwargs)

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from ..layers import pad_to_multiple, padding_key_mask, scaled_linear, split_heads, window_partition, window_reverse
-from ._base import LipsFormer, MixerArgs, check_checkpoint_depths, default_cfg
+from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
 
@@ -154,16 +154,14 @@ class LipsFormerCSwin(LipsFormer):
     ) -> None:
         """
         Args:
-            embed_dim: Channels of the first stage, doubled at every stage.
-            depths: Blocks per stage.
             num_heads: Attention heads per stage (even where the stage has two branches).
             split_size: Stripe width per stage. The last stage, and any stage whose map at ``img_size`` is
                 ``split_size`` square, attends over the whole map in one branch.
-            tau: SCSA temperature (12, as the authors' code and the paper).
-            alpha_init: Initial weighted-residual alpha; None for the authors' 0.2.
-            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
-            **kwargs: The trunk's arguments (:class:`~lipsformer.models._base.LipsFormer`): image size, head,
-                attention kernel, conv shortcuts, norms, initialisation, dropouts, alphas, norm position.
+            embed_dim, depths, tau, alpha_init, drop_path_rate: As the trunk's
+                (:class:`~lipsformer.models._base.LipsFormer`), with the authors' CSwin defaults: tau 12 (as the
+                paper), alpha_init None for 0.2.
+            **kwargs: The trunk's other arguments: image size, head, attention kernel, conv shortcuts, norms,
+                initialisation, dropouts, alphas, norm position.
         """
         num_heads, split_size = tuple(num_heads), tuple(split_size)
         if len(num_heads) != len(depths) or len(split_size) != len(depths):
@@ -225,13 +223,9 @@ def checkpoint_filter_fn(state_dict: dict[str, Any], model: LipsFormerCSwin) -> 
     return out
 
 
-def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (1, 2, 21, 1))))))
-    return build_model_with_cfg(
-        LipsFormerCSwin, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs)
+def _create_lipsformer_cswin(variant: str, pretrained: bool, model_args: dict[str, Any], **kwargs: Any
+                            ) -> LipsFormerCSwin:
+    return build_lipsformer(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, model_args, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
@@ -242,16 +236,12 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _model(variant: str, pretrained: bool, model_args: dict[str, Any], kwargs: dict[str, Any]) -> LipsFormerCSwin:
-    return _create_lipsformer_cswin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
-
-
 @register_model
 def lipsformer_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
     """LipsFormer-CSwin-T (paper: 83.5% top-1, 88.0% ReaL, 73.2% V2)."""
     model_args = dict(embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7),
                       drop_path_rate=0.2)
-    return _model('lipsformer_cswin_tiny', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_tiny', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -259,7 +249,7 @@ def lipsformer_cswin_small(pretrained: bool = False, **kwargs: Any) -> LipsForme
     """LipsFormer-CSwin-S (paper: 83.8% top-1)."""
     model_args = dict(embed_dim=64, depths=(2, 4, 32, 2), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7),
                       drop_path_rate=0.4)
-    return _model('lipsformer_cswin_small', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_small', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -267,7 +257,7 @@ def lipsformer_cswin_base(pretrained: bool = False, **kwargs: Any) -> LipsFormer
     """LipsFormer-CSwin-B (paper: 84.6% top-1, 88.6% ReaL, 74.5% V2)."""
     model_args = dict(embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32), split_size=(1, 2, 7, 7),
                       drop_path_rate=0.5)
-    return _model('lipsformer_cswin_base', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_base', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -275,4 +265,4 @@ def lipsformer_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> LipsFo
     """LipsFormer-CSwin-B at 384x384 with stripes (1, 2, 12, 12)."""
     model_args = dict(img_size=384, embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32),
                       split_size=(1, 2, 12, 12), drop_path_rate=0.5)
-    return _model('lipsformer_cswin_base_384', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_base_384', pretrained, model_args, **kwargs)

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from timm.layers import resize_rel_pos_bias_table, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
 from ..layers import pad_to_multiple, scaled_linear, split_heads, window_partition, window_reverse
-from ._base import LipsFormer, MixerArgs, check_checkpoint_depths, default_cfg
+from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['LipsFormerSwin', 'WindowAttention']
 
@@ -135,16 +135,14 @@ class LipsFormerSwin(LipsFormer):
     ) -> None:
         """
         Args:
-            embed_dim: Channels of the first stage, doubled at every stage.
-            depths: Blocks per stage.
             num_heads: Attention heads per stage.
             window_size: Window side; a stage smaller than the window at ``img_size`` uses its own size.
             shift_windows: Shift every other block's windows by half a window (Swin v1). The authors never shift.
-            tau: SCSA temperature (10 in the authors' Swin code; the paper says 12).
-            alpha_init: Initial weighted-residual alpha; None for the authors' 1 / sum(depths).
-            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
-            **kwargs: The trunk's arguments (:class:`~lipsformer.models._base.LipsFormer`): image size, head,
-                attention kernel, conv shortcuts, norms, initialisation, dropouts, alphas, norm position.
+            embed_dim, depths, tau, alpha_init, drop_path_rate: As the trunk's
+                (:class:`~lipsformer.models._base.LipsFormer`), with the authors' Swin defaults: tau 10 (the paper
+                says 12), alpha_init None for 1 / sum(depths).
+            **kwargs: The trunk's other arguments: image size, head, attention kernel, conv shortcuts, norms,
+                initialisation, dropouts, alphas, norm position.
         """
         num_heads = tuple(num_heads)
         if len(num_heads) != len(depths):
@@ -216,13 +214,9 @@ def _fit_bias_table(key: str, value: torch.Tensor, model: LipsFormerSwin) -> tor
     return resize_rel_pos_bias_table(value, new_window_size=attn.window_size, new_bias_shape=target)
 
 
-def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (2, 2, 6, 2))))))
-    return build_model_with_cfg(
-        LipsFormerSwin, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs)
+def _create_lipsformer_swin(variant: str, pretrained: bool, model_args: dict[str, Any], **kwargs: Any
+                            ) -> LipsFormerSwin:
+    return build_lipsformer(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, model_args, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
@@ -237,43 +231,39 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _model(variant: str, pretrained: bool, model_args: dict[str, Any], kwargs: dict[str, Any]) -> LipsFormerSwin:
-    return _create_lipsformer_swin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
-
-
 @register_model
 def lipsformer_swin_tiny(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-T (82.7% ImageNet-1k top-1 with the authors' released weights)."""
     model_args = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.2)
-    return _model('lipsformer_swin_tiny', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_tiny', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_small(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-S (paper: 83.5% top-1)."""
     model_args = dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.3)
-    return _model('lipsformer_swin_small', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_small', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_base(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-B (paper: 84.0% top-1)."""
     model_args = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
-    return _model('lipsformer_swin_base', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_base', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_large(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-L (paper: 83.5% top-1)."""
     model_args = dict(embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), drop_path_rate=0.5)
-    return _model('lipsformer_swin_large', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_large', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_large_plus(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-L++ (C 288; the authors trained it on ImageNet-22k with num_classes=21841)."""
     model_args = dict(embed_dim=288, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), drop_path_rate=0.5)
-    return _model('lipsformer_swin_large_plus', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_large_plus', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -282,7 +272,7 @@ def lipsformer_swin_base_384(pretrained: bool = False, **kwargs: Any) -> LipsFor
     model_args = dict(
         img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=12,
         drop_path_rate=0.5)
-    return _model('lipsformer_swin_base_384', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_base_384', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -291,4 +281,4 @@ def lipsformer_swin_large_384(pretrained: bool = False, **kwargs: Any) -> LipsFo
     model_args = dict(
         img_size=384, embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), window_size=12,
         drop_path_rate=0.5)
-    return _model('lipsformer_swin_large_384', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_large_384', pretrained, model_args, **kwargs)
