@@ -532,6 +532,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == '__main__':
-    # Run through the package module so the memory child processes can import the same functions by name.
-    from lipsformer.benchmark import main as package_main
-    package_main()
+    main()
