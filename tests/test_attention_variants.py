@@ -1,4 +1,5 @@
-"""The attention kernels of the ablations against their papers (paper.md section 5 and checks 3-6, 8).
+"""The attention kernels of the ablations against their papers: LipsFormer (Qi et al., ICLR 2023) section 4.1.2 and
+Theorem 1; Kim et al., ICML 2021, Theorems 3.1-3.2, Appendix F and Figure 2; Dasoulas et al., ICML 2021, Corollary 2.
 
 L2 attention (Kim et al. 2021), LipschitzNorm attention (Dasoulas et al. 2021), dot product and SCSA: definitions,
 fused == explicit paths, closed-form Jacobians, and measured Jacobian norms under the theorems' bounds.
@@ -83,8 +84,8 @@ def _kim_l2_mha(x, w_query, w_value, w_out):
 
 
 def test_l2_jacobian_matches_kims_closed_form():
-    """paper.md check 6: J_ii = 2 A X^T P^(i) X A + P_ii A, J_ij = 2 P_ij A (x_j - sum_k P_ik x_k)(x_i - x_j)^T A +
-    P_ij A for one head with A = W^Q W^Q^T / sqrt(D/H) (Kim et al. App. F)."""
+    """Kim et al. Appendix F: J_ii = 2 A X^T P^(i) X A + P_ii A, J_ij = 2 P_ij A (x_j - sum_k P_ik x_k)(x_i - x_j)^T A +
+    P_ij A for one head with A = W^Q W^Q^T / sqrt(D/H)."""
     tokens, dim = 6, 3
     w_query = torch.randn(1, dim, dim, dtype=torch.float64)
     x = torch.randn(tokens, dim, dtype=torch.float64)
@@ -107,8 +108,8 @@ def test_l2_jacobian_matches_kims_closed_form():
 
 @pytest.mark.parametrize('seed', range(3))
 def test_l2_mha_jacobian_is_below_kims_theorem_3_2(seed):
-    """paper.md check 6, N=8, D=4, H=2, standard normal weights and inputs (the paper's example: about 89 <= 1319 in
-    the inf-norm, 35 <= 353 in the 2-norm)."""
+    """Kim et al. Theorem 3.2, N=8, D=4, H=2, standard normal weights and inputs (computed: about 89 <= 1319 in the
+    inf-norm, 35 <= 353 in the 2-norm)."""
     torch.manual_seed(seed)
     tokens, dim, heads = 8, 4, 2
     head_dim = dim // heads
@@ -127,8 +128,8 @@ def test_l2_mha_jacobian_is_below_kims_theorem_3_2(seed):
 
 
 def test_kim_figure_2_lower_bound_is_close_to_the_upper_bound():
-    """paper.md check 7: D = H = 1, all weights 1, N = 100; Adam on ||J(X)||_inf from random starts reaches about
-    88% of 4 W0(99/e) + 1 = 11.51 (must be within 80-100%).
+    """Kim et al. Figure 2 (tightness), D = H = 1, all weights 1, N = 100; Adam on ||J(X)||_inf from random starts
+    reaches about 88% of 4 W0(99/e) + 1 = 11.51 (must be within 80-100%).
 
     The map is permutation equivariant, so the largest row sum of J over inputs is that of row 0: the ascent
     maximises row 0 (one backward pass per step instead of a full Jacobian) and the full inf-norm is checked at
@@ -174,8 +175,8 @@ def test_lipschitz_norm_matches_dasoulas_definition_fused_and_explicit():
 
 
 def test_lipschitz_norm_is_below_10_55_where_dot_product_grows():
-    """paper.md check 8: the Jacobian of (Q, K, V) -> Attn in Frobenius norms stays <= 10.55 (m = n), while the
-    unnormalised Q K^T / sqrt(d) one grows with the input scale."""
+    """Dasoulas et al. Corollary 2: the Jacobian of (Q, K, V) -> Attn in Frobenius norms stays <= 10.55 (m = n), while
+    the unnormalised Q K^T / sqrt(d) one grows with the input scale."""
     tokens, head_dim = 6, 4
     lipnorm, dot = LipschitzNormAttention().double(), DotProductAttention(head_dim).double()
     lipnorm.fused_attn = False  # the ascent differentiates a Jacobian: the fused CPU kernel has no double backward
@@ -210,8 +211,8 @@ def _counterexample(scale: float, tokens: int = 5, dim: int = 4) -> torch.Tensor
 
 
 def test_dot_product_jacobian_grows_like_s_squared_while_scsa_stays_bounded():
-    """paper.md check 3: the dot-product Jacobian grows ~s^2 (about 2 -> 9e3 for s = 1 -> 100); SCSA's does not, and
-    its output rows never exceed nu."""
+    """Kim et al. Theorem 3.1 against LipsFormer Theorem 1: the dot-product Jacobian grows ~s^2 (about 2 -> 9e3 for
+    s = 1 -> 100); SCSA's does not, and its output rows never exceed nu."""
     dim = 4
     dot = DotProductAttention(dim).double()
     scsa = ScaledCosineAttention(tau=12.0, v_norm=True, nu=0.8, eps=1e-2).double()
@@ -237,8 +238,9 @@ def _scsa_head(kernel, w_query, w_key, w_value, bias=None):
 
 
 def test_scsa_jacobian_at_zero_is_nu_sigma_v_over_eps():
-    """paper.md check 4: ||J(0)||_2 = nu sigma_max(W^V) / sqrt(eps) for the paper's q / sqrt(|q|^2 + eps); our
-    normalisation (the authors', F.normalize: q / max(|q|, eps)) has the same value with sqrt(eps) -> eps."""
+    """LipsFormer Theorem 1 at X = 0 (computed): ||J(0)||_2 = nu sigma_max(W^V) / sqrt(eps) for the paper's
+    q / sqrt(|q|^2 + eps); our normalisation (the authors', F.normalize: q / max(|q|, eps)) has the same value with
+    sqrt(eps) -> eps."""
     eps, nu = 1e-3, 0.7
     kernel = ScaledCosineAttention(tau=12.0, v_norm=True, nu=nu, eps=eps).double()
     w_query, w_key, w_value = (torch.randn(4, 6, dtype=torch.float64) for _ in range(3))
@@ -248,7 +250,7 @@ def test_scsa_jacobian_at_zero_is_nu_sigma_v_over_eps():
 
 @pytest.mark.parametrize('scale', [1e-4, 1e-2, 1.0, 1e2])
 def test_scsa_jacobian_is_below_the_theorem_1_bound(scale):
-    """paper.md check 5, with a relative-position-like bias: measured norms stay under the bound."""
+    """LipsFormer Theorem 1, with a relative-position-like bias: measured norms stay under the bound."""
     eps, tau, nu, tokens = 1e-2, 12.0, 1.0, 7
     kernel = ScaledCosineAttention(tau=tau, v_norm=True, nu=nu, eps=eps).double()
     w_query, w_key, w_value = (torch.randn(4, 6, dtype=torch.float64) for _ in range(3))

@@ -1,4 +1,5 @@
-"""The Lipschitz building blocks against first principles and the paper's formulas (paper.md sections 5, 6)."""
+"""The Lipschitz building blocks against first principles and the paper's formulas (LipsFormer section 4.1,
+Theorems 1-2, Appendix J)."""
 import pytest
 import torch
 import torch.nn as nn

@@ -13,7 +13,7 @@ from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer
 
 ALL_MODELS = timm.list_models('lipsformer*')
 
-# paper.md section 1: parameters of the authors' code (CSwin S/B computed there), 1000 classes.
+# Parameters of the authors' code, 1000 classes (CSwin S/B built with the paper's shapes and counted).
 PAPER_PARAMS = {
     'lipsformer_swin_tiny': 30.91e6, 'lipsformer_swin_small': 54.48e6, 'lipsformer_swin_base': 96.01e6,
     'lipsformer_swin_large': 214.13e6, 'lipsformer_swin_large_plus': 478.91e6, 'lipsformer_cswin_tiny': 23.78e6,
