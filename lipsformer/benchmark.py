@@ -8,30 +8,11 @@ Example (the CPU comparison of ``docs/benchmarks.md``)::
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
 a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
-name files you trust).
-
-How it measures, per mode (``infer``: forward under ``no_grad``; ``train``: forward, cross-entropy against random
-labels, backward and a timm AdamW step):
-
-- Throughput: every model gets ``--warmup`` untimed steps, then ``--repeats`` timed runs of ``--steps`` steps each.
-  The models are interleaved within every repeat, in reversed order on odd repeats, so slow drifts of the machine
-  (thermal or turbo state, other jobs) hit all models alike and cancel in the ratios. images/s is the median over
-  the repeats; on CUDA the runs are timed with CUDA events. ``ratio`` is a model's images/s over the first model's.
-- Peak memory: measured for each (model, mode) in a fresh child process that builds the model the same way and runs
-  warm-up steps, so no other model, allocator cache or earlier high-water mark is counted. On CUDA it is
-  ``torch.cuda.max_memory_allocated``; on CPU it is the peak resident set size minus the resident size after imports,
-  with freed memory handed back (``malloc_trim``) and the peak reset (``/proc/self/clear_refs``) first on Linux, else
-  the lifetime peak minus the peak after imports (freed memory often stays mapped and one process's peak cannot be
-  reset elsewhere, hence one process per measurement). Both include weights, gradients, optimizer state and
-  activations.
-- CPU memory allocator: by default every process first applies :func:`lipsformer.cpu_memory.retain_freed_memory`
-  (as ``train.py`` does), so freed activations are reused instead of being unmapped and page-faulted in again on
-  every step. Under glibc's defaults that cost depends on which tensors happen to exceed its adaptive mmap threshold,
-  so it shifts with the models' order and the process's history; ``--no-retain-cpu-memory`` measures it anyway.
-- Work: params and forward GMACs per image from ``lipsformer.complexity`` (meta device). TFLOP/s counts 2 FLOPs per
-  MAC and, in train mode, 3x the forward MACs (forward + backward, the usual model-FLOPs convention: recomputation
-  by activation checkpointing is not useful work).
+name files you trust). Per model and mode it reports images/s (models interleaved, median of the repeats), peak
+memory (each model in a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with
+ratios to the first model; ``docs/benchmarks.md`` says how each is measured.
 """
+
 import argparse
 import ast
 import concurrent.futures
@@ -62,7 +43,8 @@ from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.hub.model_names import check_model_source, model_source
 from lipsformer.utils import cpu_name, peak_rss_mb, write_json
 
-__all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark']
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
+           'saved_activations_mb']
 
 MODES = ('infer', 'train')
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -213,21 +195,46 @@ def _loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets['labels'])
 
 
+def _autocast(config: BenchmarkConfig) -> torch.autocast:
+    dtype = PRECISIONS[config.precision]
+    return torch.autocast(torch.device(config.device).type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def saved_activations_mb(model: nn.Module, inputs: torch.Tensor, config: BenchmarkConfig) -> float:
+    """MiB per image that autograd keeps for the backward of one training-mode forward of ``model`` on ``inputs``.
+
+    Every tensor saved for backward passes through ``torch.autograd.graph.saved_tensors_hooks``; each distinct storage
+    is counted once, at its full size (a saved view keeps its whole base alive), and parameters' storages are left
+    out. The eager model is measured, also when the timed steps are compiled.
+    """
+    was_training = model.training
+    model.train()
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    sizes: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            sizes.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), _autocast(config):
+        model(inputs)  # the graph, and the tensors it saved, are freed on return
+    model.train(was_training)
+    return sum(sizes.values()) / 2 ** 20 / inputs.shape[0]
+
+
 def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: BenchmarkConfig) -> Callable[[], None]:
     """One inference forward, or one training step (forward, loss, backward, AdamW)."""
     device_type = torch.device(config.device).type
     dtype = PRECISIONS[config.precision]
     runner = torch.compile(model) if config.compile else model
-
-    def autocast() -> torch.autocast:
-        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
-
     if mode == 'infer':
         model.eval()
 
         @torch.no_grad()
         def infer_step() -> None:
-            with autocast():
+            with _autocast(config):
                 runner(inputs)
         return infer_step
 
@@ -238,7 +245,7 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with autocast():
+        with _autocast(config):
             loss = _loss(runner(inputs), targets)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -294,7 +301,7 @@ def _reset_peak_rss() -> float | None:
 
 
 def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
-    """Peak memory in MiB of warm-up steps of one model and mode; meant to run in a fresh process (see module doc)."""
+    """Peak memory in MiB of warm-up steps of one model and mode, run in a fresh process (docs/benchmarks.md)."""
     benchmark_config = BenchmarkConfig(**config)
     _configure_process(benchmark_config)
     spec, = parse_model_specs(spec_text)
@@ -374,19 +381,22 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
     if invalid := set(modes) - set(MODES):
         raise ValueError(f'unknown mode(s) {sorted(invalid)}; choose from {MODES}')
     memories = _peak_memories(specs, modes, config) if config.memory else {}
-    built, counts = [], []
+    built, counts, activations = [], [], []
     for spec in specs:
         _log(f'building {spec.text}')
         model, inputs = _build(spec, config)
         counts.append(_count(spec, model, config))
+        activations.append(saved_activations_mb(model, inputs, config) if 'train' in modes else None)
         built.append((model, inputs))
     results = []
     for mode in modes:
         seconds = _time_mode(built, mode, config, [spec.text for spec in specs])
         rows = [_result_row(spec, mode, count, run_seconds, config)
                 for spec, count, run_seconds in zip(specs, counts, seconds)]
-        for row in rows:
+        for row, saved_mb in zip(rows, activations):
             row['ratio'] = row['images_per_s'] / rows[0]['images_per_s']
+            row['saved_activations_mb_per_image'] = saved_mb if mode == 'train' else None
+            row['saved_activations_ratio'] = saved_mb / activations[0] if mode == 'train' and activations[0] else None
             row['peak_memory_mb'] = memories.get((row['model'], mode))
             first_memory = memories.get((rows[0]['model'], mode))
             # A model too small to move the resident size has no meaningful ratio (and no zero division).
@@ -433,13 +443,15 @@ def environment(device: str) -> dict:
 
 def format_table(report: dict, markdown: bool = False) -> str:
     """The report's results as an aligned text table (or Markdown)."""
-    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'peak MiB', 'mem ratio', 'params (M)', 'GMACs', 'TFLOP/s']
+    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'peak MiB', 'mem ratio', 'act MiB/img', 'act ratio',
+              'params (M)', 'GMACs', 'TFLOP/s']
 
     def optional(value: float | None, digits: int) -> str:
         return '-' if value is None else f'{value:.{digits}f}'
 
     lines = [[row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}',
               f'{row["ms_per_step"]:.1f}', optional(row['peak_memory_mb'], 0), optional(row['memory_ratio'], 3),
+              optional(row['saved_activations_mb_per_image'], 1), optional(row['saved_activations_ratio'], 3),
               f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}']
              for row in report['results']]
     if markdown:
@@ -526,6 +538,4 @@ def cli() -> int:
 
 
 if __name__ == '__main__':
-    # Run through the package module so the memory child processes can import the same functions by name.
-    from lipsformer.benchmark import main as package_main
-    package_main()
+    main()

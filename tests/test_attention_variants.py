@@ -1,4 +1,5 @@
-"""The attention kernels of the ablations against their papers (paper.md section 5 and checks 3-6, 8).
+"""The attention kernels of the ablations against their papers: LipsFormer (Qi et al., ICLR 2023) section 4.1.2 and
+Theorem 1; Kim et al., ICML 2021, Theorems 3.1-3.2, Appendix F and Figure 2; Dasoulas et al., ICML 2021, Corollary 2.
 
 L2 attention (Kim et al. 2021), LipschitzNorm attention (Dasoulas et al. 2021), dot product and SCSA: definitions,
 fused == explicit paths, closed-form Jacobians, and measured Jacobian norms under the theorems' bounds.
@@ -16,7 +17,7 @@ from lipsformer.layers import (
     L2Attention,
     LipschitzNormAttention,
     ScaledCosineAttention,
-    create_attention,
+    create_attention_kernel,
 )
 from lipsformer.lipschitz import jacobian_norm_ascent, kim_c, kim_mha_bound_2, kim_mha_bound_inf, scsa_head_bound
 from lipsformer.lipschitz.theorems import DASOULAS_SELF_ATTENTION
@@ -83,8 +84,8 @@ def _kim_l2_mha(x, w_query, w_value, w_out):
 
 
 def test_l2_jacobian_matches_kims_closed_form():
-    """paper.md check 6: J_ii = 2 A X^T P^(i) X A + P_ii A, J_ij = 2 P_ij A (x_j - sum_k P_ik x_k)(x_i - x_j)^T A +
-    P_ij A for one head with A = W^Q W^Q^T / sqrt(D/H) (Kim et al. App. F)."""
+    """Kim et al. Appendix F: J_ii = 2 A X^T P^(i) X A + P_ii A, J_ij = 2 P_ij A (x_j - sum_k P_ik x_k)(x_i - x_j)^T A +
+    P_ij A for one head with A = W^Q W^Q^T / sqrt(D/H)."""
     tokens, dim = 6, 3
     w_query = torch.randn(1, dim, dim, dtype=torch.float64)
     x = torch.randn(tokens, dim, dtype=torch.float64)
@@ -107,8 +108,8 @@ def test_l2_jacobian_matches_kims_closed_form():
 
 @pytest.mark.parametrize('seed', range(3))
 def test_l2_mha_jacobian_is_below_kims_theorem_3_2(seed):
-    """paper.md check 6, N=8, D=4, H=2, standard normal weights and inputs (the paper's example: about 89 <= 1319 in
-    the inf-norm, 35 <= 353 in the 2-norm)."""
+    """Kim et al. Theorem 3.2, N=8, D=4, H=2, standard normal weights and inputs (computed: about 89 <= 1319 in the
+    inf-norm, 35 <= 353 in the 2-norm)."""
     torch.manual_seed(seed)
     tokens, dim, heads = 8, 4, 2
     head_dim = dim // heads
@@ -127,8 +128,8 @@ def test_l2_mha_jacobian_is_below_kims_theorem_3_2(seed):
 
 
 def test_kim_figure_2_lower_bound_is_close_to_the_upper_bound():
-    """paper.md check 7: D = H = 1, all weights 1, N = 100; Adam on ||J(X)||_inf from random starts reaches about
-    88% of 4 W0(99/e) + 1 = 11.51 (must be within 80-100%).
+    """Kim et al. Figure 2 (tightness), D = H = 1, all weights 1, N = 100; Adam on ||J(X)||_inf from random starts
+    reaches about 88% of 4 W0(99/e) + 1 = 11.51 (must be within 80-100%).
 
     The map is permutation equivariant, so the largest row sum of J over inputs is that of row 0: the ascent
     maximises row 0 (one backward pass per step instead of a full Jacobian) and the full inf-norm is checked at
@@ -174,8 +175,8 @@ def test_lipschitz_norm_matches_dasoulas_definition_fused_and_explicit():
 
 
 def test_lipschitz_norm_is_below_10_55_where_dot_product_grows():
-    """paper.md check 8: the Jacobian of (Q, K, V) -> Attn in Frobenius norms stays <= 10.55 (m = n), while the
-    unnormalised Q K^T / sqrt(d) one grows with the input scale."""
+    """Dasoulas et al. Corollary 2: the Jacobian of (Q, K, V) -> Attn in Frobenius norms stays <= 10.55 (m = n), while
+    the unnormalised Q K^T / sqrt(d) one grows with the input scale."""
     tokens, head_dim = 6, 4
     lipnorm, dot = LipschitzNormAttention().double(), DotProductAttention(head_dim).double()
     lipnorm.fused_attn = False  # the ascent differentiates a Jacobian: the fused CPU kernel has no double backward
@@ -210,8 +211,8 @@ def _counterexample(scale: float, tokens: int = 5, dim: int = 4) -> torch.Tensor
 
 
 def test_dot_product_jacobian_grows_like_s_squared_while_scsa_stays_bounded():
-    """paper.md check 3: the dot-product Jacobian grows ~s^2 (about 2 -> 9e3 for s = 1 -> 100); SCSA's does not, and
-    its output rows never exceed nu."""
+    """Kim et al. Theorem 3.1 against LipsFormer Theorem 1: the dot-product Jacobian grows ~s^2 (about 2 -> 9e3 for
+    s = 1 -> 100); SCSA's does not, and its output rows never exceed nu."""
     dim = 4
     dot = DotProductAttention(dim).double()
     scsa = ScaledCosineAttention(tau=12.0, v_norm=True, nu=0.8, eps=1e-2).double()
@@ -237,8 +238,9 @@ def _scsa_head(kernel, w_query, w_key, w_value, bias=None):
 
 
 def test_scsa_jacobian_at_zero_is_nu_sigma_v_over_eps():
-    """paper.md check 4: ||J(0)||_2 = nu sigma_max(W^V) / sqrt(eps) for the paper's q / sqrt(|q|^2 + eps); our
-    normalisation (the authors', F.normalize: q / max(|q|, eps)) has the same value with sqrt(eps) -> eps."""
+    """LipsFormer Theorem 1 at X = 0 (computed): ||J(0)||_2 = nu sigma_max(W^V) / sqrt(eps) for the paper's
+    q / sqrt(|q|^2 + eps); our normalisation (the authors', F.normalize: q / max(|q|, eps)) has the same value with
+    sqrt(eps) -> eps."""
     eps, nu = 1e-3, 0.7
     kernel = ScaledCosineAttention(tau=12.0, v_norm=True, nu=nu, eps=eps).double()
     w_query, w_key, w_value = (torch.randn(4, 6, dtype=torch.float64) for _ in range(3))
@@ -248,7 +250,7 @@ def test_scsa_jacobian_at_zero_is_nu_sigma_v_over_eps():
 
 @pytest.mark.parametrize('scale', [1e-4, 1e-2, 1.0, 1e2])
 def test_scsa_jacobian_is_below_the_theorem_1_bound(scale):
-    """paper.md check 5, with a relative-position-like bias: measured norms stay under the bound."""
+    """LipsFormer Theorem 1, with a relative-position-like bias: measured norms stay under the bound."""
     eps, tau, nu, tokens = 1e-2, 12.0, 1.0, 7
     kernel = ScaledCosineAttention(tau=tau, v_norm=True, nu=nu, eps=eps).double()
     w_query, w_key, w_value = (torch.randn(4, 6, dtype=torch.float64) for _ in range(3))
@@ -290,9 +292,9 @@ def test_l2_ties_queries_keys_and_values_to_one_projection():
         assert all(torch.equal(k.value_map, torch.eye(k.head_dim).expand_as(k.value_map)) for k in kernels)
         assert sum(k.num_heads for k in kernels) == TINY_MODELS[name]['num_heads'][2]
     with pytest.raises(ValueError, match='num_heads'):
-        create_attention('l2', 8, tau=1.0)
+        create_attention_kernel('l2', 8, tau=1.0)
     with pytest.raises(ValueError, match="'lipnorm'"):
-        create_attention('l3', 8, tau=1.0)
+        create_attention_kernel('l3', 8, tau=1.0)
 
 
 def test_lepe_with_tied_projection_matches_manual_stripe_attention():
@@ -304,7 +306,7 @@ def test_lepe_with_tied_projection_matches_manual_stripe_attention():
     y = projection.reshape(1, 12, 2, 4).transpose(1, 2)
     lepe = branch.lepe(projection.permute(0, 3, 1, 2)).reshape(1, 2, 4, 12).transpose(-1, -2)
     expected = (branch.kernel(y, y, y) + lepe) * 2 ** -0.5
-    torch.testing.assert_close(branch(projection, 4, 3), expected.transpose(1, 2).reshape(1, 4, 3, 8))
+    torch.testing.assert_close(branch(projection.unsqueeze(3), 4, 3), expected.transpose(1, 2).reshape(1, 4, 3, 8))
 
 
 # --- the shared softmax-attention tail ----------------------------------------------------------------------------
@@ -317,7 +319,7 @@ def _reference_attention(q, k, v, bias, scale):
 @pytest.mark.parametrize('fused', [True, False])
 def test_softmax_attention_equals_its_definition_in_values_and_gradients(bias_needs_grad, fused):
     """Every route of softmax_attention (SDPA, explicit with the in-place bias sum) is softmax(s q k^T + B) v."""
-    from lipsformer.layers.dot_product_attention import softmax_attention
+    from lipsformer.layers.softmax_attention import softmax_attention
     q, k, v = (tensor.requires_grad_() for tensor in _qkv())
     bias = torch.randn(3, 10, 10, dtype=torch.float64, requires_grad=bias_needs_grad)
     bias_before = bias.detach().clone()
@@ -334,7 +336,7 @@ def test_softmax_attention_equals_its_definition_in_values_and_gradients(bias_ne
 
 def test_softmax_attention_leaves_sdpa_only_for_a_cpu_bias_that_needs_a_gradient(monkeypatch):
     """SDPA's CPU math fallback (a learned bias in training) is replaced by the explicit path; nothing else is."""
-    import lipsformer.layers.dot_product_attention as module
+    import lipsformer.layers.softmax_attention as module
     calls = []
     sdpa = module.F.scaled_dot_product_attention
 
@@ -357,7 +359,7 @@ def test_softmax_attention_leaves_sdpa_only_for_a_cpu_bias_that_needs_a_gradient
 def test_softmax_attention_takes_a_float32_bias_under_bf16_autocast():
     """Under CPU bf16 autocast the logits are bf16 and a learned bias fp32: the explicit path adds them out of place
     (an in-place sum into bf16 would need the same dtype) and the bias still gets its gradient."""
-    from lipsformer.layers.dot_product_attention import softmax_attention
+    from lipsformer.layers.softmax_attention import softmax_attention
     q, k, v = (tensor.float() for tensor in _qkv())
     bias = torch.randn(3, 10, 10, requires_grad=True)
     with torch.autocast('cpu', dtype=torch.bfloat16):

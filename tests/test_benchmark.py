@@ -17,6 +17,7 @@ from lipsformer.benchmark import (
     main,
     parse_model_specs,
     run_benchmark,
+    saved_activations_mb,
 )
 from lipsformer.complexity import model_complexity
 
@@ -72,6 +73,38 @@ def test_peak_memory_holds_weights_gradients_and_adam_state(report):
     assert rows['resnet10t', 'train']['peak_memory_mb'] >= 16 * params / mib
     assert rows['resnet10t', 'infer']['peak_memory_mb'] >= 4 * params / mib
     assert rows['resnet10t', 'train']['peak_memory_mb'] > rows['resnet10t', 'infer']['peak_memory_mb']
+
+
+def test_saved_activations_are_reported_for_training_rows(report):
+    for row in report['results']:
+        if row['mode'] == 'infer':
+            assert row['saved_activations_mb_per_image'] is None and row['saved_activations_ratio'] is None
+        else:
+            assert row['saved_activations_mb_per_image'] > 0
+    first, second = [row for row in report['results'] if row['mode'] == 'train']
+    assert first['saved_activations_ratio'] == 1.0
+    assert second['saved_activations_ratio'] == pytest.approx(
+        second['saved_activations_mb_per_image'] / first['saved_activations_mb_per_image'], rel=1e-12)
+
+
+def test_saved_activations_count_each_storage_once_without_parameters():
+    # Linear saves its input (weights are parameters, left out); ReLU saves its output, which the second Linear saves
+    # again as its input (the same storage, counted once); the second Linear's output is saved by nothing.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    inputs = torch.randn(2, 8)
+    expected_bytes = 4 * (2 * 8 + 2 * 16)
+    measured = saved_activations_mb(model, inputs, BenchmarkConfig())
+    assert measured == pytest.approx(expected_bytes / 2 ** 20 / 2, rel=1e-12)
+    assert not model.training  # the model's mode is restored
+
+
+def test_saved_activations_count_a_saved_view_at_its_base_size():
+    class FirstHalfSquared(torch.nn.Module):
+        def forward(self, x):
+            return (2 * x)[:, :4].square()  # square saves a view of the (2, 8) product: the whole product stays alive
+
+    measured = saved_activations_mb(FirstHalfSquared(), torch.randn(2, 8, requires_grad=True), BenchmarkConfig())
+    assert measured == pytest.approx(4 * 2 * 8 / 2 ** 20 / 2, rel=1e-12)
 
 
 def test_models_are_interleaved_and_alternate_direction():

@@ -246,10 +246,11 @@ def test_img_size_reaches_size_dependent_models_and_is_dropped_for_cnns():
     assert model_complexity('resnet10t', img_size=None)['input_size'] == (3, 176, 176)  # the model's default
 
 
-# Authors' code (paper.md section 1) where given; for CSwin-S/-B GMACs and the 384 models, counted by running the
-# authors' code (CSWinTransformer at commit 00acb80, LipsFormerSwin at HEAD, built with the paper's shapes on CPU)
-# through model_complexity: CSwin-S 7.439, CSwin-B 16.226 (paper: 7.6 and 16.3), CSwin-B-384 50.699,
-# Swin-B-384 96.147M / 51.603; Swin-L-384 scales the authors' Swin-L: 214.30M (table size (2*12-1)^2 per head).
+# The authors' code's counts (the paper prints them rounded: 31M / 5.0G for Swin-T) where known; for CSwin-S/-B GMACs
+# and the 384 models, counted by running the authors' code (CSWinTransformer at commit 00acb80, LipsFormerSwin at
+# HEAD, built with the paper's shapes on CPU) through model_complexity: CSwin-S 7.439, CSwin-B 16.226 (paper: 7.6 and
+# 16.3), CSwin-B-384 50.699, Swin-B-384 96.147M / 51.603; Swin-L-384 scales the authors' Swin-L: 214.30M (table size
+# (2*12-1)^2 per head).
 AUTHORS_PARAMS_M_GMACS = {
     'lipsformer_swin_tiny': (30.91, 4.98),
     'lipsformer_swin_small': (54.48, 9.67),

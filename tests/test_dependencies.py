@@ -69,6 +69,13 @@ def test_every_imported_package_is_declared():
     assert not undeclared, f'lipsformer imports {sorted(undeclared)} without declaring them in pyproject.toml'
 
 
+def test_every_declared_package_is_imported():
+    # A runtime dependency nothing imports only costs users an install (einops was one until the window layouts were
+    # measured against it: see docs/benchmarks.md).
+    unused = set(declared_floors()) - imported_distributions()
+    assert not unused, f'pyproject.toml declares {sorted(unused)} but lipsformer never imports them'
+
+
 def test_installed_accelerate_runs_the_fsdp2_recipe():
     """configs/accelerate/fsdp.yaml asks for FSDP2 (``fsdp_version: 2``), which accelerate has from 1.6.0 on."""
     import yaml

@@ -1,4 +1,5 @@
-"""The Lipschitz building blocks against first principles and the paper's formulas (paper.md sections 5, 6)."""
+"""The Lipschitz building blocks against first principles and the paper's formulas (LipsFormer section 4.1,
+Theorems 1-2, Appendix J)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -247,7 +248,7 @@ def test_l2_normalize_equals_f_normalize_with_its_eps_floor():
     included, and fp16 rows whose squares overflow fp16."""
     import torch.nn.functional as F
 
-    from lipsformer.layers.scaled_cosine_attention import l2_normalize
+    from lipsformer.layers import l2_normalize
     x = torch.randn(3, 4, 7, 16, dtype=torch.float64)
     x[0, 0, 0] = 0.0
     x[1, 0, 0] = 1e-13  # below eps: divided by eps, not by its norm

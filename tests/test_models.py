@@ -13,7 +13,7 @@ from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer
 
 ALL_MODELS = timm.list_models('lipsformer*')
 
-# paper.md section 1: parameters of the authors' code (CSwin S/B computed there), 1000 classes.
+# Parameters of the authors' code, 1000 classes (CSwin S/B built with the paper's shapes and counted).
 PAPER_PARAMS = {
     'lipsformer_swin_tiny': 30.91e6, 'lipsformer_swin_small': 54.48e6, 'lipsformer_swin_base': 96.01e6,
     'lipsformer_swin_large': 214.13e6, 'lipsformer_swin_large_plus': 478.91e6, 'lipsformer_cswin_tiny': 23.78e6,
@@ -205,7 +205,7 @@ def test_cswin_padded_stripes_equal_a_narrower_stripe():
     """With key masking, a stripe cut by the border gives the same result as attending over its valid tokens."""
     from lipsformer.models.lipsformer_cswin import StripeAttention
     branch = StripeAttention(8, 2, ScaledCosineAttention(tau=12.0)).eval()
-    qkv = torch.randn(1, 6, 5, 24)
+    qkv = torch.randn(1, 6, 5, 24).unflatten(-1, (3, 8))  # q, k, v of 8 channels
     torch.testing.assert_close(branch(qkv, 6, 7), branch(qkv, 6, 5))  # one 6x7 stripe over a 6x5 map
 
 

@@ -1,4 +1,13 @@
-"""LipsFormer's Lipschitz building blocks, and factories that let models swap each one by name."""
+"""LipsFormer's Lipschitz building blocks, and factories that let models swap each one by name.
+
+- Norms: ``center_norm`` (CenterNorm), ``NORM_LAYERS`` / ``get_norm_layer``.
+- Attention kernels (q, k, v, bias -> out): ``scaled_cosine_attention`` (SCSA), ``dot_product_attention``,
+  ``l2_attention``, ``lipschitz_norm_attention``, all ending in ``softmax_attention``; ``create_attention_kernel``.
+- Windows, stripes and heads of the mixers: ``windows``.
+- Residuals: ``weighted_residual`` (alpha, drop path, the MLP), ``conv_shortcut``.
+- Initialisation: ``spectral_init``.
+- ``lean_autograd``: the blocks' expressions with backwards that keep fewer activations.
+"""
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -7,11 +16,12 @@ from .center_norm import CenterNorm
 from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
+from .lean_autograd import gelu_residual, l2_normalize, scaled_linear
 from .lipschitz_norm_attention import LipschitzNormAttention
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
-from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer, scaled_linear
-from .windows import pad_to_multiple, padding_key_mask, window_partition, window_reverse
+from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer
+from .windows import pad_to_multiple, padded_size, padding_key_mask, split_heads, window_partition, window_reverse
 
 NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
     'center': CenterNorm,
@@ -32,7 +42,7 @@ def get_norm_layer(norm_layer: str | Callable[[int], nn.Module]) -> Callable[[in
 ATTENTION_TYPES = ('scsa', 'dot', 'l2', 'lipnorm')
 
 
-def create_attention(
+def create_attention_kernel(
         attn_type: str,
         head_dim: int,
         tau: float,
@@ -42,7 +52,9 @@ def create_attention(
         attn_drop: float = 0.0,
         num_heads: int | None = None,
 ) -> nn.Module:
-    """The attention maths (q, k, v, bias -> out) for ``attn_type``.
+    """The attention kernel for ``attn_type``: ``kernel(q, k, v, attn_bias=None)`` maps (batch, heads, tokens, head_dim)
+    q, k, v and additive logits broadcastable to (batch, heads, tokens, tokens) (or None) to (batch, heads, tokens,
+    head_dim).
 
     Args:
         attn_type: 'scsa' (LipsFormer's scaled cosine similarity), 'dot' (standard scaled dot product), 'l2' (Kim et
@@ -69,7 +81,8 @@ def create_attention(
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualDropPath', 'ScaleLayer', 'ScaledCosineAttention',
-    'ScaledOutputMlp', 'WEIGHT_INITS', 'create_attention', 'create_conv_shortcuts', 'get_norm_layer', 'init_weights_',
-    'pad_to_multiple', 'padding_key_mask', 'scaled_linear', 'spectral_norm', 'spectral_normalize_',
-    'window_partition', 'window_reverse',
+    'ScaledOutputMlp', 'WEIGHT_INITS', 'create_attention_kernel', 'create_conv_shortcuts', 'gelu_residual',
+    'get_norm_layer', 'init_weights_', 'l2_normalize', 'pad_to_multiple', 'padded_size', 'padding_key_mask',
+    'scaled_linear', 'spectral_norm', 'spectral_normalize_', 'split_heads', 'window_partition',
+    'window_reverse',
 ]

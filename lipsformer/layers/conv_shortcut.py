@@ -16,6 +16,8 @@ kernel; at most sqrt(49) times the norm of the (C, 49) reshaped weight that spec
 import torch
 import torch.nn as nn
 
+from .depthwise_conv import depthwise_conv2d
+from .lean_autograd import gelu_residual, scaled_linear
 from .weighted_residual import ResidualDropPath, ScaleLayer
 
 __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
@@ -25,7 +27,15 @@ CONV_CONFIGS = {'A': (), 'B': (False,), 'C': (True,), 'D': (True, False)}
 
 
 class ConvShortcut(nn.Module):
-    """x + DropPath(alpha * act(pw(act(dw(x))))) on NHWC feature maps."""
+    """x + DropPath(alpha * act(pw(act(dw(x))))) on NHWC feature maps.
+
+    With exact GELUs (the default) the depthwise conv is :func:`~lipsformer.layers.depthwise_conv.depthwise_conv2d`
+    (a faster weight gradient on CPU), the pointwise conv runs as a linear layer over channels on the NHWC map, and
+    both GELUs go through :mod:`~lipsformer.layers.lean_autograd`: the backward keeps x, dw(x) and pw(GELU(dw(x))),
+    not the GELUs' outputs.
+    """
+
+    lean: torch.jit.Final[bool]
 
     def __init__(
             self,
@@ -44,14 +54,27 @@ class ConvShortcut(nn.Module):
         self.act2 = act_layer() if pointwise else nn.Identity()
         self.alpha = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
         self.drop_path = ResidualDropPath(drop_path)
+        self.lean = all(isinstance(act, nn.GELU) and act.approximate == 'none'
+                        for act in (self.act1, self.act2) if not isinstance(act, nn.Identity))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """act(pw(act(dw(x)))) on an NHWC map, the residual's branch before alpha and drop path."""
         # A permuted NHWC tensor is an NCHW tensor in channels-last memory: the convs run without layout copies.
         y = self.act1(self.dw(x.permute(0, 3, 1, 2)))
         if self.pw is not None:
             y = self.act2(self.pw(y))
-        # alpha, the drop-path mask and the sum in one multiply-add (ResidualDropPath).
-        return self.drop_path.residual(x, y.permute(0, 2, 3, 1), self.alpha.gamma)
+        return y.permute(0, 2, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.lean:
+            # alpha, the drop-path mask and the sum in one multiply-add (ResidualDropPath).
+            return self.drop_path.residual(x, self.branch(x), self.alpha.gamma)
+        z = depthwise_conv2d(x, self.dw.weight, self.dw.bias)
+        if self.pw is not None:
+            z = scaled_linear(z, self.pw.weight.flatten(1), self.pw.bias, gelu=True)
+        scale = self.drop_path.branch_scale(z, self.alpha.gamma)
+        assert scale is not None  # alpha is always there; for TorchScript's Optional
+        return gelu_residual(x, z, scale)
 
 
 def create_conv_shortcuts(dim: int, conv_config: str, alpha_init: float, drop_path: float,

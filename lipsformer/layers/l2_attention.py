@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from timm.layers import use_fused_attn
 
-from .dot_product_attention import softmax_attention
+from .softmax_attention import softmax_attention
 
 __all__ = ['L2Attention']
 
@@ -65,21 +65,9 @@ class L2Attention(nn.Module):
         with torch.no_grad():
             self.value_map.copy_(torch.eye(self.head_dim).expand(self.num_heads, -1, -1))
 
-    def forward(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """
-        Args:
-            q, k, v: (batch, heads, tokens, head_dim); the same tensor X W^Q_h for Kim's tied attention.
-            attn_bias: Additive logits broadcastable to (batch, heads, tokens, tokens), or None.
-
-        Returns:
-            (batch, heads, tokens, head_dim).
-        """
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """As every kernel (``create_attention_kernel``); q, k and v are the same tensor X W^Q_h, Kim's tied form."""
         values = v @ self.value_map
         centre = k.mean(dim=-2, keepdim=True)  # distances are translation invariant
         q = q - centre

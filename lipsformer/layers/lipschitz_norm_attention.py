@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from timm.layers import use_fused_attn
 
-from .dot_product_attention import softmax_attention
+from .softmax_attention import softmax_attention
 
 __all__ = ['LipschitzNormAttention']
 
@@ -58,21 +58,8 @@ class LipschitzNormAttention(nn.Module):
         denominator = torch.stack([u * key_norm, u * value_norm, key_norm * value_norm], dim=-1).amax(dim=-1)
         return denominator.clamp_min(self.denominator_floor).reciprocal()[..., None, None].to(q.dtype)
 
-    def forward(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """
-        Args:
-            q, k, v: (batch, heads, tokens, head_dim).
-            attn_bias: Additive logits broadcastable to (batch, heads, tokens, tokens), or None.
-
-        Returns:
-            (batch, heads, tokens, head_dim).
-        """
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         q = q * self.score_scale(q, k, v)
         return softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn)
 

@@ -15,27 +15,11 @@ partitioning, projections and positional terms belong to the caller.
 import torch
 import torch.nn as nn
 from timm.layers import use_fused_attn
-from timm.models import register_notrace_function
 
-from .dot_product_attention import softmax_attention
+from .lean_autograd import l2_normalize
+from .softmax_attention import softmax_attention
 
-__all__ = ['ScaledCosineAttention', 'l2_normalize']
-
-
-@register_notrace_function  # torch 2.6's fx cannot trace torch.promote_types on a traced tensor's dtype
-def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """``scale * F.normalize(x, dim=-1, eps=eps)``, scale * x / max(||x||, eps), as a product with a reciprocal norm.
-
-    The same values (to rounding), but autograd's backward of one broadcast multiply is much cheaper on CPU than that
-    of ``F.normalize``'s broadcast division (which computes -g * x / n^2 over the whole tensor). The norm is taken in
-    at least float32 so that fp16 squares cannot overflow. ``scale`` rides on the (..., 1) reciprocal norm for free.
-    """
-    return x * (_inverse_norm(x, eps) * scale).to(x.dtype)
-
-
-def _inverse_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    squared_norm = x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True)
-    return squared_norm.clamp_min(eps * eps).rsqrt()
+__all__ = ['ScaledCosineAttention']
 
 
 class ScaledCosineAttention(nn.Module):
@@ -74,26 +58,14 @@ class ScaledCosineAttention(nn.Module):
         self.tau = nn.Parameter(torch.tensor(self.tau_init)) if tau_learnable else self.tau_init
         self.attn_drop = nn.Dropout(attn_drop)
 
-    def forward(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            attn_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """
-        Args:
-            q, k, v: (batch, heads, tokens, head_dim).
-            attn_bias: Additive logits broadcastable to (batch, heads, tokens, tokens) (a relative-position bias, a
-                -inf/-100 mask), or None.
-
-        Returns:
-            (batch, heads, tokens, head_dim).
-        """
-        # tau scales q through its reciprocal norm: no pass over the (tokens x tokens) logits, and the scale of
-        # softmax_attention (a Python float for SDPA) can stay 1 when tau is learned.
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """(batch, heads, tokens, head_dim) q, k, v and an additive bias (a relative-position bias, a -inf/-100 mask)
+        broadcastable to the logits -> (batch, heads, tokens, head_dim)."""
+        # tau scales q, not the (tokens x tokens) logits, and the scale of softmax_attention (a Python float for
+        # SDPA) can stay 1 when tau is learned.
         if self.tau_learnable:
-            q = q * (_inverse_norm(q, self.eps) * self.tau).to(q.dtype)
+            q = l2_normalize(q, self.eps) * self.tau.to(q.dtype)
         else:
             q = l2_normalize(q, self.eps, self.tau_init)
         k = l2_normalize(k, self.eps)

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 from timm.layers import trunc_normal_
 
+from .center_norm import CenterNorm
+
 __all__ = ['WEIGHT_INITS', 'init_weights_', 'spectral_norm', 'spectral_normalize_']
 
 WEIGHT_INITS = ('spectral', 'xavier', 'trunc_normal')
@@ -57,7 +59,7 @@ def init_weights_(module: nn.Module, mode: str = 'spectral') -> None:
                 spectral_normalize_(module.weight)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-    elif isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or type(module).__name__ == 'CenterNorm':
+    elif isinstance(module, (nn.LayerNorm, nn.GroupNorm, CenterNorm)):
         if module.weight is not None and not module.weight.is_meta:
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)

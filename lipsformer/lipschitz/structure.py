@@ -71,17 +71,11 @@ def _conv_shortcut(name: str, shortcut: nn.Module, size: tuple[int, int]) -> Ent
             value *= activation_lipschitz(shortcut.act2) * norms.conv(shortcut.pw, size)
         return Bound(value, 'GELU o conv' + (' o GELU o conv' if shortcut.pw is not None else ''))
 
-    def branch(x: torch.Tensor) -> torch.Tensor:
-        y = shortcut.act1(shortcut.dw(x.permute(0, 3, 1, 2)))
-        if shortcut.pw is not None:
-            y = shortcut.act2(shortcut.pw(y))
-        return y.permute(0, 2, 3, 1)
-
     parts = [(f'{name}.dw', shortcut.dw, size)]
     if shortcut.pw is not None:
         parts.append((f'{name}.pw', shortcut.pw, size))
     return Entry(name, 'conv_shortcut', bound, parts, Residual(shortcut.alpha, _drop_prob(shortcut.drop_path),
-                                                               branch, shortcut))
+                                                               shortcut.branch, shortcut))
 
 
 class PreNormed(nn.Module):

@@ -9,30 +9,43 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, PatchEmbed, calculate_drop_path_rates, to_2tuple
-from timm.models import checkpoint_seq, register_notrace_function
+from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
 
 from .._compat import update_model_input_size
+from ..checkpoint import CheckpointError
 from ..layers import (
     ResidualDropPath,
     ScaledOutputMlp,
     ScaleLayer,
+    create_attention_kernel,
     create_conv_shortcuts,
     get_norm_layer,
     init_weights_,
 )
 
-__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'check_checkpoint_depths',
-           'check_norm_position', 'default_cfg']
+__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'build_lipsformer',
+           'check_checkpoint_depths', 'check_norm_position', 'default_cfg']
 
-# Builds a block's token mixer from (stage index, block index, dim, feature size of the stage at img_size).
-MixerFactory = Callable[[int, int, int, tuple[int, int]], nn.Module]
+
+class MixerArgs(NamedTuple):
+    """What the trunk gives a family's mixer factory for one block."""
+    stage: int
+    block: int
+    dim: int
+    feat_size: tuple[int, int]  # the stage's map at the model's img_size
+    make_kernel: Callable[[int, int], nn.Module]  # (head_dim, heads) -> the attention kernel
+    qkv_bias: bool
+    proj_drop: float
+
+
+MixerFactory = Callable[[MixerArgs], nn.Module]
 
 NORM_POSITIONS = ('post', 'pre')
 
@@ -124,7 +137,11 @@ def check_input(x: torch.Tensor, in_chans: int, divisor: int) -> torch.Tensor:
 
 
 class LipsFormer(nn.Module):
-    """Patch stem, four (or any number of) stages, final norm and classifier head, with timm's model interface."""
+    """Patch stem, four (or any number of) stages, final norm and classifier head, with timm's model interface.
+
+    The families (:class:`~lipsformer.models.LipsFormerSwin`, :class:`~lipsformer.models.LipsFormerCSwin`) supply
+    the token mixer and the downsampling, set their own defaults and pass every other argument through to here.
+    """
 
     def __init__(
             self,
@@ -141,15 +158,57 @@ class LipsFormer(nn.Module):
             embed_dim: int = 96,
             depths: Sequence[int] = (2, 2, 6, 2),
             mlp_ratio: float = 4.0,
+            qkv_bias: bool = True,
+            attn_type: str = 'scsa',
+            tau: float = 10.0,
+            tau_learnable: bool = False,
+            v_norm: bool = False,
+            nu: float = 1.0,
             conv_config: str = 'D',
             norm_layer: str | Callable[[int], nn.Module] = 'center',
             weight_init: str = 'spectral',
             drop_rate: float = 0.0,
             proj_drop_rate: float = 0.0,
+            attn_drop_rate: float = 0.0,
             drop_path_rate: float = 0.0,
             alpha_learnable: bool = True,
             norm_position: str = 'post',
     ) -> None:
+        """
+        Args:
+            make_mixer: Builds each block's token mixer from its :class:`MixerArgs`.
+            make_downsample: Builds a stage's downsampling from (in channels, out channels, norm constructor).
+            post_attn_norm: A norm after the attention residual (Swin) or none there (CSwin).
+            final_norm: A norm after the last stage.
+            alpha_init: Initial weighted-residual alpha.
+            img_size: Default input size (any multiple of patch_size * 2 ** (stages - 1) works at run time).
+            patch_size: Stride of the patch-embedding conv.
+            in_chans: Input channels.
+            num_classes: Classes of the head (0 for none).
+            global_pool: Head pooling ('avg', 'max', ... or '' for none).
+            embed_dim: Channels of the first stage, doubled at every stage.
+            depths: Blocks per stage.
+            mlp_ratio: MLP hidden width over dim.
+            qkv_bias: Bias in the qkv projection.
+            attn_type: The attention kernel: 'scsa' (scaled cosine similarity), 'dot' (standard dot product), 'l2'
+                (Kim et al.'s L2 attention, tied queries and keys) or 'lipnorm' (Dasoulas et al.'s LipschitzNorm
+                scores).
+            tau: SCSA temperature (each family sets the authors' value as its default).
+            tau_learnable: Learn tau.
+            v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
+            nu: Output scale with ``v_norm``.
+            conv_config: Conv shortcuts, Table 3's 'A' (none), 'B', 'C' or 'D' (authors').
+            norm_layer: 'center' (CenterNorm), 'layer' (LayerNorm), 'none', or a constructor taking the channels.
+            weight_init: 'spectral', 'xavier' or 'trunc_normal'.
+            drop_rate: Dropout before the classifier.
+            proj_drop_rate: Dropout after attention and MLP projections.
+            attn_drop_rate: Dropout on attention probabilities.
+            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
+            alpha_learnable: Learn the weighted-residual alphas (blocks and conv shortcuts); False keeps them at
+                ``alpha_init`` as buffers (alpha_init=1 gives the plain residual of a standard Transformer).
+            norm_position: 'post' (LipsFormer's norms after each residual sum) or 'pre' (the standard pre-norm
+                Transformer: a norm at the input of every attention and MLP branch and a final norm before the head).
+        """
         super().__init__()
         check_norm_position(norm_position)
         norm_layer = get_norm_layer(norm_layer)
@@ -163,6 +222,10 @@ class LipsFormer(nn.Module):
         dims = [int(embed_dim * 2 ** i) for i in range(len(depths))]
         self.num_features = self.head_hidden_size = dims[-1]
 
+        def make_kernel(head_dim: int, heads: int) -> nn.Module:
+            return create_attention_kernel(attn_type, head_dim, tau=tau, tau_learnable=tau_learnable, v_norm=v_norm,
+                                           nu=nu, attn_drop=attn_drop_rate, num_heads=heads)
+
         self.patch_embed = PatchEmbed(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
             norm_layer=norm_layer, output_fmt='NHWC', strict_img_size=False)
@@ -174,9 +237,10 @@ class LipsFormer(nn.Module):
             feat_size = (grid[0] // 2 ** i, grid[1] // 2 ** i)
             blocks = [
                 LipsFormerBlock(
-                    dims[i], make_mixer(i, j, dims[i], feat_size), norm_layer, alpha_init, post_attn_norm,
-                    mlp_ratio=mlp_ratio, conv_config=conv_config, drop_path=drop_path_rates[i][j],
-                    proj_drop=proj_drop_rate, alpha_learnable=alpha_learnable, norm_position=norm_position)
+                    dims[i], make_mixer(MixerArgs(i, j, dims[i], feat_size, make_kernel, qkv_bias, proj_drop_rate)),
+                    norm_layer, alpha_init, post_attn_norm, mlp_ratio=mlp_ratio, conv_config=conv_config,
+                    drop_path=drop_path_rates[i][j], proj_drop=proj_drop_rate, alpha_learnable=alpha_learnable,
+                    norm_position=norm_position)
                 for j in range(depth)]
             downsample = make_downsample(dims[i - 1], dims[i], norm_layer) if i > 0 else nn.Identity()
             stages.append(LipsFormerStage(downsample, blocks))
@@ -311,7 +375,6 @@ def check_checkpoint_depths(keys: Iterable[str], block_pattern: str, model: 'Lip
         block_pattern: Regex whose two groups capture the stage and block indices of a block's key.
         model: The model the checkpoint is loaded into.
     """
-    from ..checkpoint import CheckpointError
     blocks = defaultdict(set)
     for key in keys:
         match = re.match(block_pattern, key)
@@ -334,3 +397,17 @@ def default_cfg(url: str = '', **kwargs: Any) -> dict[str, Any]:
         'paper_name': 'LipsFormer: Introducing Lipschitz Continuity to Vision Transformers',
         'origin_url': 'https://github.com/IDEA-Research/LipsFormer', 'license': 'apache-2.0', **kwargs,
     }
+
+
+def build_lipsformer(model_cls: type[LipsFormer], variant: str, pretrained: bool,
+                     checkpoint_filter_fn: Callable[[dict[str, Any], nn.Module], dict[str, torch.Tensor]],
+                     model_args: dict[str, Any], **kwargs: Any) -> LipsFormer:
+    """A registered variant through timm's ``build_model_with_cfg``: its ``model_args`` overridden by the caller's
+    ``kwargs``, a feature map per stage (``features_only``), checkpoints mapped by the family's filter."""
+    kwargs = dict(model_args, **kwargs)
+    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs['depths']))))
+    return build_model_with_cfg(
+        model_cls, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        **kwargs)

@@ -13,17 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
-from ..layers import (
-    create_attention,
-    pad_to_multiple,
-    padding_key_mask,
-    scaled_linear,
-    window_partition,
-    window_reverse,
-)
-from ._base import LipsFormer, check_checkpoint_depths, default_cfg
+from ..layers import pad_to_multiple, padding_key_mask, scaled_linear, split_heads, window_partition, window_reverse
+from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
 
@@ -37,37 +30,39 @@ class StripeAttention(nn.Module):
     """
 
     tied_qkv: torch.jit.Final[bool]
-    num_projections: torch.jit.Final[int]
 
-    def __init__(self, dim: int, num_heads: int, attention: nn.Module) -> None:
+    def __init__(self, dim: int, num_heads: int, kernel: nn.Module) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.tied_qkv = bool(getattr(attention, 'tied_qkv', False))
-        self.num_projections = 1 if self.tied_qkv else 3
+        self.tied_qkv = bool(getattr(kernel, 'tied_qkv', False))
         self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        self.kernel = attention
+        self.kernel = kernel
         self.head_scale = num_heads ** -0.5
 
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
-        """(B, H, W, 3 * C) stacked q, k, v (or (B, H, W, C) with ``tied_qkv``) -> (B, H, W, C)."""
-        batch, height, width, _ = qkv.shape
-        windows = window_partition(pad_to_multiple(qkv, stripe_h, stripe_w), stripe_h, stripe_w)
-        num_windows, area = windows.shape[0], windows.shape[1]
-        projections = windows.view(num_windows, area, self.num_projections, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        if self.tied_qkv:
-            q = projections[0]
-            k = v = q
-        else:
-            q, k, v = projections.unbind(0)
+        """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
+        batch, height, width = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+        # Split rather than index: its backward writes each gradient once, where indexing's adds zero-filled copies
+        # of the whole projection.
+        qk, v = qkv, qkv.squeeze(3)  # qk unused with tied_qkv
+        if not self.tied_qkv:
+            qk, v = qkv.split([2, 1], dim=3)
+            v = v.squeeze(3)
+        # v in its own memory: attention and LePE keep it for backward, and so it alone, not the projection it was
+        # cut from (a partition into full-width stripes is a view).
+        v_windows = window_partition(pad_to_multiple(v, stripe_h, stripe_w), stripe_h, stripe_w).contiguous()
+        v = split_heads(v_windows, 1, self.num_heads)[0]
+        q = k = v
+        if not self.tied_qkv:
+            qk_windows = window_partition(pad_to_multiple(qk, stripe_h, stripe_w), stripe_h, stripe_w)
+            q, k = split_heads(qk_windows.flatten(2), 2, self.num_heads)
         mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
         # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
-        v_map = v.permute(0, 1, 3, 2).reshape(num_windows, -1, stripe_h, stripe_w)
-        positional = self.lepe(v_map).reshape(num_windows, self.num_heads, -1, area).transpose(-1, -2)
-        x = (self.kernel(q, k, v, mask) + positional) * self.head_scale
-        x = x.transpose(1, 2).reshape(num_windows, area, -1)
-        padded_h = height + (stripe_h - height % stripe_h) % stripe_h
-        padded_w = width + (stripe_w - width % stripe_w) % stripe_w
-        return window_reverse(x, stripe_h, stripe_w, padded_h, padded_w)[:, :height, :width]
+        num_windows, area = v_windows.shape[0], v_windows.shape[1]
+        positional = self.lepe(v_windows.transpose(1, 2).reshape(num_windows, -1, stripe_h, stripe_w))
+        positional = positional.reshape(num_windows, self.num_heads, -1, area).transpose(-1, -2)
+        x = (self.kernel(q, k, v, mask) + positional).mul_(self.head_scale)  # the sum's backward needs no output
+        return window_reverse(x.transpose(1, 2), stripe_h, stripe_w, height, width).flatten(3)
 
 
 class CrossStripeAttention(nn.Module):
@@ -87,7 +82,7 @@ class CrossStripeAttention(nn.Module):
             num_heads: int,
             split_size: int,
             two_branches: bool,
-            make_attention: Callable[[int, int], nn.Module],
+            make_kernel: Callable[[int, int], nn.Module],
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
     ) -> None:
@@ -97,7 +92,7 @@ class CrossStripeAttention(nn.Module):
             num_heads: Attention heads in all (split evenly between the branches).
             split_size: Stripe width.
             two_branches: Vertical + horizontal stripes; else one global branch.
-            make_attention: Builds the attention maths from the head dim and the heads of a branch.
+            make_kernel: Builds an attention kernel from the head dim and the heads of a branch.
             qkv_bias: Bias in the qkv projection.
             proj_drop: Dropout after the output projection.
         """
@@ -107,7 +102,7 @@ class CrossStripeAttention(nn.Module):
             raise ValueError(f'dim {dim} and num_heads {num_heads} must split evenly into {branches} branch(es)')
         self.two_branches = two_branches
         self.split_size = split_size
-        kernels = [make_attention(dim // num_heads, num_heads // branches) for _ in range(branches)]
+        kernels = [make_kernel(dim // num_heads, num_heads // branches) for _ in range(branches)]
         self.tied_qkv = bool(getattr(kernels[0], 'tied_qkv', False))
         self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
         self.branches = nn.ModuleList([
@@ -117,22 +112,17 @@ class CrossStripeAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
-        batch, height, width, channels = x.shape
-        qkv = self.qkv(x)
+        height, width = x.shape[1], x.shape[2]
+        # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
+        qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
         if self.two_branches:
-            half = channels // 2
-            if self.tied_qkv:
-                vertical, horizontal = qkv[..., :half], qkv[..., half:]
-            else:
-                q, k, v = qkv.view(batch, height, width, 3, channels).unbind(3)
-                vertical = torch.cat([q[..., :half], k[..., :half], v[..., :half]], dim=-1)
-                horizontal = torch.cat([q[..., half:], k[..., half:], v[..., half:]], dim=-1)
+            vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
             x = torch.cat([
                 self.branches[0](vertical, height, self.split_size),
                 self.branches[1](horizontal, self.split_size, width),
             ], dim=-1)
         else:
-            x = self.branches[0](qkv, height, width)
+            x = self.branches[0](qkv.squeeze(4), height, width)
         return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
 
 
@@ -153,81 +143,36 @@ class LipsFormerCSwin(LipsFormer):
 
     def __init__(
             self,
-            img_size: int | tuple[int, int] = 224,
-            patch_size: int = 4,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = 'avg',
             embed_dim: int = 64,
             depths: Sequence[int] = (1, 2, 21, 1),
             num_heads: Sequence[int] = (2, 4, 8, 16),
             split_size: Sequence[int] = (1, 2, 7, 7),
-            mlp_ratio: float = 4.0,
-            qkv_bias: bool = True,
-            attn_type: str = 'scsa',
             tau: float = 12.0,
-            tau_learnable: bool = False,
-            v_norm: bool = False,
-            nu: float = 1.0,
             alpha_init: float | None = None,
-            conv_config: str = 'D',
-            norm_layer: str | Callable[[int], nn.Module] = 'center',
-            weight_init: str = 'spectral',
-            drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            attn_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
-            alpha_learnable: bool = True,
-            norm_position: str = 'post',
+            **kwargs: Any,
     ) -> None:
         """
         Args:
-            img_size: Default input size (any multiple of patch_size * 2 ** (stages - 1) works at run time).
-            patch_size: Stride of the patch-embedding conv.
-            in_chans: Input channels.
-            num_classes: Classes of the head (0 for none).
-            global_pool: Head pooling ('avg', 'max', ... or '' for none).
-            embed_dim: Channels of the first stage, doubled at every stage.
-            depths: Blocks per stage.
             num_heads: Attention heads per stage (even where the stage has two branches).
             split_size: Stripe width per stage. The last stage, and any stage whose map at ``img_size`` is
                 ``split_size`` square, attends over the whole map in one branch.
-            mlp_ratio: MLP hidden width over dim.
-            qkv_bias: Bias in the qkv projection.
-            attn_type: 'scsa' (scaled cosine similarity), 'dot' (standard dot product), 'l2' (Kim et al.'s L2
-                attention, tied queries and keys) or 'lipnorm' (Dasoulas et al.'s LipschitzNorm scores).
-            tau: SCSA temperature (12, as the authors' code and the paper).
-            tau_learnable: Learn tau.
-            v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
-            nu: Output scale with ``v_norm``.
-            alpha_init: Initial weighted-residual alpha; None for the authors' 0.2.
-            conv_config: Conv shortcuts, Table 3's 'A' (none), 'B', 'C' or 'D' (authors').
-            norm_layer: 'center' (CenterNorm), 'layer' (LayerNorm), 'none', or a constructor taking the channels.
-            weight_init: 'spectral', 'xavier' or 'trunc_normal'.
-            drop_rate: Dropout before the classifier.
-            proj_drop_rate: Dropout after attention and MLP projections.
-            attn_drop_rate: Dropout on attention probabilities.
-            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
-            alpha_learnable: Learn the weighted-residual alphas (blocks and conv shortcuts); False keeps them at
-                ``alpha_init`` as buffers (alpha_init=1 gives the plain residual of a standard Transformer).
-            norm_position: 'post' (LipsFormer's norms after each residual sum) or 'pre' (the standard pre-norm
-                Transformer: a norm at the input of every attention and MLP branch and a final norm before the head).
+            embed_dim, depths, tau, alpha_init, drop_path_rate: As the trunk's
+                (:class:`~lipsformer.models._base.LipsFormer`), with the authors' CSwin defaults: tau 12 (as the
+                paper), alpha_init None for 0.2.
+            **kwargs: The trunk's other arguments: image size, head, attention kernel, conv shortcuts, norms,
+                initialisation, dropouts, alphas, norm position.
         """
         num_heads, split_size = tuple(num_heads), tuple(split_size)
         if len(num_heads) != len(depths) or len(split_size) != len(depths):
             raise ValueError(f'num_heads {num_heads} and split_size {split_size} need one entry per stage of '
                              f'depths {tuple(depths)}')
 
-        def make_attention(head_dim: int, heads: int) -> nn.Module:
-            return create_attention(
-                attn_type, head_dim, tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
-                attn_drop=attn_drop_rate, num_heads=heads)
-
-        def make_mixer(stage: int, block: int, dim: int, feat_size: tuple[int, int]) -> nn.Module:
-            split = split_size[stage]
-            two_branches = stage < len(depths) - 1 and feat_size != (split, split)
-            return CrossStripeAttention(
-                dim, num_heads[stage], split, two_branches, make_attention, qkv_bias, proj_drop_rate)
+        def make_mixer(args: MixerArgs) -> nn.Module:
+            split = split_size[args.stage]
+            two_branches = args.stage < len(depths) - 1 and args.feat_size != (split, split)
+            return CrossStripeAttention(args.dim, num_heads[args.stage], split, two_branches, args.make_kernel,
+                                        args.qkv_bias, args.proj_drop)
 
         super().__init__(
             make_mixer=make_mixer,
@@ -235,11 +180,7 @@ class LipsFormerCSwin(LipsFormer):
             post_attn_norm=False,
             final_norm=False,
             alpha_init=0.2 if alpha_init is None else alpha_init,
-            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            global_pool=global_pool, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
-            conv_config=conv_config, norm_layer=norm_layer, weight_init=weight_init, drop_rate=drop_rate,
-            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate, alpha_learnable=alpha_learnable,
-            norm_position=norm_position)
+            embed_dim=embed_dim, depths=depths, tau=tau, drop_path_rate=drop_path_rate, **kwargs)
 
 
 # The authors' names (commit 00acb80, models/cswin.py) and ours.
@@ -282,13 +223,9 @@ def checkpoint_filter_fn(state_dict: dict[str, Any], model: LipsFormerCSwin) -> 
     return out
 
 
-def _create_lipsformer_cswin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (1, 2, 21, 1))))))
-    return build_model_with_cfg(
-        LipsFormerCSwin, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs)
+def _create_lipsformer_cswin(variant: str, pretrained: bool, model_args: dict[str, Any], **kwargs: Any
+                            ) -> LipsFormerCSwin:
+    return build_lipsformer(LipsFormerCSwin, variant, pretrained, checkpoint_filter_fn, model_args, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
@@ -299,16 +236,12 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _model(variant: str, pretrained: bool, model_args: dict[str, Any], kwargs: dict[str, Any]) -> LipsFormerCSwin:
-    return _create_lipsformer_cswin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
-
-
 @register_model
 def lipsformer_cswin_tiny(pretrained: bool = False, **kwargs: Any) -> LipsFormerCSwin:
     """LipsFormer-CSwin-T (paper: 83.5% top-1, 88.0% ReaL, 73.2% V2)."""
     model_args = dict(embed_dim=64, depths=(1, 2, 21, 1), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7),
                       drop_path_rate=0.2)
-    return _model('lipsformer_cswin_tiny', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_tiny', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -316,7 +249,7 @@ def lipsformer_cswin_small(pretrained: bool = False, **kwargs: Any) -> LipsForme
     """LipsFormer-CSwin-S (paper: 83.8% top-1)."""
     model_args = dict(embed_dim=64, depths=(2, 4, 32, 2), num_heads=(2, 4, 8, 16), split_size=(1, 2, 7, 7),
                       drop_path_rate=0.4)
-    return _model('lipsformer_cswin_small', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_small', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -324,7 +257,7 @@ def lipsformer_cswin_base(pretrained: bool = False, **kwargs: Any) -> LipsFormer
     """LipsFormer-CSwin-B (paper: 84.6% top-1, 88.6% ReaL, 74.5% V2)."""
     model_args = dict(embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32), split_size=(1, 2, 7, 7),
                       drop_path_rate=0.5)
-    return _model('lipsformer_cswin_base', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_base', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -332,4 +265,4 @@ def lipsformer_cswin_base_384(pretrained: bool = False, **kwargs: Any) -> LipsFo
     """LipsFormer-CSwin-B at 384x384 with stripes (1, 2, 12, 12)."""
     model_args = dict(img_size=384, embed_dim=96, depths=(2, 4, 32, 2), num_heads=(4, 8, 16, 32),
                       split_size=(1, 2, 12, 12), drop_path_rate=0.5)
-    return _model('lipsformer_cswin_base_384', pretrained, model_args, kwargs)
+    return _create_lipsformer_cswin('lipsformer_cswin_base_384', pretrained, model_args, **kwargs)

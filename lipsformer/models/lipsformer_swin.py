@@ -8,17 +8,17 @@ CenterNorm after the attention and after the MLP residuals, alpha = 1 / sum(dept
 spectral init. The paper's variants (shifted windows, l2-normalised v with nu, other tau and alpha) are options.
 """
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 from timm.layers import resize_rel_pos_bias_table, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
-from ..layers import create_attention, pad_to_multiple, scaled_linear, window_partition, window_reverse
-from ._base import LipsFormer, check_checkpoint_depths, default_cfg
+from ..layers import pad_to_multiple, scaled_linear, split_heads, window_partition, window_reverse
+from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['LipsFormerSwin', 'WindowAttention']
 
@@ -39,7 +39,7 @@ class WindowAttention(nn.Module):
             num_heads: int,
             window_size: tuple[int, int],
             shift_size: tuple[int, int],
-            attention: nn.Module,
+            kernel: nn.Module,
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
     ) -> None:
@@ -49,7 +49,7 @@ class WindowAttention(nn.Module):
             num_heads: Attention heads.
             window_size: (height, width) of a window.
             shift_size: Cyclic shift before partitioning (0, 0 for none).
-            attention: The attention maths (see ``lipsformer.layers.create_attention``).
+            kernel: The attention kernel (see ``lipsformer.layers.create_attention_kernel``).
             qkv_bias: Bias in the qkv projection.
             proj_drop: Dropout after the output projection.
         """
@@ -59,14 +59,14 @@ class WindowAttention(nn.Module):
         self.num_heads = num_heads
         self.window_size = window_size
         self.shift_size = shift_size
-        self.tied_qkv = bool(getattr(attention, 'tied_qkv', False))
+        self.tied_qkv = bool(getattr(kernel, 'tied_qkv', False))
         self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
         self.relative_position_bias_table = nn.Parameter(
             torch.zeros((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
         trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer(
             'relative_position_index', get_relative_position_index(*window_size).view(-1), persistent=False)
-        self.kernel = attention
+        self.kernel = kernel
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
@@ -92,28 +92,27 @@ class WindowAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
-        batch, height, width, channels = x.shape
+        batch, height, width, _ = x.shape
         window_h, window_w = self.window_size
         shifted = self.shift_size[0] > 0 or self.shift_size[1] > 0
         if shifted:
             x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2))
         x = pad_to_multiple(x, window_h, window_w)
         padded_h, padded_w = x.shape[1], x.shape[2]
-        windows = window_partition(x, window_h, window_w)
-        num_windows, area = windows.shape[0], windows.shape[1]
-        if self.tied_qkv:
-            q = self.qkv(windows).reshape(num_windows, area, self.num_heads, -1).transpose(1, 2)
-            k = v = q
-        else:
-            qkv = self.qkv(windows).reshape(num_windows, area, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
+        projections = split_heads(self.qkv(window_partition(x, window_h, window_w)), 1 if self.tied_qkv else 3,
+                                  self.num_heads)
+        q = k = v = projections[0]
+        if not self.tied_qkv:
+            k, v = projections[1], projections[2]
         attn_bias = self.relative_position_bias()
         if shifted:
+            num_windows, area = q.shape[0], q.shape[2]
             mask = self.shift_mask(padded_h, padded_w, x.device).to(attn_bias.dtype)
             attn_bias = (attn_bias.unsqueeze(0) + mask.unsqueeze(0)).expand(batch, -1, self.num_heads, -1, -1)
             attn_bias = attn_bias.reshape(num_windows, self.num_heads, area, area)
-        x = self.kernel(q, k, v, attn_bias).transpose(1, 2).reshape(num_windows, area, channels)
-        x = window_reverse(x, window_h, window_w, padded_h, padded_w)[:, :height, :width]
+        # (windows, heads, area, head_dim) -> (B, H, W, heads, head_dim) in one copy, the padding cut off.
+        x = window_reverse(self.kernel(q, k, v, attn_bias).transpose(1, 2), window_h, window_w, height, width)
+        x = x.flatten(3)
         if shifted:
             x = torch.roll(x, shifts=(self.shift_size[0], self.shift_size[1]), dims=(1, 2))
         return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
@@ -124,79 +123,38 @@ class LipsFormerSwin(LipsFormer):
 
     def __init__(
             self,
-            img_size: int | tuple[int, int] = 224,
-            patch_size: int = 4,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = 'avg',
             embed_dim: int = 96,
             depths: Sequence[int] = (2, 2, 6, 2),
             num_heads: Sequence[int] = (3, 6, 12, 24),
             window_size: int = 7,
             shift_windows: bool = False,
-            mlp_ratio: float = 4.0,
-            qkv_bias: bool = True,
-            attn_type: str = 'scsa',
             tau: float = 10.0,
-            tau_learnable: bool = False,
-            v_norm: bool = False,
-            nu: float = 1.0,
             alpha_init: float | None = None,
-            conv_config: str = 'D',
-            norm_layer: str | Callable[[int], nn.Module] = 'center',
-            weight_init: str = 'spectral',
-            drop_rate: float = 0.0,
-            proj_drop_rate: float = 0.0,
-            attn_drop_rate: float = 0.0,
             drop_path_rate: float = 0.2,
-            alpha_learnable: bool = True,
-            norm_position: str = 'post',
+            **kwargs: Any,
     ) -> None:
         """
         Args:
-            img_size: Default input size (any multiple of patch_size * 2 ** (stages - 1) works at run time).
-            patch_size: Stride of the patch-embedding conv.
-            in_chans: Input channels.
-            num_classes: Classes of the head (0 for none).
-            global_pool: Head pooling ('avg', 'max', ... or '' for none).
-            embed_dim: Channels of the first stage, doubled at every stage.
-            depths: Blocks per stage.
             num_heads: Attention heads per stage.
             window_size: Window side; a stage smaller than the window at ``img_size`` uses its own size.
             shift_windows: Shift every other block's windows by half a window (Swin v1). The authors never shift.
-            mlp_ratio: MLP hidden width over dim.
-            qkv_bias: Bias in the qkv projection.
-            attn_type: 'scsa' (scaled cosine similarity), 'dot' (standard dot product), 'l2' (Kim et al.'s L2
-                attention, tied queries and keys) or 'lipnorm' (Dasoulas et al.'s LipschitzNorm scores).
-            tau: SCSA temperature (10 in the authors' Swin code; the paper says 12).
-            tau_learnable: Learn tau.
-            v_norm: l2-normalise the values and scale by ``nu`` (the paper's SCSA; not in the authors' code).
-            nu: Output scale with ``v_norm``.
-            alpha_init: Initial weighted-residual alpha; None for the authors' 1 / sum(depths).
-            conv_config: Conv shortcuts, Table 3's 'A' (none), 'B', 'C' or 'D' (authors').
-            norm_layer: 'center' (CenterNorm), 'layer' (LayerNorm), 'none', or a constructor taking the channels.
-            weight_init: 'spectral', 'xavier' or 'trunc_normal'.
-            drop_rate: Dropout before the classifier.
-            proj_drop_rate: Dropout after attention and MLP projections.
-            attn_drop_rate: Dropout on attention probabilities.
-            drop_path_rate: Stochastic depth, rising linearly to this rate over all blocks.
-            alpha_learnable: Learn the weighted-residual alphas (blocks and conv shortcuts); False keeps them at
-                ``alpha_init`` as buffers (alpha_init=1 gives the plain residual of a standard Transformer).
-            norm_position: 'post' (LipsFormer's norms after each residual sum) or 'pre' (the standard pre-norm
-                Transformer: a norm at the input of every attention and MLP branch and a final norm before the head).
+            embed_dim, depths, tau, alpha_init, drop_path_rate: As the trunk's
+                (:class:`~lipsformer.models._base.LipsFormer`), with the authors' Swin defaults: tau 10 (the paper
+                says 12), alpha_init None for 1 / sum(depths).
+            **kwargs: The trunk's other arguments: image size, head, attention kernel, conv shortcuts, norms,
+                initialisation, dropouts, alphas, norm position.
         """
         num_heads = tuple(num_heads)
         if len(num_heads) != len(depths):
             raise ValueError(f'num_heads {num_heads} needs one entry per stage of depths {tuple(depths)}')
 
-        def make_mixer(stage: int, block: int, dim: int, feat_size: tuple[int, int]) -> nn.Module:
-            window = tuple(min(window_size, r) for r in feat_size)
-            shifted = shift_windows and block % 2 == 1
-            shift = tuple(w // 2 if shifted and r > w else 0 for r, w in zip(feat_size, window))
-            attention = create_attention(
-                attn_type, dim // num_heads[stage], tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu,
-                attn_drop=attn_drop_rate, num_heads=num_heads[stage])
-            return WindowAttention(dim, num_heads[stage], window, shift, attention, qkv_bias, proj_drop_rate)
+        def make_mixer(args: MixerArgs) -> nn.Module:
+            window = tuple(min(window_size, r) for r in args.feat_size)
+            shifted = shift_windows and args.block % 2 == 1
+            shift = tuple(w // 2 if shifted and r > w else 0 for r, w in zip(args.feat_size, window))
+            heads = num_heads[args.stage]
+            return WindowAttention(args.dim, heads, window, shift, args.make_kernel(args.dim // heads, heads),
+                                   args.qkv_bias, args.proj_drop)
 
         super().__init__(
             make_mixer=make_mixer,
@@ -204,11 +162,7 @@ class LipsFormerSwin(LipsFormer):
             post_attn_norm=True,
             final_norm=True,
             alpha_init=1.0 / sum(depths) if alpha_init is None else alpha_init,
-            img_size=img_size, patch_size=patch_size, in_chans=in_chans, num_classes=num_classes,
-            global_pool=global_pool, embed_dim=embed_dim, depths=depths, mlp_ratio=mlp_ratio,
-            conv_config=conv_config, norm_layer=norm_layer, weight_init=weight_init, drop_rate=drop_rate,
-            proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate, alpha_learnable=alpha_learnable,
-            norm_position=norm_position)
+            embed_dim=embed_dim, depths=depths, tau=tau, drop_path_rate=drop_path_rate, **kwargs)
 
 
 # The authors' block-level names (models/lipsformer_swin.py) and ours.
@@ -260,13 +214,9 @@ def _fit_bias_table(key: str, value: torch.Tensor, model: LipsFormerSwin) -> tor
     return resize_rel_pos_bias_table(value, new_window_size=attn.window_size, new_bias_shape=target)
 
 
-def _create_lipsformer_swin(variant: str, pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
-    out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (2, 2, 6, 2))))))
-    return build_model_with_cfg(
-        LipsFormerSwin, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs)
+def _create_lipsformer_swin(variant: str, pretrained: bool, model_args: dict[str, Any], **kwargs: Any
+                            ) -> LipsFormerSwin:
+    return build_lipsformer(LipsFormerSwin, variant, pretrained, checkpoint_filter_fn, model_args, **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
@@ -281,43 +231,39 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _model(variant: str, pretrained: bool, model_args: dict[str, Any], kwargs: dict[str, Any]) -> LipsFormerSwin:
-    return _create_lipsformer_swin(variant, pretrained=pretrained, **dict(model_args, **kwargs))
-
-
 @register_model
 def lipsformer_swin_tiny(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-T (82.7% ImageNet-1k top-1 with the authors' released weights)."""
     model_args = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.2)
-    return _model('lipsformer_swin_tiny', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_tiny', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_small(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-S (paper: 83.5% top-1)."""
     model_args = dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.3)
-    return _model('lipsformer_swin_small', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_small', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_base(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-B (paper: 84.0% top-1)."""
     model_args = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
-    return _model('lipsformer_swin_base', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_base', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_large(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-L (paper: 83.5% top-1)."""
     model_args = dict(embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), drop_path_rate=0.5)
-    return _model('lipsformer_swin_large', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_large', pretrained, model_args, **kwargs)
 
 
 @register_model
 def lipsformer_swin_large_plus(pretrained: bool = False, **kwargs: Any) -> LipsFormerSwin:
     """LipsFormer-Swin-L++ (C 288; the authors trained it on ImageNet-22k with num_classes=21841)."""
     model_args = dict(embed_dim=288, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), drop_path_rate=0.5)
-    return _model('lipsformer_swin_large_plus', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_large_plus', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -326,7 +272,7 @@ def lipsformer_swin_base_384(pretrained: bool = False, **kwargs: Any) -> LipsFor
     model_args = dict(
         img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=12,
         drop_path_rate=0.5)
-    return _model('lipsformer_swin_base_384', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_base_384', pretrained, model_args, **kwargs)
 
 
 @register_model
@@ -335,4 +281,4 @@ def lipsformer_swin_large_384(pretrained: bool = False, **kwargs: Any) -> LipsFo
     model_args = dict(
         img_size=384, embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48), window_size=12,
         drop_path_rate=0.5)
-    return _model('lipsformer_swin_large_384', pretrained, model_args, kwargs)
+    return _create_lipsformer_swin('lipsformer_swin_large_384', pretrained, model_args, **kwargs)

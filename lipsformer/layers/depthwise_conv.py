@@ -1,0 +1,72 @@
+"""The conv shortcuts' depthwise convolution on NHWC maps, with a faster weight gradient on CPU.
+
+    y[b, h, w, c] = bias[c] + sum_{i, j} W[c, i, j] x_pad[b, h + i, w + j, c]
+    dL/dW[c, i, j] = sum_b sum_{h, w} g[b, h, w, c] x_pad[b, h + i, w + j, c]
+
+On CPU, oneDNN computes that weight gradient for channels-last maps with its generic grouped-convolution kernel,
+several times slower than its forward pass. The sum over (h, w) is itself a depthwise convolution, of x_pad by a
+kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in cache, it
+goes through oneDNN's depthwise forward kernel instead. The input gradient, a convolution by the flipped kernel,
+goes through that forward kernel too.
+"""
+
+import torch
+import torch.nn.functional as F
+from timm.models import register_notrace_function
+
+__all__ = ['depthwise_conv2d']
+
+
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], kernel: tuple[int, int]
+                 ) -> torch.Tensor:
+    """dL/dW (C, 1, kh, kw) from NHWC input and output gradient, one image at a time."""
+    channels = x.shape[-1]
+    weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
+    for image, image_grad in zip(x.unbind(0), grad.unbind(0)):
+        # (1, C, H, W) and (C, 1, H, W) views of NHWC memory, channels-last as oneDNN takes them; with the forward's
+        # zero padding the output is (kh, kw).
+        weight_grad += F.conv2d(image.permute(2, 0, 1).unsqueeze(0), image_grad.permute(2, 0, 1).unsqueeze(1),
+                                padding=padding, groups=channels)[0]
+    return weight_grad.unsqueeze(1)
+
+
+class _DepthwiseConv2d(torch.autograd.Function):
+    """Stride-1 depthwise convolution of an NHWC map, NHWC out; the backward as in the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, padding: tuple[int, int]):
+        ctx.padding = padding
+        ctx.save_for_backward(x, weight)
+        return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=x.shape[-1]).permute(0, 2, 3, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_weight, need_bias, _ = ctx.needs_input_grad
+        grad_x = grad_weight = grad_bias = None
+        if need_x:
+            # A stride-1 'same' convolution's transpose is the convolution by the flipped kernel: oneDNN's forward
+            # kernel again, faster than its backward-data one.
+            grad_x = F.conv2d(grad.permute(0, 3, 1, 2), weight.flip(-2, -1), padding=ctx.padding,
+                              groups=x.shape[-1]).permute(0, 2, 3, 1)
+        if need_weight:
+            grad_weight = _weight_grad(x, grad, ctx.padding, (weight.shape[2], weight.shape[3]))
+        if need_bias:
+            grad_bias = grad.sum((0, 1, 2))
+        return grad_x, grad_weight, grad_bias, None
+
+
+@register_notrace_function  # picks its path from the device and autograd state at run time
+def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Stride-1 depthwise convolution of an NHWC map with a (C, 1, kh, kw) weight, 'same' padding; NHWC out.
+
+    Training on CPU in float32 takes the faster weight gradient of the module docstring; elsewhere (GPU, other
+    dtypes, no backward, TorchScript) it is ``F.conv2d`` on the channels-last view.
+    """
+    padding = (weight.shape[2] // 2, weight.shape[3] // 2)
+    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
+        if (x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and not torch.is_autocast_enabled('cpu') and torch.is_grad_enabled() and not torch.jit.is_tracing()
+                and weight.requires_grad):
+            return _DepthwiseConv2d.apply(x, weight, bias, padding)
+    return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=x.shape[-1]).permute(0, 2, 3, 1)

@@ -1,0 +1,254 @@
+"""Lean autograd: the plain expressions of LipsFormer's blocks, with backwards that keep fewer activations.
+
+For each operation autograd keeps what that operation's own backward needs, so a chain keeps a tensor per link:
+
+- ``F.linear(F.gelu(u), W)`` keeps u (GELU's derivative) and gelu(u) (the weight's gradient);
+- ``x + alpha * gelu(z)`` keeps z and gelu(z) (alpha's gradient);
+- ``F.linear(x, alpha[:, None] * W, alpha * b)`` keeps x and the scaled weight, a weight-sized tensor per call;
+- ``q * rsqrt(max(sum(q^2), eps^2))`` keeps q (and, q being a view, the whole qkv projection it was cut from) beside
+  the normalised q that attention keeps.
+
+The Functions below compute the same values and gradients keeping one activation each: GELU is evaluated again
+from its saved input in backward (one elementwise pass over a tensor the backward reads anyway), the scaled weight
+is formed again from the parameters, and the l2 normalisation differentiates through its output:
+
+    y = s x / max(||x||, eps):    dL/dx = (s g - <g, y> y / s) / max(||x||, eps)    (second term only if ||x|| >= eps)
+
+Each public function takes this path only where a backward will run (grad enabled, an input requiring grad) and
+outside TorchScript and tracing; elsewhere it evaluates the plain expression, which is also what the tests compare
+it with. GELU is the exact (erf) form, as ``nn.GELU()``.
+"""
+
+import torch
+import torch.nn.functional as F
+from timm.models import register_notrace_function
+
+__all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
+
+# Rows of the MLP's row blocks on CPU: big enough for efficient matrix products, small enough that a block's hidden
+# activations (rows x 4C) stay in cache between the product that makes them and the one that uses them.
+_MLP_BLOCK_ROWS = 2048
+
+
+def _lean(*tensors: torch.Tensor | None) -> bool:
+    """Whether a backward will run through these tensors, outside tracing (callers test for TorchScript first)."""
+    if torch.jit.is_tracing() or not torch.is_grad_enabled():
+        return False
+    return any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def _gelu_backward_(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """GELU's backward written over ``grad``: grad * gelu'(x)."""
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, grad_input=grad)
+
+
+def _scaled_weights(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if scale is None:
+        return weight, bias
+    return weight * scale.unsqueeze(-1), bias * scale if bias is not None else None
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear(act(x), scale[:, None] W, scale b) keeping only x (and the parameters)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, gelu: bool):
+        weight_scaled, bias_scaled = _scaled_weights(weight, bias, scale)
+        out = F.linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
+        ctx.gelu = gelu
+        ctx.save_for_backward(x, weight, bias, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, scale = ctx.saved_tensors
+        need_x, need_weight, need_bias, need_scale, _ = ctx.needs_input_grad
+        weight_scaled, _ = _scaled_weights(weight, None, scale)
+        grad_x = grad_weight = grad_bias = grad_scale = None
+        if need_x:
+            grad_x = (grad @ weight_scaled.to(grad.dtype)).to(x.dtype)
+            if ctx.gelu:
+                _gelu_backward_(grad_x, x)
+        if need_weight or need_bias or need_scale:
+            grad_rows = grad.reshape(-1, grad.shape[-1])
+            act = F.gelu(x) if ctx.gelu else x
+            grad_weight_scaled = grad_rows.t() @ act.reshape(-1, act.shape[-1]).to(grad.dtype)
+            grad_bias_scaled = grad_rows.sum(0) if bias is not None else None
+            grad_weight, grad_bias, grad_scale = _unscale(grad_weight_scaled, grad_bias_scaled, weight, bias, scale)
+            # Under autocast the products ran in the lower precision; the parameters' gradients take their dtype.
+            grad_weight = grad_weight.to(weight.dtype)
+            grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
+            grad_scale = grad_scale.to(scale.dtype) if scale is not None else None
+        return grad_x, grad_weight, grad_bias, grad_scale, None
+
+
+@register_notrace_function  # picks its path from the autograd state at run time
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scale: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+    """``F.linear(F.gelu(x) if gelu else x, scale[:, None] * weight, scale * bias)`` (``scale=None``: no scale).
+
+    ``F.linear(x, weight, bias) * scale`` with the per-channel scale folded into the weight and bias (the weighted
+    residual's alpha, see ``weighted_residual``). The backward keeps x alone: not gelu(x), and not the scaled weight
+    (formed again from the parameters).
+    """
+    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
+        if _lean(x, weight, bias, scale):
+            return _Linear.apply(x, weight, bias, scale, gelu)
+    weight, bias = _scaled_weights(weight, bias, scale)
+    return F.linear(F.gelu(x) if gelu else x, weight, bias)
+
+
+class _Mlp(torch.autograd.Function):
+    """fc2(gelu(fc1(x))), fc2 scaled, in row blocks on CPU, keeping x and u = fc1(x).
+
+    The hidden activation gelu(u) and the gradients of gelu(u) and u are formed one row block at a time, in cache,
+    and never as whole (rows, hidden) tensors: the forward writes u (kept for backward) and the output, the backward
+    the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight1, bias1, weight2, bias2, scale):
+        weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
+        rows = x.reshape(-1, x.shape[-1])
+        hidden = rows.new_empty(rows.shape[0], weight1.shape[0])
+        out = rows.new_empty(rows.shape[0], weight2.shape[0])
+        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
+            end = block + _MLP_BLOCK_ROWS
+            u = _addmm(bias1, rows[block:end], weight1.t(), hidden[block:end])
+            _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
+        ctx.save_for_backward(x, weight1, bias1, weight2, bias2, scale, hidden)
+        return out.view(x.shape[:-1] + (weight2.shape[0],))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight1, bias1, weight2, bias2, scale, hidden = ctx.saved_tensors
+        weight2_scaled, _ = _scaled_weights(weight2, None, scale)
+        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.empty_like(rows)
+        grad_weight1, grad_weight2_scaled = torch.zeros_like(weight1), torch.zeros_like(weight2)
+        grad_bias1 = torch.zeros_like(bias1) if bias1 is not None else None
+        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
+            end = block + _MLP_BLOCK_ROWS
+            u, grad_out = hidden[block:end], grad_rows[block:end]
+            grad_weight2_scaled.addmm_(grad_out.t(), F.gelu(u))
+            grad_u = _gelu_backward_(grad_out @ weight2_scaled, u)
+            grad_weight1.addmm_(grad_u.t(), rows[block:end])
+            if grad_bias1 is not None:
+                grad_bias1 += grad_u.sum(0)
+            torch.mm(grad_u, weight1, out=grad_x[block:end])
+        grad_bias2_scaled = grad_rows.sum(0) if bias2 is not None else None
+        grad_weight2, grad_bias2, grad_scale = _unscale(grad_weight2_scaled, grad_bias2_scaled, weight2, bias2, scale)
+        return grad_x.view_as(x), grad_weight1, grad_bias1, grad_weight2, grad_bias2, grad_scale
+
+
+def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(bias, a, b, out=out) if bias is not None else torch.mm(a, b, out=out)
+
+
+def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | None, weight: torch.Tensor,
+             bias: torch.Tensor | None, scale: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of weight, bias and scale from those of the scaled weight (scale[:, None] W) and bias (scale b)."""
+    if scale is None:
+        return grad_weight_scaled, grad_bias_scaled, None
+    grad_scale = (grad_weight_scaled * weight).sum(-1)
+    if bias is not None:
+        grad_scale = grad_scale + grad_bias_scaled * bias
+        grad_bias_scaled = grad_bias_scaled * scale
+    return grad_weight_scaled * scale.unsqueeze(-1), grad_bias_scaled, grad_scale
+
+
+@register_notrace_function  # picks its path from the device and autograd state at run time
+def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
+        bias2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
+
+    The backward keeps x and fc1's output. Training on CPU in float32, the MLP runs in row blocks (:class:`_Mlp`);
+    elsewhere fc1 then :func:`scaled_linear` with ``gelu=True``.
+    """
+    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
+        if (_lean(x, weight1, bias1, weight2, bias2, scale) and x.device.type == 'cpu'
+                and not torch.is_autocast_enabled('cpu')
+                and all(t is None or t.dtype == torch.float32 for t in (x, weight1, bias1, weight2, bias2, scale))):
+            return _Mlp.apply(x, weight1, bias1, weight2, bias2, scale)
+    return scaled_linear(F.linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
+
+
+class _GeluResidual(torch.autograd.Function):
+    """x + scale * gelu(z) keeping only z (and scale)."""
+
+    @staticmethod
+    def forward(ctx, x, z, scale):
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(z, scale)
+        branch = F.gelu(z)
+        if x.dtype == branch.dtype == scale.dtype and x.shape == branch.shape:
+            return torch.addcmul(x, branch, scale, out=branch)  # into GELU's output: one allocation, not two
+        return torch.addcmul(x, branch, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, scale = ctx.saved_tensors
+        _, need_z, need_scale = ctx.needs_input_grad
+        grad_z = grad_scale = None
+        if need_z:
+            grad_z = (grad * scale).to(z.dtype)
+            _gelu_backward_(grad_z, z)
+        if need_scale:
+            grad_scale = F.gelu(z).mul_(grad).sum_to_size(scale.shape).to(scale.dtype)
+        return grad.to(ctx.x_dtype), grad_z, grad_scale
+
+
+@register_notrace_function  # picks its path from the autograd state at run time
+def gelu_residual(x: torch.Tensor, z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x + scale * F.gelu(z)``, scale broadcasting over z; the backward keeps z alone, not gelu(z)."""
+    if not torch.jit.is_scripting():
+        if _lean(x, z, scale):
+            return _GeluResidual.apply(x, z, scale)
+    return torch.addcmul(x, F.gelu(z), scale)
+
+
+def _inverse_norm(squared_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    return squared_norm.clamp_min(eps * eps).rsqrt()
+
+
+def _squared_norm(x: torch.Tensor) -> torch.Tensor:
+    # In at least float32, so that float16 squares cannot overflow.
+    return x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True)
+
+
+class _L2Normalize(torch.autograd.Function):
+    """scale * x / max(||x||, eps) over the last dimension, keeping the (contiguous) output and the squared norm."""
+
+    @staticmethod
+    def forward(ctx, x, eps: float, scale: float):
+        squared_norm = _squared_norm(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
+        torch.mul(x, (_inverse_norm(squared_norm, eps) * scale).to(x.dtype), out=out)
+        ctx.eps, ctx.scale = eps, scale
+        ctx.save_for_backward(out, squared_norm)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, squared_norm = ctx.saved_tensors
+        eps, scale = ctx.eps, ctx.scale
+        inverse_norm = _inverse_norm(squared_norm, eps)
+        # <g, y> / s, zero where the norm was clamped to eps (there y = s x / eps is linear in x).
+        radial = (grad * out).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale
+        radial = radial.masked_fill(squared_norm < eps * eps, 0.0)
+        grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm.to(out.dtype))
+        return grad_x, None, None
+
+
+@register_notrace_function  # picks its path from the autograd state at run time
+def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+    """``scale * F.normalize(x, dim=-1, eps=eps)``, as x times a reciprocal norm taken in at least float32.
+
+    The backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared norm: not x.
+    """
+    if not torch.jit.is_scripting():
+        if scale != 0.0 and _lean(x):
+            return _L2Normalize.apply(x, eps, scale)
+    return x * (_inverse_norm(_squared_norm(x), eps) * scale).to(x.dtype)
