@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Train a LipsFormer (or any timm model) with the paper's no-warmup recipe; ``python train.py --help`` lists the
-options, timm train.py's flags and the exit codes. The code lives in :mod:`lipsformer.training.command` (also the
+options, timm train.py's flags and the exit codes. The code lives in :mod:`lipsformer.training.train_command` (also the
 ``lipsformer-train`` command).
 
     python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x
@@ -8,7 +8,7 @@ options, timm train.py's flags and the exit codes. The code lives in :mod:`lipsf
 """
 import sys
 
-from lipsformer.training.command import main
+from lipsformer.training.train_command import main
 
 if __name__ == '__main__':
     sys.exit(main())

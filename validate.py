@@ -6,7 +6,7 @@
 import sys
 
 import lipsformer  # noqa: F401  registers the LipsFormer models with timm's factory
-from lipsformer.evaluation.cli import main
+from lipsformer.evaluation.validate_command import main
 
 if __name__ == '__main__':
     sys.exit(main())

@@ -16,7 +16,7 @@ from lipsformer.checkpoint import READABLE_FORMATS, CheckpointError, load_file
 from lipsformer.convert import main as convert_main
 from lipsformer.evaluation.models import create_eval_model, resolve_checkpoint
 from lipsformer.hub import create_model
-from lipsformer.lipschitz.cli import main as lipschitz_main
+from lipsformer.lipschitz.report_command import main as lipschitz_main
 from lipsformer.training.session import load_initial_weights
 
 pytestmark = pytest.mark.usefixtures('one_thread')

@@ -24,9 +24,9 @@ from lipsformer.lipschitz import (
     lambert_w0,
     reshaped_norm,
 )
-from lipsformer.lipschitz.cli import main
 from lipsformer.lipschitz.empirical import capture_inputs, explicit_attention, frozen
 from lipsformer.lipschitz.norms import conv_overlap_factor
+from lipsformer.lipschitz.report_command import main
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

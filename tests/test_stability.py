@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lipsformer.experiments.stability import cli
+from lipsformer.experiments.stability import experiment_command
 from lipsformer.experiments.stability.arms import ARMS, ModelShape, build_model
 from lipsformer.experiments.stability.grid import claim, release, run_dir, run_grid
 from lipsformer.experiments.stability.report import END, START, steps_to_loss, write_report
@@ -214,10 +214,10 @@ def test_steps_to_loss_uses_the_smoothed_loss():
 def test_the_command_line_runs_the_grid_and_the_report(tmp_path):
     tiny = ['--steps', '2', '--batch-size', '8', '--train-size', '40', '--test-size', '20', '--embed-dim', '8',
             '--depths', '1,1,1,1', '--synthetic', '--bound-every', '1']
-    cli.main(['--out', str(tmp_path / 'runs'), '--arms', 'pre_norm_transformer', '--lrs', '1e-3', '--seeds', '0',
-              *tiny])
+    experiment_command.main(['--out', str(tmp_path / 'runs'), '--arms', 'pre_norm_transformer', '--lrs', '1e-3',
+                             '--seeds', '0', *tiny])
     assert RunFiles(run_dir(tmp_path / 'runs', 'pre_norm_transformer', 1e-3, 0)).done()
-    cli.main(['--out', str(tmp_path / 'runs'), '--report', str(tmp_path / 'docs')])
+    experiment_command.main(['--out', str(tmp_path / 'runs'), '--report', str(tmp_path / 'docs')])
     assert '| pre_norm_transformer | 0.001 | 0/1 |' in (tmp_path / 'docs' / 'stability.md').read_text()
     with pytest.raises(SystemExit):
-        cli.main(['--out', str(tmp_path), '--arms', 'resnet'])
+        experiment_command.main(['--out', str(tmp_path), '--arms', 'resnet'])

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from training_support import make_image_folder, single_thread, tiny_overrides
 
-from lipsformer.training.command import TIMM_ALIASES, main, parse_args, run_folder
 from lipsformer.training.config_io import config_from_dict
 from lipsformer.training.optim import lr_scale
+from lipsformer.training.train_command import TIMM_ALIASES, main, parse_args, run_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'configs', 'quickstart.yaml')

@@ -27,7 +27,7 @@ from validate_reference import file_by_prediction, reference_accuracy, reference
 
 from lipsformer.checkpoint import load_model_weights
 from lipsformer.evaluation import imagenet_synsets, load_real_labels
-from lipsformer.evaluation.cli import main
+from lipsformer.evaluation.validate_command import main
 from lipsformer.training import load_config, train
 
 pytestmark = pytest.mark.usefixtures('one_thread')

@@ -18,7 +18,7 @@ from imagenet_trees import build_tree, val_file_name, write_jpegs
 from training_support import free_port
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
-from lipsformer.evaluation.cli import main
+from lipsformer.evaluation.validate_command import main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

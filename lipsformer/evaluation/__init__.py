@@ -5,7 +5,7 @@
 - :mod:`.models`: which weights a checkpoint argument means and the model that fits them;
 - :mod:`.predict` / :mod:`.metrics` / :mod:`.datasets`: predictions in data set order on one or many processes, and
   their scores on each requested data set;
-- :mod:`.results`: the table, JSON and CSV; :mod:`.cli`: the command line.
+- :mod:`.results`: the table, JSON and CSV; :mod:`.validate_command`: the command line.
 """
 from .datasets import DataRequest, DatasetResult, evaluate, plan_datasets
 from .errors import EvaluationError

@@ -1,7 +1,7 @@
 """``python -m lipsformer.lipschitz --model NAME [--checkpoint PATH] [--img-size N] [--json OUT]``."""
 import sys
 
-from .cli import main
+from .report_command import main
 
 if __name__ == '__main__':
     sys.exit(main())

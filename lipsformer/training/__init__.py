@@ -3,7 +3,7 @@
 ``python train.py --config configs/lipsformer_cswin_tiny.yaml --data-dir /data/imagenet --output runs/x`` is the
 command-line front; :func:`train` with a :class:`Config` from :func:`load_config` is the same from Python.
 
-- :mod:`.command`: the command line (train.py, ``lipsformer-train``): options, timm train.py's flags as aliases of
+- :mod:`.train_command`: the command line (train.py, ``lipsformer-train``): options, timm train.py's flags as aliases of
   config keys, overrides in any order, exit codes;
 - :mod:`.config`: every config key with its type, default, documentation and allowed values; :mod:`.config_io` reads
   YAML (``base:`` files, ``key.sub=value`` overrides), checks it and writes it (and ``configs/reference.yaml``);

@@ -1,3 +1,3 @@
-from .cli import main
+from .experiment_command import main
 
 main()

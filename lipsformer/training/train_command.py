@@ -1,6 +1,6 @@
 """train.py's command line: the options, timm train.py's flags as aliases of config keys, and :func:`main`.
 
-``train.py``, ``lipsformer-train`` and ``python -m lipsformer.training.command`` all run :func:`main`. Options and
+``train.py``, ``lipsformer-train`` and ``python -m lipsformer.training.train_command`` all run :func:`main`. Options and
 ``key.sub=value`` overrides mix in any order (``--config C a.b=1 --output D c.d=2``). Each timm flag in
 :data:`TIMM_ALIASES` becomes the override of one config key (``--help`` names it); an alias and an override that set
 one key to different values are an error, never a silent choice.
