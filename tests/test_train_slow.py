@@ -21,18 +21,20 @@ pytestmark = pytest.mark.slow
 
 
 def test_quickstart_reaches_88_percent_on_fashion_mnist(tmp_path):
-    """The README's quickstart: >= 88% test top-1 (the issue's bar). Its wall time is printed, not asserted."""
+    """README's command 1, scripts/quickstart.sh, in this environment: training, then validate.py on the test split
+    scores the exported weights >= 88% top-1 (the issue's bar). Its wall time is printed, not asserted."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, 'train.py', '--config', 'configs/quickstart.yaml', '--output',
-                             str(tmp_path / 'run'), f'data.data_dir={tmp_path / "data"}'], cwd=REPO,
-                            capture_output=True, text=True, timeout=3600)
-    assert result.returncode == 0, result.stderr[-5000:]
+    run_dir = tmp_path / 'run'
+    result = subprocess.run(['bash', 'scripts/quickstart.sh', str(run_dir)], cwd=REPO, capture_output=True, text=True,
+                            timeout=3600, env={**os.environ, 'VENV': sys.prefix, 'DATA_DIR': str(tmp_path / 'data')})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     wall_time = time.perf_counter() - start
-    final = json.load(open(tmp_path / 'run' / 'summary.json'))['final_metrics']
-    print(f'quickstart: val_top1 {final["val_top1"]:.2f}, ema_val_top1 {final["ema_val_top1"]:.2f}, '
-          f'{wall_time:.0f} s')
-    assert final['val_samples'] == 10_000
-    assert max(final['val_top1'], final['ema_val_top1']) >= 88.0
+    final = json.load(open(run_dir / 'summary.json'))['final_metrics']
+    (test,) = json.load(open(run_dir / 'test_results.json'))['results']
+    print(f'quickstart: val_top1 {final["val_top1"]:.2f}, ema_val_top1 {final["ema_val_top1"]:.2f}, validate.py '
+          f'top1 {test["top1"]:.2f}, {wall_time:.0f} s')
+    assert final['val_samples'] == 10_000 and test['count'] == 10_000
+    assert max(final['val_top1'], final['ema_val_top1']) >= 88.0 and test['top1'] >= 88.0
 
 
 def test_torch_compile_trains_saves_plain_weights_and_resumes(tmp_path):
