@@ -213,3 +213,19 @@ def test_mlp_equals_timm_mlp_with_the_scale_on_its_output(monkeypatch):
     assert type(mlp(*inputs).grad_fn).__name__ == '_MlpBackward'
     with torch.autocast('cpu', dtype=torch.bfloat16):  # elsewhere than float32 on CPU: fc1, then the lean linear
         assert type(mlp(*inputs).grad_fn).__name__ == '_LinearBackward'
+
+
+def test_mlp_without_a_backward_runs_in_row_blocks_with_the_plain_values(monkeypatch):
+    import lipsformer.layers.lean_autograd as lean_autograd
+    from lipsformer.layers.lean_autograd import mlp
+    monkeypatch.setattr(lean_autograd, '_MLP_BLOCK_ROWS', 100)  # 234 rows: 3 blocks, the last one short
+    calls = []
+    row_blocks = lean_autograd._mlp_in_row_blocks
+    monkeypatch.setattr(lean_autograd, '_mlp_in_row_blocks', lambda *args: calls.append(1) or row_blocks(*args))
+    inputs = [torch.randn(2, 9, 13, 16), 0.2 * torch.randn(64, 16), torch.randn(64), 0.1 * torch.randn(16, 64),
+              torch.randn(16), torch.rand(16)]
+    expected = _mlp_reference(*inputs)
+    torch.testing.assert_close(mlp(*inputs), expected)  # nothing requires grad
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(*[t.requires_grad_(True) for t in inputs]), expected)
+    assert len(calls) == 2

@@ -27,14 +27,17 @@ __all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
 
 # Rows of the MLP's row blocks on CPU: big enough for efficient matrix products, small enough that a block's hidden
 # activations (rows x 4C) stay in cache between the product that makes them and the one that uses them.
-_MLP_BLOCK_ROWS = 2048
+_MLP_BLOCK_ROWS = 1024
+
+
+def _needs_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an operation on these tensors."""
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
 def _lean(*tensors: torch.Tensor | None) -> bool:
     """Whether a backward will run through these tensors, outside tracing (callers test for TorchScript first)."""
-    if torch.jit.is_tracing() or not torch.is_grad_enabled():
-        return False
-    return any(tensor is not None and tensor.requires_grad for tensor in tensors)
+    return not torch.jit.is_tracing() and _needs_backward(*tensors)
 
 
 def _gelu_backward_(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -109,16 +112,10 @@ class _Mlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight1, bias1, weight2, bias2, scale):
-        weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
-        rows = x.reshape(-1, x.shape[-1])
-        hidden = rows.new_empty(rows.shape[0], weight1.shape[0])
-        out = rows.new_empty(rows.shape[0], weight2.shape[0])
-        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
-            end = block + _MLP_BLOCK_ROWS
-            u = _addmm(bias1, rows[block:end], weight1.t(), hidden[block:end])
-            _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
+        hidden = x.new_empty(x.shape[:-1].numel(), weight1.shape[0])
+        out = _mlp_in_row_blocks(x, weight1, bias1, weight2, bias2, scale, hidden)
         ctx.save_for_backward(x, weight1, bias1, weight2, bias2, scale, hidden)
-        return out.view(x.shape[:-1] + (weight2.shape[0],))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -140,6 +137,23 @@ class _Mlp(torch.autograd.Function):
         grad_bias2_scaled = grad_rows.sum(0) if bias2 is not None else None
         grad_weight2, grad_bias2, grad_scale = _unscale(grad_weight2_scaled, grad_bias2_scaled, weight2, bias2, scale)
         return grad_x.view_as(x), grad_weight1, grad_bias1, grad_weight2, grad_bias2, grad_scale
+
+
+def _mlp_in_row_blocks(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
+                       bias2: torch.Tensor | None, scale: torch.Tensor | None, hidden: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """fc2(gelu(fc1(x))) * scale, a row block at a time: fc1's output goes into the (rows, hidden) ``hidden`` when
+    given (kept for backward), else into one block-sized buffer that every block reuses."""
+    weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows.new_empty(rows.shape[0], weight2.shape[0])
+    buffer = hidden if hidden is not None else rows.new_empty(min(rows.shape[0], _MLP_BLOCK_ROWS), weight1.shape[0])
+    for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
+        end = min(block + _MLP_BLOCK_ROWS, rows.shape[0])
+        u = buffer[block:end] if hidden is not None else buffer[:end - block]
+        _addmm(bias1, rows[block:end], weight1.t(), u)
+        _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
+    return out.view(x.shape[:-1] + (weight2.shape[0],))
 
 
 def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -164,14 +178,17 @@ def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weig
         bias2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
 
-    The backward keeps x and fc1's output. Training on CPU in float32, the MLP runs in row blocks (:class:`_Mlp`);
-    elsewhere fc1 then :func:`scaled_linear` with ``gelu=True``.
+    The backward keeps x and fc1's output. On CPU in float32 the MLP runs in row blocks, in training through
+    :class:`_Mlp` and without a backward with the hidden activations of one block alone; elsewhere fc1 then
+    :func:`scaled_linear` with ``gelu=True``.
     """
     if not torch.jit.is_scripting():  # a branch TorchScript does not compile
-        if (_lean(x, weight1, bias1, weight2, bias2, scale) and x.device.type == 'cpu'
-                and not torch.is_autocast_enabled('cpu')
+        if (x.device.type == 'cpu' and not torch.is_autocast_enabled('cpu') and not torch.jit.is_tracing()
                 and all(t is None or t.dtype == torch.float32 for t in (x, weight1, bias1, weight2, bias2, scale))):
-            return _Mlp.apply(x, weight1, bias1, weight2, bias2, scale)
+            if _lean(x, weight1, bias1, weight2, bias2, scale):
+                return _Mlp.apply(x, weight1, bias1, weight2, bias2, scale)
+            if not _needs_backward(x, weight1, bias1, weight2, bias2, scale):
+                return _mlp_in_row_blocks(x, weight1, bias1, weight2, bias2, scale)
     return scaled_linear(F.linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
 
 

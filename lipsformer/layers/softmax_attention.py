@@ -26,11 +26,13 @@ def softmax_attention(
 ) -> torch.Tensor:
     """softmax(scale q k^T + bias) v, with dropout ``dropout_p`` on the probabilities (pass 0.0 outside training).
 
-    ``fused`` uses PyTorch's SDPA, except on CPU with a bias that needs a gradient (a learned relative-position bias,
-    in training): SDPA then falls back to an unfused math path that is slower than the explicit one below.
+    ``fused`` uses PyTorch's SDPA, except on CPU where a backward will run: for windows and stripes (tens to a few
+    hundred tokens) its CPU backward is slower than the explicit expression's, and with a bias that needs a gradient
+    (a learned relative-position bias) SDPA falls back to an unfused math path slower than the one below.
     """
-    cpu_bias_grad = attn_bias is not None and attn_bias.requires_grad and q.device.type == 'cpu'
-    if fused and not cpu_bias_grad:
+    cpu_backward = q.device.type == 'cpu' and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, attn_bias))
+    if fused and not cpu_backward:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     attn = (q * scale if scale != 1.0 else q) @ k.transpose(-2, -1)
     if attn_bias is not None:
