@@ -316,11 +316,13 @@ def test_fx_trace(name):
     assert torch.equal(next(iter(fx_model(x).values())), model(x))
 
 
+@pytest.mark.parametrize('grad_enabled', [True, False])  # the lean Functions, and the row blocks without a backward
 @pytest.mark.parametrize('name', TINY_MODELS)
-def test_torch_compile_has_no_graph_breaks(name):
+def test_torch_compile_has_no_graph_breaks(name, grad_enabled):
     torch._dynamo.reset()
     model = _tiny(name).eval()
-    explanation = torch._dynamo.explain(model)(torch.randn(1, 3, 64, 64))
+    with torch.set_grad_enabled(grad_enabled):
+        explanation = torch._dynamo.explain(model)(torch.randn(1, 3, 64, 64))
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
