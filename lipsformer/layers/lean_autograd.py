@@ -112,10 +112,16 @@ class _Mlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight1, bias1, weight2, bias2, scale):
-        hidden = x.new_empty(x.shape[:-1].numel(), weight1.shape[0])
-        out = _mlp_in_row_blocks(x, weight1, bias1, weight2, bias2, scale, hidden)
+        weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
+        rows = x.reshape(-1, x.shape[-1])
+        hidden = rows.new_empty(rows.shape[0], weight1.shape[0])
+        out = rows.new_empty(rows.shape[0], weight2.shape[0])
+        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
+            end = block + _MLP_BLOCK_ROWS
+            u = _addmm(bias1, rows[block:end], weight1.t(), hidden[block:end])
+            _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
         ctx.save_for_backward(x, weight1, bias1, weight2, bias2, scale, hidden)
-        return out
+        return out.view(x.shape[:-1] + (weight2.shape[0],))
 
     @staticmethod
     def backward(ctx, grad):
@@ -140,26 +146,16 @@ class _Mlp(torch.autograd.Function):
 
 
 def _mlp_in_row_blocks(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
-                       bias2: torch.Tensor | None, scale: torch.Tensor | None, hidden: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-    """fc2(gelu(fc1(x))) * scale, a row block at a time.
+                       bias2: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """fc2(gelu(fc1(x))) * scale without a backward, a row block at a time, the blocks' outputs concatenated.
 
-    With ``hidden`` (rows, hidden features), for :class:`_Mlp`: fc1's output is written there (kept for backward)
-    and the output into one tensor. Without it (no backward), out-of-place ops only, so that forward-mode AD and
-    ``torch.func`` transforms (the Lipschitz tools' jvp) go through; the blocks' outputs are concatenated.
+    Out-of-place ops only, so that forward-mode AD and ``torch.func`` transforms (the Lipschitz tools' jvp) go through.
     """
     weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
     rows = x.reshape(-1, x.shape[-1])
-    if hidden is None:
-        blocks = [F.linear(F.gelu(F.linear(rows[block:block + _MLP_BLOCK_ROWS], weight1, bias1)), weight2_scaled,
-                           bias2_scaled) for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS)]
-        return torch.cat(blocks).view(x.shape[:-1] + (weight2.shape[0],))
-    out = rows.new_empty(rows.shape[0], weight2.shape[0])
-    for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
-        end = block + _MLP_BLOCK_ROWS
-        u = _addmm(bias1, rows[block:end], weight1.t(), hidden[block:end])
-        _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
-    return out.view(x.shape[:-1] + (weight2.shape[0],))
+    blocks = [F.linear(F.gelu(F.linear(rows[block:block + _MLP_BLOCK_ROWS], weight1, bias1)), weight2_scaled,
+                       bias2_scaled) for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS)]
+    return torch.cat(blocks).view(x.shape[:-1] + (weight2.shape[0],))
 
 
 def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
