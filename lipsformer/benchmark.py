@@ -81,7 +81,9 @@ class BenchmarkConfig:
     compile: bool = False
     channels_last: bool = False
     device: str = 'cpu'
-    warmup: int = 2
+    # Five: without retained memory (--no-retain-cpu-memory) timm's Swin-T page-faults its activations in again for
+    # about five training steps on CPU, ours for two; fewer warm-up steps time its transient (docs/benchmarks.md).
+    warmup: int = 5
     repeats: int = 5
     steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
     memory: bool = True
@@ -478,7 +480,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--channels-last', action='store_true', help='channels-last model and input')
     parser.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
     parser.add_argument('--json', type=Path, help='write the full report (every timed sample included) here')
-    parser.add_argument('--warmup', type=int, default=2, help='untimed steps per model and mode')
+    parser.add_argument('--warmup', type=int, default=BenchmarkConfig.warmup,
+                        help='untimed steps per model and mode (default: %(default)s)')
     parser.add_argument('--repeats', type=int, default=5, help='timed runs per model and mode (median reported)')
     parser.add_argument('--steps', type=int, default=None, help='steps per timed run (default: 1 on CPU, 10 on CUDA)')
     parser.add_argument('--threads', type=int, default=None,
