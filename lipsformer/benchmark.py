@@ -82,7 +82,7 @@ class BenchmarkConfig:
     channels_last: bool = False
     device: str = 'cpu'
     # Five: without retained memory (--no-retain-cpu-memory) timm's Swin-T page-faults its activations in again for
-    # about five training steps on CPU, ours for two; fewer warm-up steps time its transient (docs/benchmarks.md).
+    # about five training steps on CPU, ours for fewer; fewer warm-up steps time its transient (docs/benchmarks.md).
     warmup: int = 5
     repeats: int = 5
     steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
