@@ -149,8 +149,10 @@ def test_kill_at_a_random_moment_then_resume_auto_reproduces_the_uninterrupted_r
     args = ['train.py', '--output', run_dir, *overrides]
     process = _start(args)
     update = random.randint(3, 3 * UPDATES_PER_EPOCH - 4)  # then a moment within about one update
+    delay = random.uniform(0.0, 0.2)
+    print(f'kill -9 {delay:.3f} s after update {update} was logged')  # shown if the test fails, to reproduce it
     _wait_for(process, f'epoch {(update - 1) // UPDATES_PER_EPOCH + 1} step {update}:')
-    time.sleep(random.uniform(0.0, 0.2))
+    time.sleep(delay)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     stopped_at = read_meta(latest_checkpoint(run_dir))['progress']
