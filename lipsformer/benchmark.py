@@ -482,7 +482,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--json', type=Path, help='write the full report (every timed sample included) here')
     parser.add_argument('--warmup', type=int, default=BenchmarkConfig.warmup,
                         help='untimed steps per model and mode (default: %(default)s)')
-    parser.add_argument('--repeats', type=int, default=5, help='timed runs per model and mode (median reported)')
+    parser.add_argument('--repeats', type=int, default=BenchmarkConfig.repeats,
+                        help='timed runs per model and mode (median reported; default: %(default)s)')
     parser.add_argument('--steps', type=int, default=None, help='steps per timed run (default: 1 on CPU, 10 on CUDA)')
     parser.add_argument('--threads', type=int, default=None,
                         help="torch threads on CPU (default: torch's, one per core); 1 is the least disturbed by "

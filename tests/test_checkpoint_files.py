@@ -118,7 +118,8 @@ def test_convert_and_lipschitz_commands(kind, tmp_path, capsys):
 
 def test_unknown_bytes_are_not_taken_for_a_pickle(tmp_path):
     """One random file in 200 begins with bytes that parse as a pickle opcode by opcode (a lone STOP, b'.'); read
-    as a pickle it would get a message about a corrupt archive. Those found in CI, and 300 more, are unknown bytes."""
+    as a pickle it would get a message about a corrupt archive. Files beginning with STOP, and 300 more, are unknown
+    bytes."""
     path = tmp_path / 'unknown.pth'
     starts = [b'.z\xddq', b'.', b'.N.']
     for data in [s + random.Random(i).randbytes(3000) for i, s in enumerate(starts)] + \
