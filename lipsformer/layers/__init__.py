@@ -7,6 +7,7 @@
 - Residuals: ``weighted_residual`` (alpha, drop path, the MLP), ``conv_shortcut``.
 - Initialisation: ``spectral_init``.
 - ``lean_autograd``: the blocks' expressions with backwards that keep fewer activations.
+- ``onednn_linear``: token-wise linear layers, on CPU through oneDNN's 1x1 convolution.
 """
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
 from .lean_autograd import gelu_residual, l2_normalize, scaled_linear
 from .lipschitz_norm_attention import LipschitzNormAttention
+from .onednn_linear import linear
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
 from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer
@@ -82,7 +84,7 @@ __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualDropPath', 'ScaleLayer', 'ScaledCosineAttention',
     'ScaledOutputMlp', 'WEIGHT_INITS', 'create_attention_kernel', 'create_conv_shortcuts', 'gelu_residual',
-    'get_norm_layer', 'init_weights_', 'l2_normalize', 'pad_to_multiple', 'padded_size', 'padding_key_mask',
+    'get_norm_layer', 'init_weights_', 'l2_normalize', 'linear', 'pad_to_multiple', 'padded_size', 'padding_key_mask',
     'scaled_linear', 'spectral_norm', 'spectral_normalize_', 'split_heads', 'window_partition',
     'window_reverse',
 ]

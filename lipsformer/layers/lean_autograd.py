@@ -23,11 +23,9 @@ import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
-__all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
+from .onednn_linear import linear, linear_backward
 
-# Rows of the MLP's row blocks on CPU: big enough for efficient matrix products, small enough that a block's hidden
-# activations (rows x 4C) stay in cache between the product that makes them and the one that uses them.
-_MLP_BLOCK_ROWS = 1024
+__all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
 
 
 def _needs_backward(*tensors: torch.Tensor | None) -> bool:
@@ -53,12 +51,12 @@ def _scaled_weights(weight: torch.Tensor, bias: torch.Tensor | None, scale: torc
 
 
 class _Linear(torch.autograd.Function):
-    """F.linear(act(x), scale[:, None] W, scale b) keeping only x (and the parameters)."""
+    """linear(act(x), scale[:, None] W, scale b) keeping only x (and the parameters)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, gelu: bool):
         weight_scaled, bias_scaled = _scaled_weights(weight, bias, scale)
-        out = F.linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
+        out = linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
         ctx.gelu = gelu
         ctx.save_for_backward(x, weight, bias, scale)
         return out
@@ -68,16 +66,15 @@ class _Linear(torch.autograd.Function):
         x, weight, bias, scale = ctx.saved_tensors
         need_x, need_weight, need_bias, need_scale, _ = ctx.needs_input_grad
         weight_scaled, _ = _scaled_weights(weight, None, scale)
+        act = F.gelu(x) if ctx.gelu else x
+        grad_act, grad_weight_scaled, grad_bias_scaled = linear_backward(
+            grad, act, weight_scaled, need_x, bias is not None and (need_bias or need_scale))
         grad_x = grad_weight = grad_bias = grad_scale = None
         if need_x:
-            grad_x = (grad @ weight_scaled.to(grad.dtype)).to(x.dtype)
+            grad_x = grad_act.to(x.dtype)
             if ctx.gelu:
                 _gelu_backward_(grad_x, x)
         if need_weight or need_bias or need_scale:
-            grad_rows = grad.reshape(-1, grad.shape[-1])
-            act = F.gelu(x) if ctx.gelu else x
-            grad_weight_scaled = grad_rows.t() @ act.reshape(-1, act.shape[-1]).to(grad.dtype)
-            grad_bias_scaled = grad_rows.sum(0) if bias is not None else None
             grad_weight, grad_bias, grad_scale = _unscale(grad_weight_scaled, grad_bias_scaled, weight, bias, scale)
             # Under autocast the products ran in the lower precision; the parameters' gradients take their dtype.
             grad_weight = grad_weight.to(weight.dtype)
@@ -99,67 +96,7 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if _lean(x, weight, bias, scale):
             return _Linear.apply(x, weight, bias, scale, gelu)
     weight, bias = _scaled_weights(weight, bias, scale)
-    return F.linear(F.gelu(x) if gelu else x, weight, bias)
-
-
-class _Mlp(torch.autograd.Function):
-    """fc2(gelu(fc1(x))), fc2 scaled, in row blocks on CPU, keeping x and u = fc1(x).
-
-    The hidden activation gelu(u) and the gradients of gelu(u) and u are formed one row block at a time, in cache,
-    and never as whole (rows, hidden) tensors: the forward writes u (kept for backward) and the output, the backward
-    the input gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight1, bias1, weight2, bias2, scale):
-        weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
-        rows = x.reshape(-1, x.shape[-1])
-        hidden = rows.new_empty(rows.shape[0], weight1.shape[0])
-        out = rows.new_empty(rows.shape[0], weight2.shape[0])
-        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
-            end = block + _MLP_BLOCK_ROWS
-            u = _addmm(bias1, rows[block:end], weight1.t(), hidden[block:end])
-            _addmm(bias2_scaled, F.gelu(u), weight2_scaled.t(), out[block:end])
-        ctx.save_for_backward(x, weight1, bias1, weight2, bias2, scale, hidden)
-        return out.view(x.shape[:-1] + (weight2.shape[0],))
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight1, bias1, weight2, bias2, scale, hidden = ctx.saved_tensors
-        weight2_scaled, _ = _scaled_weights(weight2, None, scale)
-        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.empty_like(rows)
-        grad_weight1, grad_weight2_scaled = torch.zeros_like(weight1), torch.zeros_like(weight2)
-        grad_bias1 = torch.zeros_like(bias1) if bias1 is not None else None
-        for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS):
-            end = block + _MLP_BLOCK_ROWS
-            u, grad_out = hidden[block:end], grad_rows[block:end]
-            grad_weight2_scaled.addmm_(grad_out.t(), F.gelu(u))
-            grad_u = _gelu_backward_(grad_out @ weight2_scaled, u)
-            grad_weight1.addmm_(grad_u.t(), rows[block:end])
-            if grad_bias1 is not None:
-                grad_bias1 += grad_u.sum(0)
-            torch.mm(grad_u, weight1, out=grad_x[block:end])
-        grad_bias2_scaled = grad_rows.sum(0) if bias2 is not None else None
-        grad_weight2, grad_bias2, grad_scale = _unscale(grad_weight2_scaled, grad_bias2_scaled, weight2, bias2, scale)
-        return grad_x.view_as(x), grad_weight1, grad_bias1, grad_weight2, grad_bias2, grad_scale
-
-
-def _mlp_in_row_blocks(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
-                       bias2: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
-    """fc2(gelu(fc1(x))) * scale without a backward, a row block at a time, the blocks' outputs concatenated.
-
-    Out-of-place ops only, so that forward-mode AD and ``torch.func`` transforms (the Lipschitz tools' jvp) go through.
-    """
-    weight2_scaled, bias2_scaled = _scaled_weights(weight2, bias2, scale)
-    rows = x.reshape(-1, x.shape[-1])
-    blocks = [F.linear(F.gelu(F.linear(rows[block:block + _MLP_BLOCK_ROWS], weight1, bias1)), weight2_scaled,
-                       bias2_scaled) for block in range(0, rows.shape[0], _MLP_BLOCK_ROWS)]
-    return torch.cat(blocks).view(x.shape[:-1] + (weight2.shape[0],))
-
-
-def _addmm(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return torch.addmm(bias, a, b, out=out) if bias is not None else torch.mm(a, b, out=out)
+    return linear(F.gelu(x) if gelu else x, weight, bias)
 
 
 def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | None, weight: torch.Tensor,
@@ -175,23 +112,14 @@ def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | 
     return grad_weight_scaled * scale.unsqueeze(-1), grad_bias_scaled, grad_scale
 
 
-@register_notrace_function  # picks its path from the device and autograd state at run time
+@register_notrace_function  # calls functions that pick their path at run time
 def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
         bias2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
 
-    The backward keeps x and fc1's output. On CPU in float32 the MLP runs in row blocks, in training through
-    :class:`_Mlp` and without a backward with the hidden activations of one block alone; elsewhere fc1 then
-    :func:`scaled_linear` with ``gelu=True``.
+    fc1, then :func:`scaled_linear` with ``gelu=True``: the backward keeps x and fc1's output, not GELU's.
     """
-    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
-        if (x.device.type == 'cpu' and not torch.is_autocast_enabled('cpu') and not torch.jit.is_tracing()
-                and all(t is None or t.dtype == torch.float32 for t in (x, weight1, bias1, weight2, bias2, scale))):
-            if _lean(x, weight1, bias1, weight2, bias2, scale):
-                return _Mlp.apply(x, weight1, bias1, weight2, bias2, scale)
-            if not _needs_backward(x, weight1, bias1, weight2, bias2, scale):
-                return _mlp_in_row_blocks(x, weight1, bias1, weight2, bias2, scale)
-    return scaled_linear(F.linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
+    return scaled_linear(linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
 
 
 class _GeluResidual(torch.autograd.Function):

@@ -15,7 +15,15 @@ import torch
 import torch.nn as nn
 from timm.models import generate_default_cfgs, register_model
 
-from ..layers import pad_to_multiple, padding_key_mask, scaled_linear, split_heads, window_partition, window_reverse
+from ..layers import (
+    linear,
+    pad_to_multiple,
+    padding_key_mask,
+    scaled_linear,
+    split_heads,
+    window_partition,
+    window_reverse,
+)
 from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
@@ -114,7 +122,8 @@ class CrossStripeAttention(nn.Module):
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
-        qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
+        parts = (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1)
+        qkv = linear(x, self.qkv.weight, self.qkv.bias).unflatten(-1, parts)
         if self.two_branches:
             vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
             x = torch.cat([
