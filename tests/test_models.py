@@ -316,7 +316,7 @@ def test_fx_trace(name):
     assert torch.equal(next(iter(fx_model(x).values())), model(x))
 
 
-@pytest.mark.parametrize('grad_enabled', [True, False])  # the lean Functions, and the row blocks without a backward
+@pytest.mark.parametrize('grad_enabled', [True, False])  # the lean Functions, and the plain expressions
 @pytest.mark.parametrize('name', TINY_MODELS)
 def test_torch_compile_has_no_graph_breaks(name, grad_enabled):
     torch._dynamo.reset()
