@@ -58,19 +58,18 @@ def test_elsewhere_linear_is_f_linear(case, conv_calls):
 
 
 @pytest.mark.parametrize('need_input', [False, True])
+@pytest.mark.parametrize('need_weight', [False, True])
 @pytest.mark.parametrize('need_bias', [False, True])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])  # oneDNN's convolution backward, then BLAS
-def test_linear_backward_gives_f_linear_s_gradients(need_input, need_bias, dtype):
+def test_linear_backward_gives_f_linear_s_gradients(need_input, need_weight, need_bias, dtype):
     x, weight = torch.randn(3, 400, 24, dtype=dtype, requires_grad=True), torch.randn(40, 24, dtype=dtype)
     weight.requires_grad_(True)
     bias = torch.randn(40, dtype=dtype, requires_grad=True)
     grad = torch.randn(3, 400, 40, dtype=dtype)
     expected = torch.autograd.grad(F.linear(x, weight, bias), (x, weight, bias), grad)
-    grad_input, grad_weight, grad_bias = linear_backward(grad, x.detach(), weight.detach(), need_input, need_bias)
+    got = linear_backward(grad, x.detach(), weight.detach(), need_input, need_weight, need_bias)
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else {}
-    torch.testing.assert_close(grad_weight, expected[1], **tolerance)
-    assert (grad_input is not None) == need_input and (grad_bias is not None) == need_bias
-    if need_input:
-        torch.testing.assert_close(grad_input, expected[0], **tolerance)
-    if need_bias:
-        torch.testing.assert_close(grad_bias, expected[2], **tolerance)
+    for value, wanted, needed in zip(got, expected, (need_input, need_weight, need_bias)):
+        assert (value is not None) == needed
+        if needed:
+            torch.testing.assert_close(value, wanted, **tolerance)

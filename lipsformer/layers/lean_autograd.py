@@ -66,15 +66,16 @@ class _Linear(torch.autograd.Function):
         x, weight, bias, scale = ctx.saved_tensors
         need_x, need_weight, need_bias, need_scale, _ = ctx.needs_input_grad
         weight_scaled, _ = _scaled_weights(weight, None, scale)
-        act = F.gelu(x) if ctx.gelu else x
+        need_parameters = need_weight or need_bias or need_scale  # the scale's gradient needs the weight's
+        act = F.gelu(x) if ctx.gelu and need_parameters else x  # GELU's output is the weight gradient's input
         grad_act, grad_weight_scaled, grad_bias_scaled = linear_backward(
-            grad, act, weight_scaled, need_x, bias is not None and (need_bias or need_scale))
+            grad, act, weight_scaled, need_x, need_parameters, bias is not None and need_parameters)
         grad_x = grad_weight = grad_bias = grad_scale = None
         if need_x:
             grad_x = grad_act.to(x.dtype)
             if ctx.gelu:
                 _gelu_backward_(grad_x, x)
-        if need_weight or need_bias or need_scale:
+        if need_parameters:
             grad_weight, grad_bias, grad_scale = _unscale(grad_weight_scaled, grad_bias_scaled, weight, bias, scale)
             # Under autocast the products ran in the lower precision; the parameters' gradients take their dtype.
             grad_weight = grad_weight.to(weight.dtype)

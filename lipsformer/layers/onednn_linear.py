@@ -51,19 +51,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_input: bool, need_bias: bool
-                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """The gradients of ``linear(x, weight, bias)``: input (if ``need_input``, else None), weight, bias (if
-    ``need_bias``), from the output gradient ``grad``; on CPU through oneDNN's convolution backward."""
+def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_input: bool, need_weight: bool,
+                    need_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``linear(x, weight, bias)`` from the output gradient ``grad``: input, weight and bias, each
+    None unless asked for; on CPU through oneDNN's convolution backward."""
     if x.dim() > 1 and _use_onednn(x, weight) and grad.dtype == torch.float32:
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             _as_map(_rows(grad)), _as_map(_rows(x)), weight.unsqueeze(-1).unsqueeze(-1),
             [weight.shape[0]] if need_bias else None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
-            [need_input, True, need_bias])
+            [need_input, need_weight, need_bias])
         if grad_input is not None:
             grad_input = grad_input.permute(0, 2, 3, 1).reshape(x.shape)
-        return grad_input, grad_weight.flatten(1), grad_bias
+        # oneDNN computes the weight's gradient with the bias's, asked for or not.
+        return grad_input, grad_weight.flatten(1) if need_weight else None, grad_bias
     grad_rows = grad.reshape(-1, grad.shape[-1])
     grad_input = (grad @ weight.to(grad.dtype)).to(x.dtype) if need_input else None
-    grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype)
+    grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype) if need_weight else None
     return grad_input, grad_weight, grad_rows.sum(0) if need_bias else None
