@@ -19,7 +19,7 @@ from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
 from .lean_autograd import gelu_residual, l2_normalize, scaled_linear
 from .lipschitz_norm_attention import LipschitzNormAttention
-from .onednn_linear import linear
+from .onednn_linear import TokenLinear, linear
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
 from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer
@@ -83,8 +83,8 @@ def create_attention_kernel(
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualDropPath', 'ScaleLayer', 'ScaledCosineAttention',
-    'ScaledOutputMlp', 'WEIGHT_INITS', 'create_attention_kernel', 'create_conv_shortcuts', 'gelu_residual',
-    'get_norm_layer', 'init_weights_', 'l2_normalize', 'linear', 'pad_to_multiple', 'padded_size', 'padding_key_mask',
-    'scaled_linear', 'spectral_norm', 'spectral_normalize_', 'split_heads', 'window_partition',
+    'ScaledOutputMlp', 'TokenLinear', 'WEIGHT_INITS', 'create_attention_kernel', 'create_conv_shortcuts',
+    'gelu_residual', 'get_norm_layer', 'init_weights_', 'l2_normalize', 'linear', 'pad_to_multiple', 'padded_size',
+    'padding_key_mask', 'scaled_linear', 'spectral_norm', 'spectral_normalize_', 'split_heads', 'window_partition',
     'window_reverse',
 ]

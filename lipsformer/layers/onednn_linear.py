@@ -11,10 +11,11 @@ autocast, a few rows, TorchScript) it is ``F.linear`` and a matrix product.
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
-__all__ = ['linear', 'linear_backward']
+__all__ = ['TokenLinear', 'linear', 'linear_backward']
 
 # Below this many rows (a classifier head, a pooled batch) the BLAS call is as fast and has less overhead.
 _MIN_ROWS = 1024
@@ -23,14 +24,13 @@ _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
+    return (x.dim() > 1 and x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_autocast_enabled('cpu') and _ONEDNN_AVAILABLE
             and x.numel() >= _MIN_ROWS * x.shape[-1])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride() == (rows.shape[1], 1) else rows.contiguous()
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def _as_map(rows: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Differentiable either way; autograd keeps x, as ``F.linear`` does.
     """
     if not torch.jit.is_scripting():  # a branch TorchScript does not compile
-        if x.dim() > 1 and _use_onednn(x, weight):
+        if _use_onednn(x, weight):
             out = F.conv2d(_as_map(_rows(x)), weight.unsqueeze(-1).unsqueeze(-1), bias)
             return out.permute(0, 2, 3, 1).reshape(x.shape[:-1] + (weight.shape[0],))
     return F.linear(x, weight, bias)
@@ -55,7 +55,7 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, n
                     need_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The gradients of ``linear(x, weight, bias)`` from the output gradient ``grad``: input, weight and bias, each
     None unless asked for; on CPU through oneDNN's convolution backward."""
-    if x.dim() > 1 and _use_onednn(x, weight) and grad.dtype == torch.float32:
+    if _use_onednn(x, weight) and grad.dtype == torch.float32:
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             _as_map(_rows(grad)), _as_map(_rows(x)), weight.unsqueeze(-1).unsqueeze(-1),
             [weight.shape[0]] if need_bias else None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
@@ -68,3 +68,10 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, n
     grad_input = (grad @ weight.to(grad.dtype)).to(x.dtype) if need_input else None
     grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype) if need_weight else None
     return grad_input, grad_weight, grad_rows.sum(0) if need_bias else None
+
+
+class TokenLinear(nn.Linear):
+    """``nn.Linear`` (same parameters, keys and initialisation) computed by :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

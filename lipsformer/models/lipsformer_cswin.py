@@ -16,7 +16,7 @@ import torch.nn as nn
 from timm.models import generate_default_cfgs, register_model
 
 from ..layers import (
-    linear,
+    TokenLinear,
     pad_to_multiple,
     padding_key_mask,
     scaled_linear,
@@ -112,7 +112,7 @@ class CrossStripeAttention(nn.Module):
         self.split_size = split_size
         kernels = [make_kernel(dim // num_heads, num_heads // branches) for _ in range(branches)]
         self.tied_qkv = bool(getattr(kernels[0], 'tied_qkv', False))
-        self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
+        self.qkv = TokenLinear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
         self.branches = nn.ModuleList([
             StripeAttention(dim // branches, num_heads // branches, kernel) for kernel in kernels])
         self.proj = nn.Linear(dim, dim)
@@ -122,8 +122,7 @@ class CrossStripeAttention(nn.Module):
         """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
-        parts = (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1)
-        qkv = linear(x, self.qkv.weight, self.qkv.bias).unflatten(-1, parts)
+        qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
         if self.two_branches:
             vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
             x = torch.cat([

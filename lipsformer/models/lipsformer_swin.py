@@ -17,7 +17,7 @@ from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
-from ..layers import linear, pad_to_multiple, scaled_linear, split_heads, window_partition, window_reverse
+from ..layers import TokenLinear, pad_to_multiple, scaled_linear, split_heads, window_partition, window_reverse
 from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['LipsFormerSwin', 'WindowAttention']
@@ -60,7 +60,7 @@ class WindowAttention(nn.Module):
         self.window_size = window_size
         self.shift_size = shift_size
         self.tied_qkv = bool(getattr(kernel, 'tied_qkv', False))
-        self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
+        self.qkv = TokenLinear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
         self.relative_position_bias_table = nn.Parameter(
             torch.zeros((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
         trunc_normal_(self.relative_position_bias_table, std=0.02)
@@ -99,8 +99,8 @@ class WindowAttention(nn.Module):
             x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2))
         x = pad_to_multiple(x, window_h, window_w)
         padded_h, padded_w = x.shape[1], x.shape[2]
-        qkv = linear(window_partition(x, window_h, window_w), self.qkv.weight, self.qkv.bias)
-        projections = split_heads(qkv, 1 if self.tied_qkv else 3, self.num_heads)
+        projections = split_heads(self.qkv(window_partition(x, window_h, window_w)), 1 if self.tied_qkv else 3,
+                                  self.num_heads)
         q = k = v = projections[0]
         if not self.tied_qkv:
             k, v = projections[1], projections[2]
