@@ -8,9 +8,10 @@ Example (the CPU comparison of ``docs/benchmarks.md``)::
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
 a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
-name files you trust). Per model and mode it reports images/s (models interleaved, median of the repeats), peak
-memory (each model in a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with
-ratios to the first model; ``docs/benchmarks.md`` says how each is measured.
+name files you trust). Per model and mode it reports images/s (models interleaved, median of the repeats), the
+process's minor page faults per timed step, peak memory (each model in a fresh process), activations saved for
+backward per image, params, GMACs and TFLOP/s, with ratios to the first model; ``docs/benchmarks.md`` says how each
+is measured.
 """
 
 import argparse
@@ -41,7 +42,7 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.hub.model_names import check_model_source, model_source
-from lipsformer.utils import cpu_name, peak_rss_mb, write_json
+from lipsformer.utils import cpu_name, minor_page_faults, peak_rss_mb, write_json
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
            'saved_activations_mb']
@@ -255,8 +256,10 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
     return train_step
 
 
-def _time_run(step: Callable[[], None], steps: int, device: str) -> float:
-    """Seconds taken by ``steps`` steps (CUDA events on GPU, so queued work is timed, not launches)."""
+def _time_run(step: Callable[[], None], steps: int, device: str) -> tuple[float, float]:
+    """Seconds taken by ``steps`` steps (CUDA events on GPU, so queued work is timed, not launches), and the
+    process's minor page faults per step meanwhile."""
+    faults = minor_page_faults()
     if torch.device(device).type == 'cuda':
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
@@ -265,11 +268,13 @@ def _time_run(step: Callable[[], None], steps: int, device: str) -> float:
             step()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return time.perf_counter() - begin
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        begin = time.perf_counter()
+        for _ in range(steps):
+            step()
+        seconds = time.perf_counter() - begin
+    return seconds, (minor_page_faults() - faults) / steps
 
 
 def interleaved_order(num_models: int, repeats: int) -> list[list[int]]:
@@ -338,26 +343,28 @@ def _log(message: str) -> None:
 
 
 def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: BenchmarkConfig,
-               names: list[str]) -> list[list[float]]:
-    """Seconds per timed run for every model, models interleaved within each repeat."""
+               names: list[str]) -> list[list[tuple[float, float]]]:
+    """(seconds, page faults per step) of every timed run of every model, models interleaved within each repeat."""
     steps = [_make_step(model, inputs, mode, config) for model, inputs in models]
     for name, step in zip(names, steps):
         _log(f'warm-up: {name} {mode}')
         for _ in range(config.warmup):
             step()
-    seconds: list[list[float]] = [[] for _ in models]
+    runs: list[list[tuple[float, float]]] = [[] for _ in models]
     for repeat, order in enumerate(interleaved_order(len(models), config.repeats)):
         _log(f'{mode}: repeat {repeat + 1}/{config.repeats}')
         for index in order:
-            seconds[index].append(_time_run(steps[index], config.steps_per_run(), config.device))
+            runs[index].append(_time_run(steps[index], config.steps_per_run(), config.device))
     for model, _ in models:
         model.zero_grad(set_to_none=True)  # the optimizer and its state go with the step closures
-    return seconds
+    return runs
 
 
-def _result_row(spec: ModelSpec, mode: str, counts: dict, seconds: list[float], config: BenchmarkConfig) -> dict:
+def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float, float]],
+                config: BenchmarkConfig) -> dict:
     images = config.batch_size * config.steps_per_run()
-    samples = [images / run for run in seconds]
+    samples = [images / seconds for seconds, _ in runs]
+    faults = [step_faults for _, step_faults in runs]
     images_per_s = statistics.median(samples)
     macs_per_image = counts['gmacs'] * (TRAIN_MACS_PER_FORWARD_MAC if mode == 'train' else 1)
     return {
@@ -371,6 +378,9 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, seconds: list[float], 
         'images_per_s_samples': samples,
         'ms_per_step': 1e3 * config.batch_size / images_per_s,
         'tflops': 2 * macs_per_image * images_per_s / 1e3,
+        # Fresh memory touched for the first time: on CPU, how much of a step went to the kernel mapping pages in.
+        'page_faults_per_step': statistics.median(faults),
+        'page_faults_per_step_samples': faults,
     }
 
 
@@ -392,9 +402,9 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
         built.append((model, inputs))
     results = []
     for mode in modes:
-        seconds = _time_mode(built, mode, config, [spec.text for spec in specs])
-        rows = [_result_row(spec, mode, count, run_seconds, config)
-                for spec, count, run_seconds in zip(specs, counts, seconds)]
+        runs = _time_mode(built, mode, config, [spec.text for spec in specs])
+        rows = [_result_row(spec, mode, count, model_runs, config)
+                for spec, count, model_runs in zip(specs, counts, runs)]
         for row, saved_mb in zip(rows, activations):
             row['ratio'] = row['images_per_s'] / rows[0]['images_per_s']
             row['saved_activations_mb_per_image'] = saved_mb if mode == 'train' else None
@@ -445,15 +455,16 @@ def environment(device: str) -> dict:
 
 def format_table(report: dict, markdown: bool = False) -> str:
     """The report's results as an aligned text table (or Markdown)."""
-    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'peak MiB', 'mem ratio', 'act MiB/img', 'act ratio',
-              'params (M)', 'GMACs', 'TFLOP/s']
+    header = ['model', 'mode', 'img/s', 'ratio', 'ms/step', 'faults/step', 'peak MiB', 'mem ratio', 'act MiB/img',
+              'act ratio', 'params (M)', 'GMACs', 'TFLOP/s']
 
     def optional(value: float | None, digits: int) -> str:
         return '-' if value is None else f'{value:.{digits}f}'
 
     lines = [[row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}',
-              f'{row["ms_per_step"]:.1f}', optional(row['peak_memory_mb'], 0), optional(row['memory_ratio'], 3),
-              optional(row['saved_activations_mb_per_image'], 1), optional(row['saved_activations_ratio'], 3),
+              f'{row["ms_per_step"]:.1f}', f'{row["page_faults_per_step"]:.0f}', optional(row['peak_memory_mb'], 0),
+              optional(row['memory_ratio'], 3), optional(row['saved_activations_mb_per_image'], 1),
+              optional(row['saved_activations_ratio'], 3),
               f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}']
              for row in report['results']]
     if markdown:

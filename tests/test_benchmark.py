@@ -44,6 +44,9 @@ def test_report_schema(report):
         assert all(value > 0 for value in row['images_per_s_samples'])
         assert row['images_per_s'] == statistics.median(row['images_per_s_samples'])
         assert row['ms_per_step'] == pytest.approx(1e3 * 2 / row['images_per_s'])
+        assert len(row['page_faults_per_step_samples']) == CONFIG.repeats
+        assert all(value >= 0 for value in row['page_faults_per_step_samples'])
+        assert row['page_faults_per_step'] == statistics.median(row['page_faults_per_step_samples'])
     assert report['environment']['cpu_freed_memory_retained'] is False  # as CONFIG asks
     json.dumps(report)  # JSON-ready as it is
 

@@ -50,3 +50,32 @@ def test_benchmark_records_retention_and_still_measures_peak_memory(tmp_path):
     row, = report['results']
     # Weights, gradients and AdamW's two moments: 16 bytes per parameter, whatever the allocator keeps.
     assert row['peak_memory_mb'] >= 16 * row['params'] / 2 ** 20
+
+
+def test_benchmark_counts_the_page_faults_of_fresh_memory_each_step(tmp_path):
+    # A model that allocates, touches and frees a 64 MiB block in every forward: with glibc's defaults each step
+    # faults its 16384 pages in again; with freed memory retained, after the warm-up, none.
+    (tmp_path / 'fresh.py').write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        class FreshBlock(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(3, 2)
+
+            def forward(self, x):
+                return self.fc(x.mean((2, 3))) + torch.ones(64 * 2 ** 20 // 4)[0] - 1
+    '''))
+    pages = 64 * 2 ** 20 // 4096
+    faults = {}
+    for retain in ('--no-retain-cpu-memory', '--retain-cpu-memory'):
+        out = tmp_path / f'{retain}.json'
+        subprocess.run(
+            [sys.executable, '-m', 'lipsformer.benchmark', '--models', f'file:{tmp_path}/fresh.py:FreshBlock',
+             '--mode', 'infer', '--batch-size', '1', '--img-size', '8', '--warmup', '2', '--repeats', '3',
+             '--threads', '1', '--no-memory', retain, '--json', str(out)], check=True, capture_output=True, text=True)
+        row, = json.loads(out.read_text())['results']
+        faults[retain] = row['page_faults_per_step']
+    assert faults['--no-retain-cpu-memory'] >= 0.9 * pages
+    assert faults['--retain-cpu-memory'] < 0.05 * pages

@@ -2,9 +2,9 @@
 
 - :mod:`.io`: writes that survive a crash at any instant (text, JSON, torch and safetensors files, whole folders),
   the clean-up of what a killed writer left, and JSON-lines logs;
-- :mod:`.env`: the machine a run or a measurement ran on (CPU name, peak memory).
+- :mod:`.env`: the machine a run or a measurement ran on (CPU name, peak memory, page faults).
 """
-from .env import cpu_name, peak_memory_mb, peak_rss_mb
+from .env import cpu_name, minor_page_faults, peak_memory_mb, peak_rss_mb
 from .io import (
     JsonLines,
     atomic_open,
@@ -19,6 +19,6 @@ from .io import (
     write_text,
 )
 
-__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'cpu_name', 'fsync_dir', 'peak_memory_mb', 'peak_rss_mb',
-           'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json',
-           'write_text']
+__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'cpu_name', 'fsync_dir', 'minor_page_faults', 'peak_memory_mb',
+           'peak_rss_mb', 'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
+           'write_json', 'write_text']

@@ -1,4 +1,4 @@
-"""The machine a run or a measurement ran on: CPU name and peak memory."""
+"""The machine a run or a measurement ran on: CPU name, peak memory and page faults."""
 import platform
 import resource
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ['cpu_name', 'peak_memory_mb', 'peak_rss_mb']
+__all__ = ['cpu_name', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb']
 
 
 def cpu_name() -> str:
@@ -24,6 +24,11 @@ def peak_rss_mb() -> float:
     """The most resident memory this process has held so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2 ** 20 if sys.platform == 'darwin' else peak / 2 ** 10  # bytes on macOS, KiB on Linux
+
+
+def minor_page_faults() -> int:
+    """Minor page faults this process has taken so far: pages of fresh memory the kernel mapped in on first touch."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def peak_memory_mb(device: torch.device) -> float:
