@@ -60,6 +60,25 @@ def test_ratios_are_quotients_of_the_reported_throughput(report):
             assert row['memory_ratio'] == pytest.approx(row['peak_memory_mb'] / first['peak_memory_mb'], rel=1e-12)
 
 
+def test_ratio_spread_pairs_the_models_of_each_repeat(report):
+    for mode in ('infer', 'train'):
+        first, second = [row for row in report['results'] if row['mode'] == mode]
+        assert first['ratio_samples'] == [1.0] * CONFIG.repeats and first['ratio_quartiles'] == [1.0, 1.0]
+        expected = [ours / theirs for ours, theirs in zip(second['images_per_s_samples'],
+                                                          first['images_per_s_samples'])]
+        assert second['ratio_samples'] == pytest.approx(expected, rel=1e-12)
+        # Three samples: the inclusive quartiles are the midpoints between the median and the extremes.
+        low, middle, high = sorted(expected)
+        assert second['ratio_quartiles'] == pytest.approx([(low + middle) / 2, (middle + high) / 2], rel=1e-12)
+
+
+def test_ratio_quartiles_of_a_single_repeat():
+    report = run_benchmark(','.join(MODELS), ['infer'], BenchmarkConfig(
+        batch_size=1, img_size=32, warmup=0, repeats=1, memory=False, retain_cpu_memory=False))
+    first, second = report['results']
+    assert second['ratio_quartiles'] == [second['ratio_samples'][0]] * 2 == [second['ratio']] * 2
+
+
 def test_counts_and_tflops_come_from_complexity(report):
     for row in report['results']:
         counts = model_complexity(row['model'], img_size=32)
