@@ -8,11 +8,11 @@ Example (the CPU comparison of ``docs/benchmarks.md``)::
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
 a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
-name files you trust). Per model and mode it reports images/s (models interleaved, median of the repeats), the
-interquartile range of its per-repeat ratios to the first model (paired within each repeat), the process's minor
-page faults per timed step, peak memory (each model in a fresh process), activations saved for
-backward per image, params, GMACs and TFLOP/s, with ratios to the first model; ``docs/benchmarks.md`` says how each
-is measured.
+name files you trust). Per model and mode it reports images/s (models interleaved in the warm-up and in every repeat,
+median of the repeats), the interquartile range of its per-repeat ratios to the first model (paired within each
+repeat), the process's minor page faults per timed step, peak memory (each model in a fresh process), activations
+saved for backward per image, params, GMACs and TFLOP/s, with ratios to the first model; ``docs/benchmarks.md`` says
+how each is measured.
 """
 
 import argparse
@@ -347,10 +347,12 @@ def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: 
                names: list[str]) -> list[list[tuple[float, float]]]:
     """(seconds, page faults per step) of every timed run of every model, models interleaved within each repeat."""
     steps = [_make_step(model, inputs, mode, config) for model, inputs in models]
-    for name, step in zip(names, steps):
-        _log(f'warm-up: {name} {mode}')
-        for _ in range(config.warmup):
-            step()
+    # Warmed up in the timed runs' order: warmed up alone, then left idle while the others warmed up, timm's Swin-T
+    # took 1.35-1.6x its median time for its first timed training step (docs/benchmarks.md, session 10).
+    _log(f'warm-up: {mode}, {config.warmup} step(s) of each of {", ".join(names)}, interleaved')
+    for order in interleaved_order(len(models), config.warmup):
+        for index in order:
+            steps[index]()
     runs: list[list[tuple[float, float]]] = [[] for _ in models]
     for repeat, order in enumerate(interleaved_order(len(models), config.repeats)):
         _log(f'{mode}: repeat {repeat + 1}/{config.repeats}')

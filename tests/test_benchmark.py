@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from lipsformer import benchmark
 from lipsformer.benchmark import (
     BenchmarkConfig,
     ModelSpec,
@@ -132,6 +133,16 @@ def test_saved_activations_count_a_saved_view_at_its_base_size():
 def test_models_are_interleaved_and_alternate_direction():
     order = interleaved_order(3, 4)
     assert order == [[0, 1, 2], [2, 1, 0], [0, 1, 2], [2, 1, 0]]
+
+
+def test_warm_up_steps_are_interleaved_like_the_timed_ones(monkeypatch):
+    calls, first, second = [], torch.nn.Identity(), torch.nn.Identity()
+    monkeypatch.setattr(benchmark, '_make_step', lambda model, inputs, mode, config: lambda: calls.append(
+        'a' if model is first else 'b'))
+    config = BenchmarkConfig(warmup=3, repeats=2)
+    runs = benchmark._time_mode([(first, None), (second, None)], 'train', config, ['a', 'b'])
+    assert calls == ['a', 'b', 'b', 'a', 'a', 'b'] + ['a', 'b', 'b', 'a']  # three warm-up rounds, then the repeats
+    assert [len(model_runs) for model_runs in runs] == [2, 2]
 
 
 def test_train_step_updates_weights_and_infer_step_does_not():
