@@ -1,10 +1,24 @@
 """Fixtures shared by the test modules; shared constants and helpers are plain modules beside this one (tiny_models,
 training_support, ...), importable because pyproject sets pytest's pythonpath to tests/."""
+import os
+
 import pytest
 import torch
 from training_support import make_image_folder, single_thread
 
 import lipsformer  # noqa: F401  (registers the models with timm)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _native_cache(tmp_path_factory):
+    """The C kernels are built into a folder of the test session (and its subprocesses), not the user's cache."""
+    previous = os.environ.get('LIPSFORMER_CACHE_DIR')
+    os.environ['LIPSFORMER_CACHE_DIR'] = str(tmp_path_factory.mktemp('native'))
+    yield
+    if previous is None:
+        del os.environ['LIPSFORMER_CACHE_DIR']
+    else:
+        os.environ['LIPSFORMER_CACHE_DIR'] = previous
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,8 @@
 
 - :mod:`.io`: writes that survive a crash at any instant (text, JSON, torch and safetensors files, whole folders),
   the clean-up of what a killed writer left, and JSON-lines logs;
-- :mod:`.env`: the machine a run or a measurement ran on (CPU name, peak memory, page faults).
+- :mod:`.env`: the machine a run or a measurement ran on (CPU name, peak memory, page faults);
+- :mod:`.native`: the package's C kernels, compiled for the machine on first use and cached.
 """
 from .env import cpu_name, minor_page_faults, peak_memory_mb, peak_rss_mb
 from .io import (
@@ -18,7 +19,8 @@ from .io import (
     write_json,
     write_text,
 )
+from .native import load_native, native_cache_dir, native_kernels
 
-__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'cpu_name', 'fsync_dir', 'minor_page_faults', 'peak_memory_mb',
-           'peak_rss_mb', 'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
-           'write_json', 'write_text']
+__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'cpu_name', 'fsync_dir', 'load_native', 'minor_page_faults',
+           'native_cache_dir', 'native_kernels', 'peak_memory_mb', 'peak_rss_mb', 'read_json',
+           'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json', 'write_text']

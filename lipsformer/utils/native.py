@@ -1,0 +1,122 @@
+"""The package's C kernels: compiled on first use with the machine's C compiler, cached, loaded through ctypes.
+
+PyTorch exposes no fast CPU kernel for a few of LipsFormer's operations (the depthwise weight gradient, see
+``lipsformer.layers.depthwise_conv``); their C sources ship in the package. :func:`load_native` compiles one for the
+machine it runs on (``-O3 -march=native``, no PyTorch headers: well under a second) into a shared library cached under
+``$LIPSFORMER_CACHE_DIR`` (default ``$XDG_CACHE_HOME/lipsformer`` or ``~/.cache/lipsformer``), in a file named by a
+hash of the source, the compiler and the CPU, so that a home folder shared between machines never serves one CPU's
+build to another. The library is written under a temporary name and renamed into place (``utils.io``): a kill at any
+instant, or two processes compiling at once, leave a whole library or none.
+
+Where a kernel cannot be built (no compiler, a failing one) a warning says so, once per source, and the callers
+keep their PyTorch path, which gives the same values more slowly; ``LIPSFORMER_NATIVE=0`` picks that path without the
+warning. ``$CC`` picks the compiler (default ``cc``).
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+from .env import cpu_name
+from .io import atomic_path
+
+__all__ = ['load_native', 'native_cache_dir', 'native_kernels']
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+_FLAGS = ('-O3', '-shared', '-fPIC', '-pthread', '-fno-strict-aliasing')
+_ARCH_FLAGS = (('-march=native',), ())  # the second where the compiler does not know -march=native
+
+
+def native_cache_dir() -> Path:
+    """Where compiled kernels are kept."""
+    if os.environ.get('LIPSFORMER_CACHE_DIR'):
+        return Path(os.environ['LIPSFORMER_CACHE_DIR'])
+    return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'lipsformer'
+
+
+def _cpu_identity() -> str:
+    """The CPU's name and instruction-set flags: what a -march=native build depends on."""
+    flags = ''
+    try:
+        flags = next((line for line in Path('/proc/cpuinfo').read_text().splitlines()
+                      if line.startswith(('flags', 'Features'))), '')
+    except OSError:
+        pass
+    return f'{platform.machine()} {cpu_name()} {flags}'
+
+
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, '--version'], capture_output=True, text=True, timeout=60)
+    return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ''
+
+
+class _CompileError(Exception):
+    """A failed compiler run (raised inside atomic_path, so that the partial output is discarded)."""
+
+
+def _compile(source: Path, compiler: str, version: str) -> tuple[Path | None, str]:
+    """The cached library for ``source`` (compiled if missing), or None and the compiler's complaint."""
+    complaint = ''
+    for arch in _ARCH_FLAGS:
+        flags = _FLAGS + arch
+        key = hashlib.sha256('\0'.join([source.read_text(), version, ' '.join(flags), _cpu_identity()]).encode())
+        library = native_cache_dir() / f'{source.stem}-{key.hexdigest()[:16]}.so'
+        if library.is_file():
+            return library, ''
+        library.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with atomic_path(library) as temporary:
+                result = subprocess.run([compiler, *flags, str(source), '-o', temporary], capture_output=True,
+                                        text=True, timeout=300)
+                if result.returncode != 0:
+                    raise _CompileError(result.stderr.strip()[-2000:])
+        except _CompileError as error:
+            complaint = str(error)
+            continue
+        return library, ''
+    return None, complaint
+
+
+def _load(library: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError:
+        library.unlink(missing_ok=True)  # a library that does not load (a damaged cache) is built again next time
+        raise
+
+
+@functools.cache
+def load_native(source_name: str) -> ctypes.CDLL | None:
+    """The compiled kernel ``lipsformer/<source_name>`` (a C file), or None where it cannot be built.
+
+    Args:
+        source_name: Path of the C source inside the package, e.g. ``'layers/depthwise_weight_grad.c'``.
+    """
+    if os.environ.get('LIPSFORMER_NATIVE', '1') == '0':
+        return None
+    compiler = os.environ.get('CC') or 'cc'
+    source = _PACKAGE / source_name
+    try:
+        if shutil.which(compiler) is None:
+            raise FileNotFoundError(f'{compiler}: no such command')
+        compiler = shutil.which(compiler)
+        library, complaint = _compile(source, compiler, _compiler_version(compiler))
+        if library is not None:
+            return _load(library)
+    except (OSError, subprocess.SubprocessError) as error:
+        complaint = str(error)
+    warnings.warn(f'lipsformer: could not build or load its C kernel {source_name} with {compiler} ({complaint}); '
+                  'using the slower PyTorch path, which gives the same values. Set CC to a working C compiler, or '
+                  'LIPSFORMER_NATIVE=0 to use the PyTorch path without this warning.', RuntimeWarning, stacklevel=2)
+    return None
+
+
+def native_kernels() -> dict[str, bool]:
+    """Each C kernel of the package (its path inside it) and whether it is built and loaded here (built if needed)."""
+    return {str(source.relative_to(_PACKAGE)): load_native(str(source.relative_to(_PACKAGE))) is not None
+            for source in sorted(_PACKAGE.rglob('*.c'))}

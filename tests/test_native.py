@@ -1,0 +1,147 @@
+"""The C kernels (lipsformer.utils.native) and the one they serve: the 7x7 depthwise weight gradient."""
+import os
+import stat
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lipsformer.layers import depthwise_conv
+from lipsformer.utils import native
+
+SOURCE = 'layers/depthwise_weight_grad.c'
+
+
+@pytest.fixture(autouse=True)
+def _fresh_loader():
+    native.load_native.cache_clear()
+    yield
+    native.load_native.cache_clear()
+
+
+def _reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """dL/dW of F.conv2d by autograd, in float64: the definition, not another fast path."""
+    weight = torch.zeros(x.shape[-1], 1, 7, 7, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        out = F.conv2d(x.double().permute(0, 3, 1, 2), weight, padding=3, groups=x.shape[-1])
+        return torch.autograd.grad(out, weight, grad.double().permute(0, 3, 1, 2))[0]
+
+
+def _assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
+    # float32 sums of up to 1000 products, in another order: close relative to the largest entry
+    reference = _reference(x, grad)
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+def _kernel() -> object:
+    library = native.load_native(SOURCE)
+    assert library is not None, 'this machine has a C compiler (CI runs on one): the kernel must build'
+    return library
+
+
+# Maps narrower than the 7-column window (1-3 columns), a single row, odd sizes, one image, 16-64 channels.
+@pytest.mark.parametrize('shape', [(2, 5, 1, 16), (1, 1, 2, 32), (3, 4, 3, 16), (2, 9, 13, 48), (4, 14, 14, 64),
+                                   (1, 8, 30, 16)])
+@pytest.mark.parametrize('threads', [1, 3])
+def test_the_kernel_gives_the_weight_gradient_of_the_convolution(shape, threads):
+    library = _kernel()
+    x, grad = torch.randn(shape), torch.randn(shape)
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # more threads than (image, channel block) items in some shapes
+    try:
+        got = depthwise_conv._native_weight_grad(library, x, grad)
+    finally:
+        torch.set_num_threads(with_threads)
+    _assert_close_to_reference(got, x, grad)
+
+
+def test_the_depthwise_conv_takes_the_kernel_and_matches_the_per_image_path(monkeypatch):
+    _kernel()
+    x = torch.randn(3, 10, 12, 32)
+    grad = torch.randn(3, 10, 12, 32).transpose(1, 2).contiguous().transpose(1, 2)  # a non-contiguous gradient
+    calls = []
+    monkeypatch.setattr(depthwise_conv, '_native_weight_grad',
+                        lambda *args, real=depthwise_conv._native_weight_grad: calls.append(1) or real(*args))
+    with torch.no_grad():  # as in a backward
+        fast = depthwise_conv._weight_grad(x, grad, (3, 3), (7, 7))
+        monkeypatch.setenv('LIPSFORMER_NATIVE', '0')
+        native.load_native.cache_clear()
+        per_image = depthwise_conv._weight_grad(x, grad, (3, 3), (7, 7))
+    assert calls == [1] and native.load_native(SOURCE) is None
+    torch.testing.assert_close(fast, per_image, rtol=1e-5, atol=1e-5 * per_image.abs().max().item())
+    _assert_close_to_reference(fast, x, grad)
+
+
+def test_channels_off_the_vector_width_and_other_kernels_take_the_per_image_path(monkeypatch):
+    block = _kernel().depthwise7_channel_block()
+    assert block in (8, 16)
+    monkeypatch.setattr(depthwise_conv, '_native_weight_grad', lambda *args: pytest.fail('not for these shapes'))
+    x, grad = torch.randn(2, 6, 6, block + 4), torch.randn(2, 6, 6, block + 4)
+    with torch.no_grad():
+        _assert_close_to_reference(depthwise_conv._weight_grad(x, grad, (3, 3), (7, 7)), x, grad)
+        x, grad = torch.randn(2, 6, 6, 16), torch.randn(2, 6, 6, 16)
+        assert depthwise_conv._weight_grad(x, grad, (1, 1), (3, 3)).shape == (16, 1, 3, 3)
+
+
+def _fake_compiler(folder, script: str) -> str:
+    """An executable that answers --version and otherwise runs ``script`` (sh), logging each build."""
+    path = os.path.join(folder, 'fakecc')
+    with open(path, 'w') as f:
+        f.write(f'#!/bin/sh\nif [ "$1" = --version ]; then echo fakecc 1.0; exit 0; fi\n'
+                f'echo build >> {folder}/builds\n{script}\n')
+    os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_a_failing_compiler_warns_with_its_message_and_leaves_no_file(tmp_path, monkeypatch):
+    cache = tmp_path / 'cache'
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(cache))
+    monkeypatch.setenv('CC', _fake_compiler(tmp_path, 'echo "fatal: no space left" >&2; exit 1'))
+    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/depthwise_weight_grad.c .*'
+                                            r'fatal: no space left.*same values.*LIPSFORMER_NATIVE=0'):
+        assert native.load_native(SOURCE) is None
+    assert (tmp_path / 'builds').read_text().count('build') == 2  # with -march=native, then without
+    assert list(cache.iterdir()) == []  # the partial outputs were removed
+    monkeypatch.setenv('CC', str(tmp_path / 'no-such-compiler'))
+    native.load_native.cache_clear()
+    with pytest.warns(RuntimeWarning, match='no such command'):
+        assert native.load_native(SOURCE) is None
+
+
+def test_the_library_is_built_once_per_cpu_and_rebuilt_when_damaged(tmp_path, monkeypatch):
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(tmp_path / 'cache'))
+    monkeypatch.setenv('CC', _fake_compiler(tmp_path, 'exec cc "$@"'))
+    builds = tmp_path / 'builds'
+    assert _kernel() is not None and builds.read_text().count('build') == 1
+    native.load_native.cache_clear()
+    assert _kernel() is not None and builds.read_text().count('build') == 1  # a second process: from the cache
+    [library] = (tmp_path / 'cache').iterdir()
+    monkeypatch.setattr(native, '_cpu_identity', lambda: 'another CPU')  # a shared home folder, another machine
+    native.load_native.cache_clear()
+    assert _kernel() is not None and builds.read_text().count('build') == 2
+    assert len(list((tmp_path / 'cache').iterdir())) == 2
+    # A damaged library (never loaded by this process, which would reuse its loaded copy): removed, built again.
+    monkeypatch.setattr(native, '_cpu_identity', lambda: 'a third CPU')
+    library, _ = native._compile(native.Path(native.__file__).parent.parent / SOURCE, 'cc', 'fakecc 1.0')
+    library.write_bytes(b'not a shared library')
+    native.load_native.cache_clear()
+    with pytest.warns(RuntimeWarning, match='could not build or load'):
+        assert native.load_native(SOURCE) is None
+    assert not library.exists()
+    native.load_native.cache_clear()
+    assert _kernel() is not None and library.exists()
+
+
+def test_a_double_backward_gets_the_second_derivatives_of_the_convolution():
+    # The backward that builds a graph takes the differentiable per-image path; the C kernel's output has no graph.
+    _kernel()
+    x = torch.randn(2, 6, 6, 16, requires_grad=True)
+    weight = torch.randn(16, 1, 7, 7, requires_grad=True)
+
+    def second_order(conv):
+        (weight_grad,) = torch.autograd.grad(conv(x, weight).square().sum(), weight, create_graph=True)
+        return torch.autograd.grad(weight_grad.sum(), x)[0]
+
+    got = second_order(lambda x, weight: depthwise_conv._DepthwiseConv2d.apply(x, weight, None, (3, 3)))
+    expected = second_order(lambda x, weight: F.conv2d(x.permute(0, 3, 1, 2), weight, padding=3, groups=16))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
