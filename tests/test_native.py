@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lipsformer.layers import depthwise_conv
 from lipsformer.utils import native
 
-SOURCE = 'layers/depthwise_weight_grad.c'
+SOURCE = 'layers/cpu_kernels.c'
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +73,7 @@ def test_the_depthwise_conv_takes_the_kernel_and_matches_the_per_image_path(monk
 
 
 def test_channels_off_the_vector_width_and_other_kernels_take_the_per_image_path(monkeypatch):
-    block = _kernel().depthwise7_channel_block()
+    block = _kernel().channel_block()
     assert block in (8, 16)
     monkeypatch.setattr(depthwise_conv, '_native_weight_grad', lambda *args: pytest.fail('not for these shapes'))
     x, grad = torch.randn(2, 6, 6, block + 4), torch.randn(2, 6, 6, block + 4)
@@ -97,7 +97,7 @@ def test_a_failing_compiler_warns_with_its_message_and_leaves_no_file(tmp_path, 
     cache = tmp_path / 'cache'
     monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(cache))
     monkeypatch.setenv('CC', _fake_compiler(tmp_path, 'echo "fatal: no space left" >&2; exit 1'))
-    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/depthwise_weight_grad.c .*'
+    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/cpu_kernels.c .*'
                                             r'fatal: no space left.*same values.*LIPSFORMER_NATIVE=0'):
         assert native.load_native(SOURCE) is None
     assert (tmp_path / 'builds').read_text().count('build') == 2  # with -march=native, then without
@@ -145,3 +145,55 @@ def test_a_double_backward_gets_the_second_derivatives_of_the_convolution():
     got = second_order(lambda x, weight: depthwise_conv._DepthwiseConv2d.apply(x, weight, None, (3, 3)))
     expected = second_order(lambda x, weight: F.conv2d(x.permute(0, 3, 1, 2), weight, padding=3, groups=16))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize('shape, scale_shape', [
+    ((4, 14, 14, 64), (4, 1, 1, 64)),  # alpha times drop path's per-image keep mask
+    ((2, 7, 9, 48), (48,)),  # alpha alone
+    ((3, 300, 32), (3, 1, 32)),  # tokens: more positions than a chunk of the kernel
+])
+def test_the_gelu_residual_backward_takes_the_kernel_and_gives_the_float64_gradients(shape, scale_shape, monkeypatch):
+    from lipsformer.layers import lean_autograd
+    calls = []
+    monkeypatch.setattr(lean_autograd, 'cpu_kernels', lambda *t, real=lean_autograd.cpu_kernels: calls.append(
+        real(*t)) or calls[-1])
+    x = torch.randn(shape, requires_grad=True)
+    z = torch.cat([4 * torch.randn(shape).flatten()[:-6], torch.tensor([0.0, -30.0, 30.0, -100.0, 1e-30, -5.5])]
+                  ).view(shape).requires_grad_(True)  # GELU's tails, its zero, exp's underflow
+    scale = torch.rand(scale_shape, requires_grad=True)
+    grad = torch.randn(shape)
+    got = torch.autograd.grad(lean_autograd.gelu_residual(x, z, scale), (x, z, scale), grad)
+    assert calls and calls[-1] is not None  # the C kernel ran
+    reference = torch.addcmul(x.double(), F.gelu(z.double()), scale.double())
+    expected = torch.autograd.grad(reference, (x, z, scale), grad.double())
+    for name, g, e in zip(('x', 'z', 'scale'), got, expected):
+        torch.testing.assert_close(g.double(), e.double(), rtol=1e-5, atol=2e-6 * e.abs().max().item(),
+                                   msg=lambda text, name=name: f'{name}: {text}')
+
+
+def test_the_gelu_residual_backward_propagates_nan_as_pytorch_does():
+    from lipsformer.layers.lean_autograd import _native_gelu_residual_backward
+    z = torch.randn(2, 3, 3, 16)
+    z[0, 1, 2, 5] = float('nan')
+    with torch.no_grad():  # as in a backward
+        grad_z, grad_scale = _native_gelu_residual_backward(torch.ones_like(z), z, torch.ones(16))
+    assert grad_z.isnan().sum() == 1 and grad_z[0, 1, 2, 5].isnan()
+    assert grad_scale.isnan().sum() == 1 and grad_scale[5].isnan()
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/maps'), reason='finds the OpenMP runtime through /proc (Linux)')
+def test_the_kernels_run_on_torch_openmp_team_and_give_what_posix_threads_give():
+    library = _kernel()
+    if 'ATen parallel backend: OpenMP' in torch.__config__.parallel_info():
+        runtime = native._torch_openmp()
+        assert runtime is not None and os.path.dirname(runtime._name).startswith(os.path.dirname(torch.__file__))
+    x, grad = torch.randn(5, 9, 11, 32), torch.randn(5, 9, 11, 32)
+    with torch.no_grad():
+        team = depthwise_conv._native_weight_grad(library, x, grad)
+        library.use_openmp(None, None, None)  # POSIX threads
+        try:
+            posix = depthwise_conv._native_weight_grad(library, x, grad)
+        finally:
+            native._hand_over_openmp(library)
+    assert torch.equal(team, posix)  # the same items, each summed in the same order
+    _assert_close_to_reference(team, x, grad)

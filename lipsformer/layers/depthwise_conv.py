@@ -7,7 +7,7 @@ On CPU, oneDNN computes that weight gradient for channels-last maps with its gen
 several times slower than its forward pass. The sum over (h, w) is itself a depthwise convolution, of x_pad by a
 kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in cache, it
 goes through oneDNN's depthwise forward kernel instead. For the shortcuts' 7x7 kernels a C kernel
-(``depthwise_weight_grad.c``, built by :mod:`lipsformer.utils.native`) is faster still, and replaces the per-image
+(``cpu_kernels.c``, built by :mod:`lipsformer.utils.native`) is faster still, and replaces the per-image
 calls' thousands of small PyTorch operations a step by one call a layer; where it cannot be built the per-image path
 gives the same values. The input gradient, a convolution by the flipped kernel, goes through oneDNN's forward kernel.
 """
@@ -18,18 +18,16 @@ import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
-from ..utils.native import load_native
+from ..utils.native import cpu_kernels
 
 __all__ = ['depthwise_conv2d']
-
-_KERNEL_SOURCE = 'layers/depthwise_weight_grad.c'
 
 
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], kernel: tuple[int, int]
                  ) -> torch.Tensor:
     """dL/dW (C, 1, kh, kw) from NHWC input and output gradient: the C kernel for 7x7, else one image at a time."""
-    library = load_native(_KERNEL_SOURCE) if _native_applies(x, grad, kernel) else None
-    if library is not None and x.shape[-1] % library.depthwise7_channel_block() == 0:
+    library = cpu_kernels(x, grad) if kernel == (7, 7) else None
+    if library is not None and x.shape[-1] % library.channel_block() == 0:
         return _native_weight_grad(library, x, grad)
     channels = x.shape[-1]
     weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
@@ -41,14 +39,8 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], 
     return weight_grad.unsqueeze(1)
 
 
-def _native_applies(x: torch.Tensor, grad: torch.Tensor, kernel: tuple[int, int]) -> bool:
-    # Not where autograd records the backward (a double backward) or dynamo traces it: the C call is invisible to both.
-    return (kernel == (7, 7) and x.dtype == grad.dtype == torch.float32 and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
-
-
 def _native_weight_grad(library: ctypes.CDLL, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The 7x7 weight gradient through ``depthwise_weight_grad.c``: per image in its threads, summed here."""
+    """The 7x7 weight gradient through ``cpu_kernels.c``: per image in its threads, summed here."""
     x, grad = x.contiguous(), grad.contiguous()
     batch, height, width, channels = x.shape
     per_image = x.new_empty(batch, channels, 7, 7)

@@ -19,10 +19,13 @@ outside TorchScript and tracing; elsewhere it evaluates the plain expression, wh
 it with. GELU is the exact (erf) form, as ``nn.GELU()``.
 """
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
+from ..utils.native import cpu_kernels
 from .onednn_linear import linear, linear_backward
 
 __all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
@@ -124,7 +127,7 @@ def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weig
 
 
 class _GeluResidual(torch.autograd.Function):
-    """x + scale * gelu(z) keeping only z (and scale)."""
+    """x + scale * gelu(z) keeping only z (and scale); on CPU the backward is one pass of ``cpu_kernels.c``."""
 
     @staticmethod
     def forward(ctx, x, z, scale):
@@ -139,6 +142,9 @@ class _GeluResidual(torch.autograd.Function):
     def backward(ctx, grad):
         z, scale = ctx.saved_tensors
         _, need_z, need_scale = ctx.needs_input_grad
+        native = _native_gelu_residual_backward(grad, z, scale) if need_z and need_scale else None
+        if native is not None:
+            return grad.to(ctx.x_dtype), *native
         grad_z = grad_scale = None
         if need_z:
             grad_z = (grad * scale).to(z.dtype)
@@ -146,6 +152,30 @@ class _GeluResidual(torch.autograd.Function):
         if need_scale:
             grad_scale = F.gelu(z).mul_(grad).sum_to_size(scale.shape).to(scale.dtype)
         return grad.to(ctx.x_dtype), grad_z, grad_scale
+
+
+def _native_gelu_residual_backward(grad: torch.Tensor, z: torch.Tensor, scale: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(dL/dz, dL/dscale) in one pass through ``cpu_kernels.c``, for a per-channel or per-image-and-channel scale of
+    a channels-last z; None where the kernels do not apply (then the PyTorch expressions run)."""
+    library = cpu_kernels(grad, z, scale)
+    batch, channels = z.shape[0], z.shape[-1]
+    per_image = scale.shape == (batch, *[1] * (z.dim() - 2), channels)  # alpha times drop path's keep mask
+    if (library is None or channels % library.channel_block() or grad.shape != z.shape
+            or not (per_image or scale.shape == (channels,))):
+        return None
+    grad, z, flat_scale = grad.contiguous(), z.contiguous(), scale.reshape(-1, channels).contiguous()
+    positions = z[0].numel() // channels
+    grad_z = torch.empty_like(z)
+    chunks = -(-positions // library.gelu_residual_chunk())
+    grad_scale = z.new_empty(batch, chunks, channels)
+    status = library.gelu_residual_backward(
+        *(ctypes.c_void_p(t.data_ptr()) for t in (grad, z, flat_scale, grad_z, grad_scale)),
+        *(ctypes.c_int64(n) for n in (batch, positions, channels, int(per_image), torch.get_num_threads())))
+    if status != 0:
+        raise RuntimeError(f'gelu_residual_backward rejected z {tuple(z.shape)}, scale {tuple(scale.shape)}')
+    grad_scale = grad_scale.sum(1)
+    return grad_z, (grad_scale if per_image else grad_scale.sum(0)).view(scale.shape)
 
 
 @register_notrace_function  # picks its path from the autograd state at run time

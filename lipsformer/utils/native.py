@@ -1,7 +1,8 @@
 """The package's C kernels: compiled on first use with the machine's C compiler, cached, loaded through ctypes.
 
 PyTorch exposes no fast CPU kernel for a few of LipsFormer's operations (the depthwise weight gradient, see
-``lipsformer.layers.depthwise_conv``); their C sources ship in the package. :func:`load_native` compiles one for the
+``lipsformer.layers.depthwise_conv``; the GELU residual's backward, ``lipsformer.layers.lean_autograd``); their C source
+ships in the package (:data:`CPU_KERNELS`). :func:`load_native` compiles one for the
 machine it runs on (``-O3 -march=native``, no PyTorch headers: well under a second) into a shared library cached under
 ``$LIPSFORMER_CACHE_DIR`` (default ``$XDG_CACHE_HOME/lipsformer`` or ``~/.cache/lipsformer``), in a file named by a
 hash of the source, the compiler and the CPU, so that a home folder shared between machines never serves one CPU's
@@ -17,17 +18,21 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import warnings
 from pathlib import Path
 
+import torch
+
 from .env import cpu_name
 from .io import atomic_path
 
-__all__ = ['load_native', 'native_cache_dir', 'native_kernels']
+__all__ = ['CPU_KERNELS', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
 
 _PACKAGE = Path(__file__).resolve().parent.parent
+CPU_KERNELS = 'layers/cpu_kernels.c'  # the layers' kernels, as load_native takes it
 _FLAGS = ('-O3', '-shared', '-fPIC', '-pthread', '-fno-strict-aliasing')
 _ARCH_FLAGS = (('-march=native',), ())  # the second where the compiler does not know -march=native
 
@@ -84,10 +89,36 @@ def _compile(source: Path, compiler: str, version: str) -> tuple[Path | None, st
 
 def _load(library: Path) -> ctypes.CDLL:
     try:
-        return ctypes.CDLL(str(library))
+        loaded = ctypes.CDLL(str(library))
     except OSError:
         library.unlink(missing_ok=True)  # a library that does not load (a damaged cache) is built again next time
         raise
+    if hasattr(loaded, 'use_openmp'):
+        _hand_over_openmp(loaded)
+    return loaded
+
+
+def _torch_openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime PyTorch's CPU ops run their threads on, found among the process's mapped libraries (Linux)."""
+    try:
+        maps = Path('/proc/self/maps').read_text()
+    except OSError:
+        return None
+    runtimes = sorted({line.split()[-1] for line in maps.splitlines()
+                       if re.search(r'/lib(g|i|)omp[^/]*\.so', line.split()[-1] if line.split() else '')})
+    torch_dir = os.path.dirname(torch.__file__)
+    bundled = [path for path in runtimes if path.startswith(torch_dir)]
+    candidates = bundled or runtimes
+    return ctypes.CDLL(candidates[0]) if len(candidates) == 1 else None
+
+
+def _hand_over_openmp(library: ctypes.CDLL) -> None:
+    """Let ``library`` run its threads on PyTorch's OpenMP team (see ``cpu_kernels.c``); it keeps POSIX threads where
+    PyTorch's runtime cannot be found."""
+    runtime = _torch_openmp() if torch.__config__.parallel_info().count('ATen parallel backend: OpenMP') else None
+    names = ('GOMP_parallel', 'omp_get_thread_num', 'omp_get_num_threads')
+    if runtime is not None and all(hasattr(runtime, name) for name in names):
+        library.use_openmp(*(ctypes.cast(getattr(runtime, name), ctypes.c_void_p) for name in names))
 
 
 @functools.cache
@@ -95,7 +126,7 @@ def load_native(source_name: str) -> ctypes.CDLL | None:
     """The compiled kernel ``lipsformer/<source_name>`` (a C file), or None where it cannot be built.
 
     Args:
-        source_name: Path of the C source inside the package, e.g. ``'layers/depthwise_weight_grad.c'``.
+        source_name: Path of the C source inside the package, e.g. :data:`CPU_KERNELS`.
     """
     if os.environ.get('LIPSFORMER_NATIVE', '1') == '0':
         return None
@@ -120,3 +151,13 @@ def native_kernels() -> dict[str, bool]:
     """Each C kernel of the package (its path inside it) and whether it is built and loaded here (built if needed)."""
     return {str(source.relative_to(_PACKAGE)): load_native(str(source.relative_to(_PACKAGE))) is not None
             for source in sorted(_PACKAGE.rglob('*.c'))}
+
+
+def cpu_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The layers' kernels (:data:`CPU_KERNELS`) where they may stand in for PyTorch ops on ``tensors`` in a backward:
+    all float32 on CPU, the backward not recorded by autograd (a double backward) nor traced by dynamo (the C calls are
+    invisible to both); else None, as where they cannot be built."""
+    if (all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors) and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
+        return load_native(CPU_KERNELS)
+    return None
