@@ -9,9 +9,10 @@ hash of the source, the compiler and the CPU, so that a home folder shared betwe
 build to another. The library is written under a temporary name and renamed into place (``utils.io``): a kill at any
 instant, or two processes compiling at once, leave a whole library or none.
 
-Where a kernel cannot be built (no compiler, a failing one) a warning says so, once per source, and the callers
-keep their PyTorch path, which gives the same values more slowly; ``LIPSFORMER_NATIVE=0`` picks that path without the
-warning. ``$CC`` picks the compiler (default ``cc``).
+The kernels run their threads on PyTorch's own OpenMP team where they find its runtime, so that they do not contend
+for the cores with PyTorch's threads. Where a kernel cannot be built (no compiler, a failing one) a warning says so,
+once per source, and the callers keep their PyTorch path, which gives the same values more slowly;
+``LIPSFORMER_NATIVE=0`` picks that path without the warning. ``$CC`` picks the compiler (default ``cc``).
 """
 import ctypes
 import functools
@@ -104,10 +105,9 @@ def _torch_openmp() -> ctypes.CDLL | None:
         maps = Path('/proc/self/maps').read_text()
     except OSError:
         return None
-    runtimes = sorted({line.split()[-1] for line in maps.splitlines()
-                       if re.search(r'/lib(g|i|)omp[^/]*\.so', line.split()[-1] if line.split() else '')})
-    torch_dir = os.path.dirname(torch.__file__)
-    bundled = [path for path in runtimes if path.startswith(torch_dir)]
+    paths = {fields[-1] for fields in map(str.split, maps.splitlines()) if len(fields) >= 6}
+    runtimes = sorted(path for path in paths if re.search(r'/lib[gi]?omp[^/]*\.so', path))  # GNU, Intel, LLVM
+    bundled = [path for path in runtimes if path.startswith(os.path.dirname(torch.__file__))]
     candidates = bundled or runtimes
     return ctypes.CDLL(candidates[0]) if len(candidates) == 1 else None
 
@@ -115,8 +115,10 @@ def _torch_openmp() -> ctypes.CDLL | None:
 def _hand_over_openmp(library: ctypes.CDLL) -> None:
     """Let ``library`` run its threads on PyTorch's OpenMP team (see ``cpu_kernels.c``); it keeps POSIX threads where
     PyTorch's runtime cannot be found."""
-    runtime = _torch_openmp() if torch.__config__.parallel_info().count('ATen parallel backend: OpenMP') else None
-    names = ('GOMP_parallel', 'omp_get_thread_num', 'omp_get_num_threads')
+    if 'ATen parallel backend: OpenMP' not in torch.__config__.parallel_info():
+        return
+    runtime = _torch_openmp()
+    names = ('GOMP_parallel', 'omp_get_thread_num', 'omp_get_num_threads')  # exported by all three runtimes
     if runtime is not None and all(hasattr(runtime, name) for name in names):
         library.use_openmp(*(ctypes.cast(getattr(runtime, name), ctypes.c_void_p) for name in names))
 
