@@ -8,6 +8,9 @@
 - Initialisation: ``spectral_init``.
 - ``lean_autograd``: the blocks' expressions with backwards that keep fewer activations.
 - ``onednn_linear``: token-wise linear layers, on CPU through oneDNN's 1x1 convolution.
+- ``depthwise_conv``: the shortcuts' depthwise convolution on NHWC maps, with a faster CPU weight gradient;
+  ``cpu_kernels.c``: the C kernels of the CPU backward (that weight gradient, the GELU residual's backward), built by
+  ``lipsformer.utils.native``.
 """
 from collections.abc import Callable
 
