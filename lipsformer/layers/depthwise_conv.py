@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
-from ..utils.native import cpu_kernels
+from ..utils.native import call_kernel, cpu_kernels
 
 __all__ = ['depthwise_conv2d']
 
@@ -44,11 +44,8 @@ def _native_weight_grad(library: ctypes.CDLL, x: torch.Tensor, grad: torch.Tenso
     x, grad = x.contiguous(), grad.contiguous()
     batch, height, width, channels = x.shape
     per_image = x.new_empty(batch, channels, 7, 7)
-    status = library.depthwise7_weight_grad(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(grad.data_ptr()), ctypes.c_void_p(per_image.data_ptr()),
-        *(ctypes.c_int64(n) for n in (batch, height, width, channels, torch.get_num_threads())))
-    if status != 0:
-        raise RuntimeError(f'depthwise7_weight_grad rejected shape {tuple(x.shape)} (status {status})')
+    call_kernel(library, 'depthwise7_weight_grad', (x, grad, per_image),
+                (batch, height, width, channels, torch.get_num_threads()))
     return per_image.sum(0).unsqueeze(1)
 
 

@@ -19,13 +19,11 @@ outside TorchScript and tracing; elsewhere it evaluates the plain expression, wh
 it with. GELU is the exact (erf) form, as ``nn.GELU()``.
 """
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
 
-from ..utils.native import cpu_kernels
+from ..utils.native import call_kernel, cpu_kernels
 from .onednn_linear import linear, linear_backward
 
 __all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
@@ -169,11 +167,8 @@ def _native_gelu_residual_backward(grad: torch.Tensor, z: torch.Tensor, scale: t
     grad_z = torch.empty_like(z)
     chunks = -(-positions // library.gelu_residual_chunk())
     grad_scale = z.new_empty(batch, chunks, channels)
-    status = library.gelu_residual_backward(
-        *(ctypes.c_void_p(t.data_ptr()) for t in (grad, z, flat_scale, grad_z, grad_scale)),
-        *(ctypes.c_int64(n) for n in (batch, positions, channels, int(per_image), torch.get_num_threads())))
-    if status != 0:
-        raise RuntimeError(f'gelu_residual_backward rejected z {tuple(z.shape)}, scale {tuple(scale.shape)}')
+    call_kernel(library, 'gelu_residual_backward', (grad, z, flat_scale, grad_z, grad_scale),
+                (batch, positions, channels, int(per_image), torch.get_num_threads()))
     grad_scale = grad_scale.sum(1)
     return grad_z, (grad_scale if per_image else grad_scale.sum(0)).view(scale.shape)
 

@@ -19,9 +19,9 @@ from .io import (
     write_json,
     write_text,
 )
-from .native import CPU_KERNELS, cpu_kernels, load_native, native_cache_dir, native_kernels
+from .native import CPU_KERNELS, call_kernel, cpu_kernels, load_native, native_cache_dir, native_kernels
 
-__all__ = ['CPU_KERNELS', 'JsonLines', 'atomic_open', 'atomic_path', 'cpu_kernels', 'cpu_name', 'fsync_dir',
-           'load_native', 'minor_page_faults', 'native_cache_dir', 'native_kernels', 'peak_memory_mb', 'peak_rss_mb',
-           'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json',
-           'write_text']
+__all__ = ['CPU_KERNELS', 'JsonLines', 'atomic_open', 'atomic_path', 'call_kernel', 'cpu_kernels', 'cpu_name',
+           'fsync_dir', 'load_native', 'minor_page_faults', 'native_cache_dir', 'native_kernels', 'peak_memory_mb',
+           'peak_rss_mb', 'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
+           'write_json', 'write_text']

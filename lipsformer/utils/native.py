@@ -30,7 +30,7 @@ import torch
 from .env import cpu_name
 from .io import atomic_path
 
-__all__ = ['CPU_KERNELS', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
+__all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 CPU_KERNELS = 'layers/cpu_kernels.c'  # the layers' kernels, as load_native takes it
@@ -150,9 +150,17 @@ def load_native(source_name: str) -> ctypes.CDLL | None:
 
 
 def native_kernels() -> dict[str, bool]:
-    """Each C kernel of the package (its path inside it) and whether it is built and loaded here (built if needed)."""
-    return {str(source.relative_to(_PACKAGE)): load_native(str(source.relative_to(_PACKAGE))) is not None
-            for source in sorted(_PACKAGE.rglob('*.c'))}
+    """The package's C kernels (:data:`CPU_KERNELS`) and whether they are built and loaded here (built if needed)."""
+    return {CPU_KERNELS: load_native(CPU_KERNELS) is not None}
+
+
+def call_kernel(library: ctypes.CDLL, name: str, tensors: tuple[torch.Tensor, ...], sizes: tuple[int, ...]) -> None:
+    """``library.name(*data pointers of tensors, *sizes as int64)``. The kernels return 0, or 1 for arguments they
+    do not take (the callers check shapes first, so that is a bug)."""
+    status = getattr(library, name)(*(ctypes.c_void_p(t.data_ptr()) for t in tensors),
+                                    *(ctypes.c_int64(n) for n in sizes))
+    if status != 0:
+        raise RuntimeError(f'{name} rejected tensors of shapes {[tuple(t.shape) for t in tensors]}, sizes {sizes}')
 
 
 def cpu_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
