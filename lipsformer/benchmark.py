@@ -43,7 +43,7 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.hub.model_names import check_model_source, model_source
-from lipsformer.utils import cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
+from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
            'saved_activations_mb']
@@ -458,6 +458,7 @@ def environment(device: str) -> dict:
     info = {
         'python': platform.python_version(), 'torch': torch.__version__, 'timm': timm.__version__,
         'platform': platform.platform(), 'cpu': cpu_name(), 'cpu_count': os.cpu_count(),
+        'cpu_details': cpu_details(),  # two guests both named "AMD EPYC" gave different ratios (docs/benchmarks.md)
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'native_kernels': native_kernels(),  # the C kernels in use: without them the CPU backward is slower
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',

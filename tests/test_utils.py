@@ -7,10 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import lipsformer.utils.env as env
 import lipsformer.utils.io as io_module
 from lipsformer.utils import (
     JsonLines,
     atomic_open,
+    cpu_details,
     cpu_name,
     peak_memory_mb,
     peak_rss_mb,
@@ -144,3 +146,15 @@ def test_machine_facts():
     high_water_mb = next(int(line.split()[1]) / 1024 for line in open('/proc/self/status') if line.startswith('VmHWM:'))
     assert peak_rss_mb() == pytest.approx(high_water_mb, abs=4)
     assert peak_memory_mb(torch.device('cpu')) == peak_rss_mb()
+
+
+def test_cpu_details_tell_generations_apart(tmp_path, monkeypatch):
+    details = cpu_details()
+    assert details['name'] == cpu_name() and details['isa'] == torch.backends.cpu.get_cpu_capability()
+    cpuinfo = tmp_path / 'cpuinfo'  # two processors of a Zen 5 guest: only the first block is read
+    cpuinfo.write_text('processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n'
+                       'model name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\ncpu family\t: 25\n')
+    real_path = env.Path
+    monkeypatch.setattr(env, 'Path', lambda path: cpuinfo if path == '/proc/cpuinfo' else real_path(path))
+    assert env.cpu_details() == {'name': 'AMD EPYC', 'vendor': 'AuthenticAMD', 'family': '26', 'model': '2',
+                                 'stepping': '1', 'isa': torch.backends.cpu.get_cpu_capability()}

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ['cpu_name', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb']
+__all__ = ['cpu_details', 'cpu_name', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb']
+
+# /proc/cpuinfo fields that tell CPU generations apart where the model name does not (a cloud guest's "AMD EPYC").
+_CPUINFO_FIELDS = {'vendor_id': 'vendor', 'cpu family': 'family', 'model': 'model', 'stepping': 'stepping'}
 
 
 def cpu_name() -> str:
@@ -18,6 +21,24 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_details() -> dict[str, str]:
+    """The CPU's name, vendor, family, model and stepping (Linux), and the vector instruction set PyTorch's kernels
+    use (``torch.backends.cpu.get_cpu_capability()``): what makes speed ratios comparable between machines."""
+    details = {'name': cpu_name()}
+    try:
+        for line in Path('/proc/cpuinfo').read_text().splitlines():
+            key, _, value = line.partition(':')
+            field = _CPUINFO_FIELDS.get(key.strip())
+            if not line.strip():
+                break  # the first processor's block is enough
+            if field:
+                details[field] = value.strip()
+    except OSError:
+        pass
+    details['isa'] = torch.backends.cpu.get_cpu_capability()
+    return details
 
 
 def peak_rss_mb() -> float:
