@@ -1,5 +1,6 @@
 """The C kernels (lipsformer.utils.native) and the one they serve: the 7x7 depthwise weight gradient."""
 import os
+import platform
 import stat
 
 import pytest
@@ -81,6 +82,29 @@ def test_channels_off_the_vector_width_and_other_kernels_take_the_per_image_path
         _assert_close_to_reference(depthwise_conv._weight_grad(x, grad, (3, 3), (7, 7)), x, grad)
         x, grad = torch.randn(2, 6, 6, 16), torch.randn(2, 6, 6, 16)
         assert depthwise_conv._weight_grad(x, grad, (1, 1), (3, 3)).shape == (16, 1, 3, 3)
+
+
+# The build a CPU without AVX-512 gets (8 channels a vector): the x86 baseline where -march=native fails, and AVX2.
+_PORTABLE_ARCHS = [()] + ([('-march=x86-64-v3',)] if platform.machine() in ('x86_64', 'AMD64') else [])
+
+
+@pytest.mark.parametrize('arch', _PORTABLE_ARCHS, ids=lambda arch: ' '.join(arch) or 'baseline')
+def test_the_eight_channel_build_gives_the_float64_gradients(arch, tmp_path, monkeypatch):
+    from lipsformer.layers import lean_autograd
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(native, '_ARCH_FLAGS', (arch,))
+    library = _kernel()
+    assert library.channel_block() == 8
+    x, grad = torch.randn(3, 9, 13, 24), torch.randn(3, 9, 13, 24)  # 24 channels: three 8-wide blocks
+    z, scale = 4 * torch.randn(3, 9, 13, 24), torch.rand(3, 1, 1, 24)
+    with torch.no_grad():  # as in a backward
+        _assert_close_to_reference(depthwise_conv._native_weight_grad(library, x, grad), x, grad)
+        got = lean_autograd._native_gelu_residual_backward(grad, z, scale)
+    assert got is not None  # the kernel took them
+    z64, scale64 = z.double().requires_grad_(True), scale.double().requires_grad_(True)
+    expected = torch.autograd.grad(F.gelu(z64) * scale64, (z64, scale64), grad.double())
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=2e-6 * e.abs().max().item())
 
 
 def _fake_compiler(folder, script: str) -> str:
