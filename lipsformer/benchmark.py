@@ -8,11 +8,11 @@ Example (the CPU comparison of ``docs/benchmarks.md``)::
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
 a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
-name files you trust). Per model and mode it reports images/s (models interleaved in the warm-up and in every repeat,
-median of the repeats), the interquartile range of its per-repeat ratios to the first model (paired within each
-repeat), the process's minor page faults per timed step, peak memory (each model in a fresh process), activations
-saved for backward per image, params, GMACs and TFLOP/s, with ratios to the first model; ``docs/benchmarks.md`` says
-how each is measured.
+name files you trust). Per model and mode it reports images/s (models interleaved in the warm-up and in every
+repeat, median of the repeats), the median and interquartile range of its per-repeat ratios to the first model
+(paired within each repeat: the steadier figure when another job disturbs some repeats), the process's minor page
+faults per timed step, peak memory (each model in a fresh process), activations saved for backward per image,
+params, GMACs and TFLOP/s, with ratios to the first model; ``docs/benchmarks.md`` says how each is measured.
 """
 
 import argparse
@@ -421,6 +421,7 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
             # Paired: the models of one repeat ran back to back, so the machine's drift cancels in their quotient.
             row['ratio_samples'] = [sample / first for sample, first in
                                     zip(row['images_per_s_samples'], rows[0]['images_per_s_samples'])]
+            row['ratio_median'] = statistics.median(row['ratio_samples'])
             row['ratio_quartiles'] = _quartiles(row['ratio_samples'])
             row['saved_activations_mb_per_image'] = saved_mb if mode == 'train' else None
             row['saved_activations_ratio'] = saved_mb / activations[0] if mode == 'train' and activations[0] else None
@@ -472,14 +473,14 @@ def environment(device: str) -> dict:
 
 def format_table(report: dict, markdown: bool = False) -> str:
     """The report's results as an aligned text table (or Markdown)."""
-    header = ['model', 'mode', 'img/s', 'ratio', 'ratio IQR', 'ms/step', 'faults/step', 'peak MiB', 'mem ratio',
-              'act MiB/img', 'act ratio', 'params (M)', 'GMACs', 'TFLOP/s']
+    header = ['model', 'mode', 'img/s', 'ratio', 'paired ratio (IQR)', 'ms/step', 'faults/step', 'peak MiB',
+              'mem ratio', 'act MiB/img', 'act ratio', 'params (M)', 'GMACs', 'TFLOP/s']
 
     def optional(value: float | None, digits: int) -> str:
         return '-' if value is None else f'{value:.{digits}f}'
 
     lines = [[row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}',
-              '{:.3f}-{:.3f}'.format(*row['ratio_quartiles']),
+              '{:.3f} ({:.3f}-{:.3f})'.format(row['ratio_median'], *row['ratio_quartiles']),
               f'{row["ms_per_step"]:.1f}', f'{row["page_faults_per_step"]:.0f}', optional(row['peak_memory_mb'], 0),
               optional(row['memory_ratio'], 3), optional(row['saved_activations_mb_per_image'], 1),
               optional(row['saved_activations_ratio'], 3),

@@ -14,6 +14,7 @@ from lipsformer.benchmark import (
     ModelSpec,
     _build,
     _make_step,
+    format_table,
     interleaved_order,
     main,
     parse_model_specs,
@@ -67,12 +68,24 @@ def test_ratio_spread_pairs_the_models_of_each_repeat(report):
     for mode in ('infer', 'train'):
         first, second = [row for row in report['results'] if row['mode'] == mode]
         assert first['ratio_samples'] == [1.0] * CONFIG.repeats and first['ratio_quartiles'] == [1.0, 1.0]
+        assert first['ratio_median'] == 1.0
         expected = [ours / theirs for ours, theirs in zip(second['images_per_s_samples'],
                                                           first['images_per_s_samples'])]
         assert second['ratio_samples'] == pytest.approx(expected, rel=1e-12)
         # Three samples: the inclusive quartiles are the midpoints between the median and the extremes.
         low, middle, high = sorted(expected)
         assert second['ratio_quartiles'] == pytest.approx([(low + middle) / 2, (middle + high) / 2], rel=1e-12)
+        assert second['ratio_median'] == pytest.approx(middle, rel=1e-12)
+
+
+def test_the_table_shows_each_row_with_its_paired_ratio(report):
+    text, markdown = format_table(report).splitlines(), format_table(report, markdown=True).splitlines()
+    assert len(text) == 1 + len(report['results']) and len(markdown) == 2 + len(report['results'])
+    assert 'paired ratio (IQR)' in text[0]
+    for line, row in zip(markdown[2:], report['results']):
+        cells = [cell.strip() for cell in line.strip('|').split('|')]
+        assert cells[:4] == [row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}']
+        assert cells[4] == '{:.3f} ({:.3f}-{:.3f})'.format(row['ratio_median'], *row['ratio_quartiles'])
 
 
 def test_ratio_quartiles_of_a_single_repeat():
@@ -80,6 +93,7 @@ def test_ratio_quartiles_of_a_single_repeat():
         batch_size=1, img_size=32, warmup=0, repeats=1, memory=False, retain_cpu_memory=False))
     first, second = report['results']
     assert second['ratio_quartiles'] == [second['ratio_samples'][0]] * 2 == [second['ratio']] * 2
+    assert second['ratio_median'] == second['ratio']
 
 
 def test_counts_and_tflops_come_from_complexity(report):
