@@ -17,8 +17,10 @@ from timm.models import register_notrace_function
 
 __all__ = ['TokenLinear', 'linear', 'linear_backward']
 
-# Below this many rows (a classifier head, a pooled batch) the BLAS call is as fast and has less overhead.
-_MIN_ROWS = 1024
+# Below this many rows (a classifier head, a pooled batch) the BLAS call is as fast or faster: from one 14x14 map
+# up, oneDNN was faster at every product of the models measured in docs/benchmarks.md (a 7x7 stage of 16 images
+# included), at 64 rows not always.
+_MIN_ROWS = 196
 # Read once: torch.compile does not trace the call.
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
