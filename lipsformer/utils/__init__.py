@@ -2,7 +2,7 @@
 
 - :mod:`.io`: writes that survive a crash at any instant (text, JSON, torch and safetensors files, whole folders),
   the clean-up of what a killed writer left, and JSON-lines logs;
-- :mod:`.env`: the machine a run or a measurement ran on (CPU name, peak memory, page faults);
+- :mod:`.env`: the machine a run or a measurement ran on (CPU name and generation, peak memory, page faults);
 - :mod:`.native`: the package's C kernels, compiled for the machine on first use and cached.
 """
 from .env import cpu_details, cpu_name, minor_page_faults, peak_memory_mb, peak_rss_mb

@@ -1,4 +1,4 @@
-"""The machine a run or a measurement ran on: CPU name, peak memory and page faults."""
+"""The machine a run or a measurement ran on: CPU name and generation, peak memory and page faults."""
 import platform
 import resource
 import sys
@@ -29,11 +29,10 @@ def cpu_details() -> dict[str, str]:
     details = {'name': cpu_name()}
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
-            key, _, value = line.partition(':')
-            field = _CPUINFO_FIELDS.get(key.strip())
             if not line.strip():
                 break  # the first processor's block is enough
-            if field:
+            key, _, value = line.partition(':')
+            if field := _CPUINFO_FIELDS.get(key.strip()):
                 details[field] = value.strip()
     except OSError:
         pass
