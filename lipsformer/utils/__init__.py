@@ -5,7 +5,7 @@
 - :mod:`.env`: the machine a run or a measurement ran on (CPU name and generation, peak memory, page faults);
 - :mod:`.native`: the package's C kernels, compiled for the machine on first use and cached.
 """
-from .env import cpu_details, cpu_name, minor_page_faults, peak_memory_mb, peak_rss_mb
+from .env import cpu_details, cpu_name, cpuinfo, minor_page_faults, peak_memory_mb, peak_rss_mb
 from .io import (
     JsonLines,
     atomic_open,
@@ -22,6 +22,6 @@ from .io import (
 from .native import CPU_KERNELS, call_kernel, cpu_kernels, load_native, native_cache_dir, native_kernels
 
 __all__ = ['CPU_KERNELS', 'JsonLines', 'atomic_open', 'atomic_path', 'call_kernel', 'cpu_details', 'cpu_kernels',
-           'cpu_name', 'fsync_dir', 'load_native', 'minor_page_faults', 'native_cache_dir', 'native_kernels',
+           'cpu_name', 'cpuinfo', 'fsync_dir', 'load_native', 'minor_page_faults', 'native_cache_dir', 'native_kernels',
            'peak_memory_mb', 'peak_rss_mb', 'read_json', 'remove_stale_temporaries', 'replace_dir',
            'save_safetensors', 'save_torch', 'write_json', 'write_text']

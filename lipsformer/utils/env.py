@@ -6,38 +6,36 @@ from pathlib import Path
 
 import torch
 
-__all__ = ['cpu_details', 'cpu_name', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb']
+__all__ = ['cpu_details', 'cpu_name', 'cpuinfo', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb']
 
 # /proc/cpuinfo fields that tell CPU generations apart where the model name does not (a cloud guest's "AMD EPYC").
 _CPUINFO_FIELDS = {'vendor_id': 'vendor', 'cpu family': 'family', 'model': 'model', 'stepping': 'stepping'}
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
+def cpuinfo() -> dict[str, str]:
+    """The fields of Linux's /proc/cpuinfo, each with its first value (the first processor's, where every processor
+    lists it); empty where there is no such file."""
+    fields: dict[str, str] = {}
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if line.startswith('model name'):
-                return line.split(':', 1)[1].strip()
+            key, _, value = line.partition(':')
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
+    return cpuinfo().get('model name') or platform.processor() or platform.machine()
 
 
 def cpu_details() -> dict[str, str]:
     """The CPU's name, vendor, family, model and stepping (Linux), and the vector instruction set PyTorch's kernels
     use (``torch.backends.cpu.get_cpu_capability()``): what makes speed ratios comparable between machines."""
-    details = {'name': cpu_name()}
-    try:
-        for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if not line.strip():
-                break  # the first processor's block is enough
-            key, _, value = line.partition(':')
-            if field := _CPUINFO_FIELDS.get(key.strip()):
-                details[field] = value.strip()
-    except OSError:
-        pass
-    details['isa'] = torch.backends.cpu.get_cpu_capability()
-    return details
+    info = cpuinfo()
+    return ({'name': cpu_name()} | {field: info[key] for key, field in _CPUINFO_FIELDS.items() if key in info}
+            | {'isa': torch.backends.cpu.get_cpu_capability()})
 
 
 def peak_rss_mb() -> float:

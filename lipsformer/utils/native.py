@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .env import cpu_name
+from .env import cpu_name, cpuinfo
 from .io import atomic_path
 
 __all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
@@ -47,13 +47,8 @@ def native_cache_dir() -> Path:
 
 def _cpu_identity() -> str:
     """The CPU's name and instruction-set flags: what a -march=native build depends on."""
-    flags = ''
-    try:
-        flags = next((line for line in Path('/proc/cpuinfo').read_text().splitlines()
-                      if line.startswith(('flags', 'Features'))), '')
-    except OSError:
-        pass
-    return f'{platform.machine()} {cpu_name()} {flags}'
+    info = cpuinfo()
+    return f"{platform.machine()} {cpu_name()} {info.get('flags') or info.get('Features', '')}"
 
 
 def _compiler_version(compiler: str) -> str:
