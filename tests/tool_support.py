@@ -8,9 +8,7 @@
 - :func:`assert_close_to`: a comparison whose tolerance follows the dtype and the reference's scale.
 """
 import contextlib
-import importlib
 from collections.abc import Iterator
-from unittest import mock
 
 import pytest
 import timm
@@ -33,25 +31,8 @@ def build(name: str, **kwargs) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def plain_path() -> Iterator[None]:
-    """Run the models on their plain path: ``lipsformer.layers.set_fast_path(False)``, the package's one switch.
-
-    A lipsformer without the switch gets the nearest equivalent: its lean autograd Functions bypassed (the oneDNN
-    products and the depthwise weight-gradient kernel run in float32 only, so in float64 the models are then plain
-    PyTorch operations). References are computed in float64 for that reason.
-    """
-    set_fast_path = getattr(lipsformer.layers, 'set_fast_path', None)
-    if set_fast_path is not None:
-        with set_fast_path(False):
-            yield
-        return
-    try:
-        lean_autograd = importlib.import_module('lipsformer.layers.lean_autograd')
-    except ImportError:
-        lean_autograd = None
-    if lean_autograd is None or not hasattr(lean_autograd, '_lean'):
-        yield
-        return
-    with mock.patch.object(lean_autograd, '_lean', lambda *tensors: False):
+    """Run the models on their plain path: ``lipsformer.layers.set_fast_path(False)``, the package's one switch."""
+    with lipsformer.layers.set_fast_path(False):
         yield
 
 

@@ -41,12 +41,29 @@ def needs_backward(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
+def _without_autocast_cache(function: Callable, device_type: str) -> Callable:
+    """``function`` under the autocast state it is called in, with autocast's cast cache off.
+
+    Inside a Function grad mode is off, so a weight autocast casts there has no autograd history; cached, that cast
+    would be what a later use of the same weight in the same autocast region gets, and its gradient would be lost.
+    """
+
+    @functools.wraps(function)
+    def uncached(ctx, *args):
+        if not torch.is_autocast_enabled(device_type):
+            return function(ctx, *args)
+        with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+            return function(ctx, *args)
+
+    return uncached
+
+
 @functools.cache
 def _autocast_declared(function: Callable, device_type: str, backward: bool) -> Callable:
     if not torch.amp.is_autocast_available(device_type):
         return function
     declare = torch.amp.custom_bwd if backward else torch.amp.custom_fwd
-    return declare(function, device_type=device_type)
+    return declare(_without_autocast_cache(function, device_type), device_type=device_type)
 
 
 def autocast_forward(forward: Callable) -> Callable:

@@ -69,8 +69,10 @@ def _global_module_hooks() -> bool:
 
 
 def transformed() -> bool:
-    """Whether a ``torch.func`` transform (vmap, grad, jvp, jacrev, ...) or forward-mode AD is running."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or getattr(forward_ad, '_current_level', -1) >= 0
+    """Whether a ``torch.func`` transform (vmap, grad, jvp, jacrev, ...) or forward-mode AD is running (outside
+    dynamo, which reads nothing after its ``is_compiling()``)."""
+    return not torch.compiler.is_compiling() and (torch._C._functorch.peek_interpreter_stack() is not None
+                                                  or getattr(forward_ad, '_current_level', -1) >= 0)
 
 
 def active() -> bool:

@@ -16,7 +16,14 @@ import torch.nn as nn
 from timm.models import generate_default_cfgs, register_model
 
 from .. import fastpath
-from ..layers import pad_to_multiple, padding_key_mask, split_heads, window_partition, window_reverse
+from ..layers import (
+    pad_to_multiple,
+    padded_size,
+    padding_key_mask,
+    split_heads,
+    window_partition,
+    window_reverse,
+)
 from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
@@ -62,7 +69,16 @@ class StripeAttention(nn.Module):
         channels, area = v_windows.shape[2], v_windows.shape[1]
         positional = self.lepe(v_windows.transpose(1, 2).reshape(-1, channels, stripe_h, stripe_w))
         positional = positional.reshape(-1, self.num_heads, channels // self.num_heads, area).transpose(-1, -2)
-        x = self.kernel(q, k, v, padding_key_mask(qkv[:, :, :, 0], stripe_h, stripe_w))
+        mask = padding_key_mask(height, width, stripe_h, stripe_w, qkv.device, qkv.dtype)
+        if mask is None:
+            x = self.kernel(q, k, v, None)
+        else:
+            # The mask differs per stripe and is the same for every image: the (B * stripes) dimension is viewed as
+            # (B, stripes), so that nothing depends on the batch size.
+            padded_h, padded_w = padded_size(height, width, stripe_h, stripe_w)
+            stripes = (padded_h // stripe_h) * (padded_w // stripe_w)
+            q, k, v = q.unflatten(0, (-1, stripes)), k.unflatten(0, (-1, stripes)), v.unflatten(0, (-1, stripes))
+            x = self.kernel(q, k, v, mask).flatten(0, 1)
         x = (x + positional).mul_(self.head_scale)  # the sum's backward needs no output
         return window_reverse(x.transpose(1, 2), stripe_h, stripe_w, height, width).flatten(3)
 
