@@ -5,20 +5,19 @@ import torch
 import torch.nn as nn
 from torch.autograd.functional import jacobian
 
+from lipsformer.fastpath import blocks
+from lipsformer.fastpath.lean_autograd import l2_normalize, scaled_linear
 from lipsformer.layers import (
     CenterNorm,
     ConvShortcut,
     DotProductAttention,
-    ResidualDropPath,
     ScaledCosineAttention,
-    ScaledOutputMlp,
     ScaleLayer,
     create_conv_shortcuts,
     get_norm_layer,
     init_weights_,
     pad_to_multiple,
     padding_key_mask,
-    scaled_linear,
     spectral_norm,
     spectral_normalize_,
     window_partition,
@@ -188,21 +187,24 @@ def test_window_partition_round_trip_and_padding():
 
 
 def test_padding_key_mask_hides_exactly_the_padded_tokens():
-    assert padding_key_mask(8, 8, 4, 4, 2, torch.device('cpu'), torch.float32) is None
-    mask = padding_key_mask(5, 3, 5, 2, 2, torch.device('cpu'), torch.float32)  # windows 5x2 over a 5x4 map
-    assert mask.shape == (2 * 2, 1, 1, 10)
-    masked = torch.isinf(mask[1, 0, 0]).view(5, 2)  # the second window holds column 2 and padded column 3
-    assert masked[:, 1].all() and not masked[:, 0].any()
-    assert not torch.isinf(mask[0]).any()
+    assert padding_key_mask(torch.randn(2, 8, 8, 6), 4, 4) is None
+    mask = padding_key_mask(torch.randn(3, 5, 3, 6, dtype=torch.float64), 5, 2)  # windows 5x2 over a 5x4 map
+    assert mask.shape == (3 * 2, 1, 1, 10) and mask.dtype == torch.float64
+    for image in range(3):
+        masked = torch.isinf(mask[2 * image + 1, 0, 0]).view(5, 2)  # window 2 holds column 2 and padded column 3
+        assert masked[:, 1].all() and not masked[:, 0].any()
+        assert not torch.isinf(mask[2 * image]).any()
 
 
 def test_alpha_folded_into_the_last_linear_equals_scaling_its_output():
-    """scaled_linear / ScaledOutputMlp: (alpha W) x + alpha b == alpha (W x + b), values and every gradient."""
+    """scaled_linear / the fast MLP: (alpha W) x + alpha b == alpha (W x + b), values and every gradient."""
+    from timm.layers import Mlp
     torch.manual_seed(0)
-    mlp = ScaledOutputMlp(8, 32)
+    mlp = Mlp(8, 32)
     alpha = nn.Parameter(torch.rand(8) + 0.1)
     x = torch.randn(2, 5, 8, requires_grad=True)
-    folded = mlp(x, alpha)
+    assert blocks.mlp_is_plain(mlp)
+    folded = blocks.mlp(mlp, x, alpha)
     grads_folded = torch.autograd.grad(folded.square().sum(), [x, alpha, *mlp.parameters()])
     plain = mlp(x) * alpha
     grads_plain = torch.autograd.grad(plain.square().sum(), [x, alpha, *mlp.parameters()])
@@ -217,17 +219,17 @@ def test_alpha_folded_into_the_last_linear_equals_scaling_its_output():
 @pytest.mark.parametrize('drop_prob', [0.0, 0.5])
 @pytest.mark.parametrize('training', [True, False])
 @pytest.mark.parametrize('with_scale', [True, False])
-def test_residual_drop_path_equals_timm_drop_path_of_the_scaled_branch(drop_prob, training, with_scale):
-    """ResidualDropPath.residual(x, y, alpha) == x + timm DropPath(y * alpha) with the same seed: the same samples
+def test_fused_weighted_residual_equals_timm_drop_path_of_the_scaled_branch(drop_prob, training, with_scale):
+    """The fast path's x + DropPath(y * alpha) == x + timm DropPath(y * alpha) with the same seed: the same samples
     dropped, kept ones rescaled by 1 / keep_prob, and the same values and gradients."""
     from timm.layers import DropPath
     x = torch.randn(6, 3, 4, 8, requires_grad=True)
     branch = torch.randn(6, 3, 4, 8, requires_grad=True)
     alpha = nn.Parameter(torch.rand(8) + 0.1) if with_scale else None
-    fused_module, plain_module = ResidualDropPath(drop_prob).train(training), DropPath(drop_prob).train(training)
+    plain_module = DropPath(drop_prob).train(training)
     inputs = [x, branch] + ([alpha] if with_scale else [])
     torch.manual_seed(3)
-    fused = fused_module.residual(x, branch, alpha)
+    fused = blocks.weighted_residual(x, branch, alpha, plain_module)
     grads_fused = torch.autograd.grad(fused.square().sum(), inputs)
     torch.manual_seed(3)
     plain = x + plain_module(branch * alpha if with_scale else branch)
@@ -248,7 +250,6 @@ def test_l2_normalize_equals_f_normalize_with_its_eps_floor():
     included, and fp16 rows whose squares overflow fp16."""
     import torch.nn.functional as F
 
-    from lipsformer.layers import l2_normalize
     x = torch.randn(3, 4, 7, 16, dtype=torch.float64)
     x[0, 0, 0] = 0.0
     x[1, 0, 0] = 1e-13  # below eps: divided by eps, not by its norm

@@ -1,14 +1,15 @@
-"""Lean autograd (lipsformer.layers.lean_autograd): the plain expression's values and gradients, fewer saved tensors."""
+"""Lean autograd (lipsformer.fastpath.lean_autograd): the plain expressions' values and gradients (twice), fewer
+saved tensors."""
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import TINY_MODELS
 
 from lipsformer.benchmark import BenchmarkConfig, saved_activations_mb
-from lipsformer.layers.lean_autograd import (
+from lipsformer.fastpath.lean_autograd import (
     _GeluResidual,
     _L2Normalize,
-    _Linear,
+    _ScaledLinear,
     gelu_residual,
     l2_normalize,
     scaled_linear,
@@ -45,11 +46,13 @@ def test_linear_passes_gradcheck(gelu, with_scale, with_bias):
     weight = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(4, dtype=torch.float64, requires_grad=True) if with_bias else None
     scale = torch.rand(4, dtype=torch.float64, requires_grad=True) if with_scale else None
-    assert torch.autograd.gradcheck(lambda *args: _Linear.apply(*args, gelu), (x, weight, bias, scale))
+    assert torch.autograd.gradcheck(lambda *args: _ScaledLinear.apply(*args, gelu), (x, weight, bias, scale))
+    # Twice differentiable: a recorded backward (create_graph=True) differentiates the plain expression.
+    assert torch.autograd.gradgradcheck(lambda *args: _ScaledLinear.apply(*args, gelu), (x, weight, bias, scale))
 
 
 @pytest.mark.parametrize('gelu', [False, True])
-@pytest.mark.parametrize('shape', [(4, 7, 7, 16), (4, 16, 17, 16)])  # below and above onednn_linear's rows threshold
+@pytest.mark.parametrize('shape', [(1, 7, 7, 16), (4, 16, 17, 16)])
 def test_linear_equals_the_plain_expression(gelu, shape):
     inputs = [torch.randn(*shape, requires_grad=True), torch.randn(8, 16, requires_grad=True),
               torch.randn(8, requires_grad=True), torch.rand(8, requires_grad=True)]
@@ -65,6 +68,7 @@ def test_gelu_residual_passes_gradcheck_and_equals_the_plain_expression(scale_sh
     z = torch.randn(3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
     scale = torch.rand(scale_shape, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(_GeluResidual.apply, (x, z, scale))
+    assert torch.autograd.gradgradcheck(_GeluResidual.apply, (x, z, scale))
     inputs = [t.float() for t in (x, z, scale)]
     _assert_same(gelu_residual, lambda x, z, s: x + s * F.gelu(z), inputs)
 
@@ -73,8 +77,12 @@ def test_l2_normalize_passes_gradcheck_also_where_the_norm_is_clamped():
     x = torch.randn(3, 4, 6, 5, dtype=torch.float64)
     x[0, 0, :2] *= 1e-3  # norms below eps: the clamped, linear branch
     x.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda t: _L2Normalize.apply(t, 1e-2, 10.0), (x,))
-    assert torch.autograd.gradcheck(lambda t: _L2Normalize.apply(t, 1e-2, 1.0), (x,))
+    for scale in (10.0, 1.0):
+        # Both outputs (the normalised x and the clamped squared norm), and twice: the backward is written in the
+        # saved outputs, which autograd differentiates through this Function again.
+        assert torch.autograd.gradcheck(lambda t: _L2Normalize.apply(t, 1e-2, scale), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: _L2Normalize.apply(t, 1e-2, scale), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: _L2Normalize.apply(t, 1e-2, scale)[0], (x,))
 
 
 @pytest.mark.parametrize('scale', [1.0, 12.0])
@@ -103,7 +111,7 @@ def test_without_a_backward_the_plain_expression_runs():
     with torch.no_grad():
         assert scaled_linear(x, weight, None).grad_fn is None
     assert scaled_linear(x.detach(), weight, None).grad_fn is None
-    assert type(scaled_linear(x, weight, None).grad_fn).__name__ == '_LinearBackward'  # the lean Function
+    assert type(scaled_linear(x, weight, None).grad_fn).__name__ == '_ScaledLinearBackward'  # the lean Function
 
 
 @pytest.mark.parametrize('case', ['linear_gelu', 'linear_scaled', 'gelu_residual', 'l2_normalize'])
@@ -149,18 +157,18 @@ def _train_step_gradients(model, x, seed):
 
 
 @pytest.mark.parametrize('name', TINY_MODELS)
-def test_whole_models_train_with_the_gradients_of_the_plain_expressions(name, monkeypatch):
+def test_whole_models_train_with_the_gradients_of_the_plain_expressions(name):
     import timm
 
-    import lipsformer.layers.lean_autograd as lean_autograd
+    from lipsformer.layers import set_fast_path
     model = timm.create_model(name, drop_path_rate=0.3, **TINY_MODELS[name]).train()
     x = torch.randn(3, 3, 64, 96)  # cut windows and stripes
     lean = _train_step_gradients(model, x, seed=5)
     config = BenchmarkConfig()
     lean_mb = saved_activations_mb(model, x, config)
-    monkeypatch.setattr(lean_autograd, '_lean', lambda *tensors: False)
-    plain = _train_step_gradients(model, x, seed=5)
-    assert saved_activations_mb(model, x, config) > 1.3 * lean_mb
+    with set_fast_path(False):
+        plain = _train_step_gradients(model, x, seed=5)
+        assert saved_activations_mb(model, x, config) > 1.3 * lean_mb
     assert lean.keys() == plain.keys()
     for key in lean:  # float32 sums in another order: close relative to the largest entry of each gradient
         torch.testing.assert_close(lean[key], plain[key], rtol=1e-4, atol=1e-5 * plain[key].abs().max().item(),
@@ -169,12 +177,14 @@ def test_whole_models_train_with_the_gradients_of_the_plain_expressions(name, mo
 
 @pytest.mark.parametrize('kernel', [7, 3])
 def test_depthwise_conv_passes_gradcheck_and_equals_the_channels_last_conv(kernel):
-    from lipsformer.layers.depthwise_conv import _DepthwiseConv2d, depthwise_conv2d
+    from lipsformer.fastpath.depthwise_conv import _DepthwiseConv2d, depthwise_conv2d
     x = torch.randn(2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(3, 1, kernel, kernel, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda *args: _DepthwiseConv2d.apply(*args, (kernel // 2, kernel // 2)),
                                     (x, weight, bias))
+    assert torch.autograd.gradgradcheck(lambda *args: _DepthwiseConv2d.apply(*args, (kernel // 2, kernel // 2)),
+                                        (x, weight, bias))
     inputs = [torch.randn(3, 9, 11, 32, requires_grad=True), torch.randn(32, 1, kernel, kernel, requires_grad=True),
               torch.randn(32, requires_grad=True)]
 
@@ -189,13 +199,13 @@ def _mlp_reference(x, weight1, bias1, weight2, bias2, scale):
     return _linear_reference(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2, scale, False)
 
 
-@pytest.mark.parametrize('shape', [(2, 9, 13, 16), (2, 32, 17, 16)])  # below and above onednn_linear's threshold
+@pytest.mark.parametrize('shape', [(1, 3, 5, 16), (2, 32, 17, 16)])
 def test_mlp_equals_timm_mlp_with_the_scale_on_its_output(shape):
-    from lipsformer.layers.lean_autograd import mlp
+    from lipsformer.fastpath.lean_autograd import mlp
     inputs = [torch.randn(*shape, requires_grad=True), 0.2 * torch.randn(64, 16), torch.randn(64),
               0.1 * torch.randn(16, 64), torch.randn(16), torch.rand(16)]
     inputs = [t.detach().requires_grad_(True) for t in inputs]
     _assert_same(mlp, _mlp_reference, inputs)
-    assert type(mlp(*inputs).grad_fn).__name__ == '_LinearBackward'  # fc2 keeps fc1's output, not GELU's
+    assert type(mlp(*inputs).grad_fn).__name__ == '_ScaledLinearBackward'  # fc2 keeps fc1's output, not GELU's
     with torch.no_grad():
         torch.testing.assert_close(mlp(*inputs), _mlp_reference(*inputs))

@@ -9,7 +9,7 @@ from timm.optim import create_optimizer_v2
 from tiny_models import TINY_MODELS
 
 from lipsformer import LipsFormerCSwin, LipsFormerSwin
-from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer
+from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer, set_fast_path
 
 ALL_MODELS = timm.list_models('lipsformer*')
 
@@ -313,7 +313,9 @@ def test_fx_trace(name):
     _, eval_nodes = get_graph_node_names(model, tracer_kwargs=tracer_kwargs)
     fx_model = create_feature_extractor(model, return_nodes=[eval_nodes[-1]], tracer_kwargs=tracer_kwargs)
     x = torch.randn(1, 3, 64, 64)
-    assert torch.equal(next(iter(fx_model(x).values())), model(x))
+    with set_fast_path(False):  # FX traces the plain module graph: the same ops in the same order
+        assert torch.equal(next(iter(fx_model(x).values())), model(x))
+    torch.testing.assert_close(next(iter(fx_model(x).values())), model(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('grad_enabled', [True, False])  # the lean Functions, and the plain expressions

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer.layers import depthwise_conv
+from lipsformer.fastpath import depthwise_conv
 from lipsformer.utils import native
 
-SOURCE = 'layers/cpu_kernels.c'
+SOURCE = native.CPU_KERNELS
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +92,7 @@ _PORTABLE_ARCHS = ([('-march=x86-64',), ('-march=x86-64-v3',)] if platform.machi
 
 @pytest.mark.parametrize('arch', _PORTABLE_ARCHS, ids=lambda arch: ' '.join(arch) or 'default')
 def test_the_eight_channel_build_gives_the_float64_gradients(arch, tmp_path, monkeypatch):
-    from lipsformer.layers import lean_autograd
+    from lipsformer.fastpath import lean_autograd
     probe = subprocess.run([os.environ.get('CC') or 'cc', *arch, '-x', 'c', '-c', '-o', os.devnull, '-'],
                            input='int x;', capture_output=True, text=True)
     if probe.returncode != 0:
@@ -127,7 +127,7 @@ def test_a_failing_compiler_warns_with_its_message_and_leaves_no_file(tmp_path, 
     cache = tmp_path / 'cache'
     monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(cache))
     monkeypatch.setenv('CC', _fake_compiler(tmp_path, 'echo "fatal: no space left" >&2; exit 1'))
-    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/cpu_kernels.c .*'
+    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel fastpath/cpu_kernels.c .*'
                                             r'fatal: no space left.*same values.*LIPSFORMER_NATIVE=0'):
         assert native.load_native(SOURCE) is None
     assert (tmp_path / 'builds').read_text().count('build') == 2  # with -march=native, then without
@@ -183,7 +183,7 @@ def test_a_double_backward_gets_the_second_derivatives_of_the_convolution():
     ((3, 300, 32), (3, 1, 32)),  # tokens: more positions than a chunk of the kernel
 ])
 def test_the_gelu_residual_backward_takes_the_kernel_and_gives_the_float64_gradients(shape, scale_shape, monkeypatch):
-    from lipsformer.layers import lean_autograd
+    from lipsformer.fastpath import lean_autograd
     calls = []
     monkeypatch.setattr(lean_autograd, 'cpu_kernels', lambda *t, real=lean_autograd.cpu_kernels: calls.append(
         real(*t)) or calls[-1])
@@ -202,7 +202,7 @@ def test_the_gelu_residual_backward_takes_the_kernel_and_gives_the_float64_gradi
 
 
 def test_the_gelu_residual_backward_propagates_nan_as_pytorch_does():
-    from lipsformer.layers.lean_autograd import _native_gelu_residual_backward
+    from lipsformer.fastpath.lean_autograd import _native_gelu_residual_backward
     z = torch.randn(2, 3, 3, 16)
     z[0, 1, 2, 5] = float('nan')
     with torch.no_grad():  # as in a backward

@@ -1,10 +1,10 @@
-"""Token-wise linear layers through oneDNN's 1x1 convolution (lipsformer.layers.onednn_linear) against F.linear."""
+"""Token-wise linear layers through oneDNN's 1x1 convolution (lipsformer.fastpath.onednn_linear) against F.linear."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer.layers import onednn_linear
-from lipsformer.layers.onednn_linear import linear, linear_backward
+from lipsformer.fastpath import onednn_linear
+from lipsformer.fastpath.onednn_linear import linear, linear_backward
 
 
 @pytest.fixture
@@ -22,13 +22,15 @@ def _values_and_gradients(function, x, weight, bias, seed_grad):
     return (out, *torch.autograd.grad(out, inputs, seed_grad))
 
 
-@pytest.mark.parametrize('shape', [(2, 32, 17, 24), (1100, 24), (4, 7, 7, 24)])  # (4, 7, 7): 196 rows, the least
+@pytest.mark.parametrize('shape', [(2, 32, 17, 24), (1100, 24), (1, 7, 7, 24), (3, 24)])
 def test_linear_on_cpu_is_a_1x1_convolution_with_f_linear_s_values_and_gradients(shape, conv_calls):
+    """Whatever the number of rows: the kernel depends on device and dtype only, so that a batch or token count that
+    export keeps dynamic picks no branch."""
     x, weight, bias = torch.randn(*shape), torch.randn(40, 24), torch.randn(40)
     seed_grad = torch.randn(*shape[:-1], 40)
     ours = _values_and_gradients(linear, x, weight, bias, seed_grad)
     expected = _values_and_gradients(F.linear, x, weight, bias, seed_grad)
-    assert conv_calls  # the oneDNN path ran (at least 196 rows, float32, CPU)
+    assert conv_calls  # the oneDNN path ran (float32, CPU)
     for got, want in zip(ours, expected):  # float32 sums in another order
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert ours[0].shape == (*shape[:-1], 40)
@@ -42,9 +44,9 @@ def test_linear_reads_a_strided_input(conv_calls):
     assert conv_calls
 
 
-@pytest.mark.parametrize('case', ['few rows', 'float64', 'bfloat16 autocast'])
+@pytest.mark.parametrize('case', ['float64', 'bfloat16 autocast'])
 def test_elsewhere_linear_is_f_linear(case, conv_calls):
-    x, weight, bias = torch.randn(5, 39, 24), torch.randn(40, 24), torch.randn(40)  # 195 rows
+    weight, bias = torch.randn(40, 24), torch.randn(40)
     if case == 'float64':
         x, weight, bias = torch.randn(50, 30, 24).double(), weight.double(), bias.double()
     if case == 'bfloat16 autocast':

@@ -87,7 +87,7 @@ def test_a_wheel_install_has_the_commands_and_the_configs(tmp_path):
     code = 'from lipsformer.utils import native_kernels; print(native_kernels())'
     built = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=120)
-    assert built.stdout.strip() == "{'layers/cpu_kernels.c': True}", built.stderr  # its C source shipped
+    assert built.stdout.strip() == "{'fastpath/cpu_kernels.c': True}", built.stderr  # its C source shipped
     for command in COMMANDS[1:]:
         shown = run(command, '--help')
         assert shown.returncode == 0 and '--model' in shown.stdout, (command, shown.stderr)

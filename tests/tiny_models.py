@@ -14,3 +14,15 @@ SMALLEST_SWIN = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), 
 # The same architecture as train.py's model.kwargs (img_size is the config's model.img_size).
 SMALLEST_SWIN_KWARGS = {key: list(value) if isinstance(value, tuple) else value
                         for key, value in SMALLEST_SWIN.items() if key != 'img_size'}
+
+# timm's own Swin at TINY_SWIN's shape (the same keyword arguments): the control of the tool tests, which must pass on
+# it as they do on any plain module graph.
+TIMM_SWIN = 'swin_tiny_patch4_window7_224'
+
+# One block per stage but the real windows (7) and stripes (1, 2, 7, 7), for exports at 224 and at 256x320, where
+# Swin pads its 7x7 windows and CSwin its 7-wide stripes (stage 3 is 16x20).
+EXPORT_MODELS = {
+    'lipsformer_swin_tiny': dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4)),
+    'lipsformer_cswin_tiny': dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4)),
+    TIMM_SWIN: dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4)),
+}

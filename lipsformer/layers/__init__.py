@@ -4,28 +4,25 @@
 - Attention kernels (q, k, v, bias -> out): ``scaled_cosine_attention`` (SCSA), ``dot_product_attention``,
   ``l2_attention``, ``lipschitz_norm_attention``, all ending in ``softmax_attention``; ``create_attention_kernel``.
 - Windows, stripes and heads of the mixers: ``windows``.
-- Residuals: ``weighted_residual`` (alpha, drop path, the MLP), ``conv_shortcut``.
+- Residuals: ``weighted_residual`` (alpha's ``ScaleLayer``), ``conv_shortcut``.
 - Initialisation: ``spectral_init``.
-- ``lean_autograd``: the blocks' expressions with backwards that keep fewer activations.
-- ``onednn_linear``: token-wise linear layers, on CPU through oneDNN's 1x1 convolution.
-- ``depthwise_conv``: the shortcuts' depthwise convolution on NHWC maps, with a faster CPU weight gradient;
-  ``cpu_kernels.c``: the C kernels of the CPU backward (that weight gradient, the GELU residual's backward), built by
-  ``lipsformer.utils.native``.
+
+Every layer here is the plain module graph; where ``lipsformer.fastpath`` may stand in for it (its switch,
+:func:`set_fast_path`, is re-exported here), the layer's forward says so.
 """
 from collections.abc import Callable
 
 import torch.nn as nn
 
+from ..fastpath import set_fast_path, use_fast_path
 from .center_norm import CenterNorm
 from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
-from .lean_autograd import gelu_residual, l2_normalize, scaled_linear
 from .lipschitz_norm_attention import LipschitzNormAttention
-from .onednn_linear import TokenLinear, linear
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
-from .weighted_residual import ResidualDropPath, ScaledOutputMlp, ScaleLayer
+from .weighted_residual import ScaleLayer
 from .windows import pad_to_multiple, padded_size, padding_key_mask, split_heads, window_partition, window_reverse
 
 NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
@@ -56,6 +53,8 @@ def create_attention_kernel(
         nu: float = 1.0,
         attn_drop: float = 0.0,
         num_heads: int | None = None,
+        device=None,
+        dtype=None,
 ) -> nn.Module:
     """The attention kernel for ``attn_type``: ``kernel(q, k, v, attn_bias=None)`` maps (batch, heads, tokens, head_dim)
     q, k, v and additive logits broadcastable to (batch, heads, tokens, tokens) (or None) to (batch, heads, tokens,
@@ -69,15 +68,17 @@ def create_attention_kernel(
         tau, tau_learnable, v_norm, nu: SCSA's temperature and value normalisation ('scsa' only).
         attn_drop: Dropout on the attention probabilities.
         num_heads: Heads the kernel serves; required by 'l2', which has a value map per head.
+        device, dtype: Where and in which dtype to create the kernel's parameters (learned tau, L2's value maps).
     """
     if attn_type == 'scsa':
-        return ScaledCosineAttention(tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu, attn_drop=attn_drop)
+        return ScaledCosineAttention(tau=tau, tau_learnable=tau_learnable, v_norm=v_norm, nu=nu, attn_drop=attn_drop,
+                                     device=device, dtype=dtype)
     if attn_type == 'dot':
         return DotProductAttention(head_dim, attn_drop=attn_drop)
     if attn_type == 'l2':
         if num_heads is None:
             raise ValueError("attn_type 'l2' needs num_heads (it learns one value map per head)")
-        return L2Attention(head_dim, num_heads, attn_drop=attn_drop)
+        return L2Attention(head_dim, num_heads, attn_drop=attn_drop, device=device, dtype=dtype)
     if attn_type == 'lipnorm':
         return LipschitzNormAttention(attn_drop=attn_drop)
     raise ValueError(f'unknown attn_type {attn_type!r}; expected one of {ATTENTION_TYPES}')
@@ -85,9 +86,8 @@ def create_attention_kernel(
 
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
-    'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualDropPath', 'ScaleLayer', 'ScaledCosineAttention',
-    'ScaledOutputMlp', 'TokenLinear', 'WEIGHT_INITS', 'create_attention_kernel', 'create_conv_shortcuts',
-    'gelu_residual', 'get_norm_layer', 'init_weights_', 'l2_normalize', 'linear', 'pad_to_multiple', 'padded_size',
-    'padding_key_mask', 'scaled_linear', 'spectral_norm', 'spectral_normalize_', 'split_heads', 'window_partition',
-    'window_reverse',
+    'LipschitzNormAttention', 'NORM_LAYERS', 'ScaleLayer', 'ScaledCosineAttention', 'WEIGHT_INITS',
+    'create_attention_kernel', 'create_conv_shortcuts', 'get_norm_layer', 'init_weights_', 'pad_to_multiple',
+    'padded_size', 'padding_key_mask', 'set_fast_path', 'spectral_norm', 'spectral_normalize_', 'split_heads',
+    'use_fast_path', 'window_partition', 'window_reverse',
 ]

@@ -11,20 +11,12 @@ LayerNorm, by contrast, divides by the standard deviation, and its Jacobian grow
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from timm.models import register_notrace_module
+
+from .. import fastpath
 
 __all__ = ['CenterNorm']
 
-# CenterNorm through LayerNorm's fused kernel (faster than the centring expression, forward and backward, on CPU):
-# LayerNorm divides the centred x by sqrt(var + eps), and with eps = 2^60 (which any variance below 2^36 leaves
-# unchanged in float32 arithmetic) that is exactly 2^30, so a weight scaled by 2^30 gives D / (D - 1) gamma (x - mean)
-# + beta. Powers of two multiply without rounding; the variance's share of the gradient is below var / 2^60.
-_LAYER_NORM_EPS = 2.0 ** 60
-_LAYER_NORM_RSTD_INV = 2.0 ** 30
 
-
-@register_notrace_module  # a leaf for FX: its forward branches on the input's dtype
 class CenterNorm(nn.Module):
     """Centre each token over its last (channel) dimension and rescale by D / (D - 1), with a learnable affine.
 
@@ -37,14 +29,13 @@ class CenterNorm(nn.Module):
             dim: Number of channels D (at least 2).
             eps: Accepted for drop-in compatibility with ``nn.LayerNorm``-style constructors; CenterNorm has no
                 variance, so it is unused.
+            device, dtype: Where and in which dtype to create the parameters (``device='meta'`` for deferred init).
         """
         super().__init__()
         if dim < 2:
             raise ValueError(f'CenterNorm needs at least 2 channels, got dim={dim}')
         self.dim = dim
         self.scale = dim / (dim - 1.0)
-        self.layer_norm_eps = _LAYER_NORM_EPS  # attributes rather than globals, for TorchScript
-        self.layer_norm_weight_scale = self.scale * _LAYER_NORM_RSTD_INV
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
 
@@ -57,14 +48,10 @@ class CenterNorm(nn.Module):
         return self.scale * self.weight.detach().abs().max().item()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Contiguous like LayerNorm's output: elementwise ops keep their input's layout, and an NHWC view of NCHW
-        # memory (timm's PatchEmbed output) would otherwise reach the conv shortcuts channels-first, where oneDNN's
-        # depthwise convolutions are several times slower on CPU. A no-op for contiguous inputs.
-        x = x.contiguous()
-        if x.dtype == torch.float16:  # the LayerNorm form's weight (about 1e9) does not fit in float16
-            return torch.addcmul(self.bias, x - x.mean(-1, keepdim=True), self.weight * self.scale)
-        return F.layer_norm(x, [self.dim], self.weight * self.layer_norm_weight_scale, self.bias,
-                            eps=self.layer_norm_eps)
+        if not torch.jit.is_scripting():
+            if fastpath.active():
+                return fastpath.center_norm(x, self.weight, self.bias, self.scale)
+        return self.weight * self.scale * (x - x.mean(-1, keepdim=True)) + self.bias
 
     def extra_repr(self) -> str:
         return f'{self.dim}'

@@ -15,10 +15,10 @@ kernel; at most sqrt(49) times the norm of the (C, 49) reshaped weight that spec
 """
 import torch
 import torch.nn as nn
+from timm.layers import DropPath
 
-from .depthwise_conv import depthwise_conv2d
-from .lean_autograd import gelu_residual, scaled_linear
-from .weighted_residual import ResidualDropPath, ScaleLayer
+from .. import fastpath
+from .weighted_residual import ScaleLayer
 
 __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
 
@@ -26,16 +26,18 @@ __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
 CONV_CONFIGS = {'A': (), 'B': (False,), 'C': (True,), 'D': (True, False)}
 
 
+def _exact_gelu(module: nn.Module) -> bool:
+    return fastpath.plain(module, nn.GELU) and module.approximate == 'none'
+
+
 class ConvShortcut(nn.Module):
     """x + DropPath(alpha * act(pw(act(dw(x))))) on NHWC feature maps.
 
-    With exact GELUs (the default) the depthwise conv is :func:`~lipsformer.layers.depthwise_conv.depthwise_conv2d`
-    (a faster weight gradient on CPU), the pointwise conv runs as a linear layer over channels on the NHWC map, and
-    both GELUs go through :mod:`~lipsformer.layers.lean_autograd`: the backward keeps x, dw(x) and pw(GELU(dw(x))),
-    not the GELUs' outputs.
+    The convs run on the NCHW view of the NHWC map, which is channels-last in memory: no layout copies. With exact
+    GELUs and plain modules the fast path (``lipsformer.fastpath.conv_shortcut``) computes the same with a faster
+    CPU weight gradient for the depthwise conv, the pointwise conv as a linear layer over channels, and a backward
+    that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs.
     """
-
-    lean: torch.jit.Final[bool]
 
     def __init__(
             self,
@@ -46,42 +48,44 @@ class ConvShortcut(nn.Module):
             kernel_size: int = 7,
             act_layer: type[nn.Module] = nn.GELU,
             alpha_learnable: bool = True,
+            device=None,
+            dtype=None,
     ) -> None:
         super().__init__()
-        self.dw = nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+        dd = {'device': device, 'dtype': dtype}
+        self.dw = nn.Conv2d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim, **dd)
         self.act1 = act_layer()
-        self.pw = nn.Conv2d(dim, dim, 1) if pointwise else None
+        self.pw = nn.Conv2d(dim, dim, 1, **dd) if pointwise else None
         self.act2 = act_layer() if pointwise else nn.Identity()
-        self.alpha = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
-        self.drop_path = ResidualDropPath(drop_path)
-        self.lean = all(isinstance(act, nn.GELU) and act.approximate == 'none'
-                        for act in (self.act1, self.act2) if not isinstance(act, nn.Identity))
+        self.alpha = ScaleLayer(dim, alpha_init, learnable=alpha_learnable, **dd)
+        self.drop_path = DropPath(drop_path)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """act(pw(act(dw(x)))) on an NHWC map, the residual's branch before alpha and drop path."""
-        # A permuted NHWC tensor is an NCHW tensor in channels-last memory: the convs run without layout copies.
         y = self.act1(self.dw(x.permute(0, 3, 1, 2)))
         if self.pw is not None:
             y = self.act2(self.pw(y))
         return y.permute(0, 2, 3, 1)
 
+    def _fusable(self) -> bool:
+        pointwise_plain = (fastpath.plain(self.act2, nn.Identity) if self.pw is None
+                           else fastpath.plain(self.pw, nn.Conv2d) and _exact_gelu(self.act2))
+        return (pointwise_plain and fastpath.plain(self.dw, nn.Conv2d) and _exact_gelu(self.act1)
+                and fastpath.plain(self.alpha, ScaleLayer) and fastpath.plain(self.drop_path, DropPath))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.lean:
-            # alpha, the drop-path mask and the sum in one multiply-add (ResidualDropPath).
-            return self.drop_path.residual(x, self.branch(x), self.alpha.gamma)
-        z = depthwise_conv2d(x, self.dw.weight, self.dw.bias)
-        if self.pw is not None:
-            z = scaled_linear(z, self.pw.weight.flatten(1), self.pw.bias, gelu=True)
-        scale = self.drop_path.branch_scale(z, self.alpha.gamma)
-        assert scale is not None  # alpha is always there; for TorchScript's Optional
-        return gelu_residual(x, z, scale)
+        if not torch.jit.is_scripting():
+            if fastpath.active() and self._fusable():
+                return fastpath.conv_shortcut(x, self.dw, self.pw, self.alpha.gamma, self.drop_path)
+        return x + self.drop_path(self.alpha(self.branch(x)))
 
 
 def create_conv_shortcuts(dim: int, conv_config: str, alpha_init: float, drop_path: float,
-                          alpha_learnable: bool = True) -> nn.ModuleList:
+                          alpha_learnable: bool = True, device=None, dtype=None) -> nn.ModuleList:
     """The shortcuts of one block for a Table 3 configuration letter ('A'-'D'); alphas fixed unless alpha_learnable."""
     if conv_config not in CONV_CONFIGS:
         raise ValueError(f'unknown conv_config {conv_config!r}; expected one of {sorted(CONV_CONFIGS)}')
     return nn.ModuleList([
-        ConvShortcut(dim, pointwise, alpha_init, drop_path, alpha_learnable=alpha_learnable)
+        ConvShortcut(dim, pointwise, alpha_init, drop_path, alpha_learnable=alpha_learnable, device=device,
+                     dtype=dtype)
         for pointwise in CONV_CONFIGS[conv_config]])

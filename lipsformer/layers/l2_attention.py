@@ -44,12 +44,13 @@ class L2Attention(nn.Module):
 
     fused_attn: torch.jit.Final[bool]
 
-    def __init__(self, head_dim: int, num_heads: int, attn_drop: float = 0.0) -> None:
+    def __init__(self, head_dim: int, num_heads: int, attn_drop: float = 0.0, device=None, dtype=None) -> None:
         """
         Args:
             head_dim: d = D/H, the width of each head.
             num_heads: Heads; each has its own value map M_h.
             attn_drop: Dropout on the attention probabilities.
+            device, dtype: Where and in which dtype to create the value maps.
         """
         super().__init__()
         self.fused_attn = use_fused_attn()
@@ -57,13 +58,13 @@ class L2Attention(nn.Module):
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.scale = head_dim ** -0.5
-        self.value_map = nn.Parameter(torch.empty(num_heads, head_dim, head_dim))
+        self.value_map = nn.Parameter(torch.empty(num_heads, head_dim, head_dim, device=device, dtype=dtype))
         self.attn_drop = nn.Dropout(attn_drop)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.value_map.copy_(torch.eye(self.head_dim).expand(self.num_heads, -1, -1))
+            self.value_map.copy_(torch.eye(self.head_dim, device=self.value_map.device).expand(self.num_heads, -1, -1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -14,9 +14,10 @@ partitioning, projections and positional terms belong to the caller.
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import use_fused_attn
 
-from .lean_autograd import l2_normalize
+from .. import fastpath
 from .softmax_attention import softmax_attention
 
 __all__ = ['ScaledCosineAttention']
@@ -37,6 +38,8 @@ class ScaledCosineAttention(nn.Module):
             nu: float = 1.0,
             eps: float = 1e-12,
             attn_drop: float = 0.0,
+            device=None,
+            dtype=None,
     ) -> None:
         """
         Args:
@@ -47,6 +50,7 @@ class ScaledCosineAttention(nn.Module):
             nu: Output scale used with ``v_norm``.
             eps: Floor of the norms (``F.normalize``'s eps, as the authors' code).
             attn_drop: Dropout on the attention probabilities.
+            device, dtype: Where and in which dtype to create a learned tau.
         """
         super().__init__()
         self.fused_attn = use_fused_attn()
@@ -55,22 +59,32 @@ class ScaledCosineAttention(nn.Module):
         self.nu = nu
         self.eps = eps
         self.tau_init = float(tau)
-        self.tau = nn.Parameter(torch.tensor(self.tau_init)) if tau_learnable else self.tau_init
+        self.tau = (nn.Parameter(torch.tensor(self.tau_init, device=device, dtype=dtype)) if tau_learnable
+                    else self.tau_init)
         self.attn_drop = nn.Dropout(attn_drop)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """(batch, heads, tokens, head_dim) q, k, v and an additive bias (a relative-position bias, a -inf/-100 mask)
-        broadcastable to the logits -> (batch, heads, tokens, head_dim)."""
-        # tau scales q, not the (tokens x tokens) logits, and the scale of softmax_attention (a Python float for
-        # SDPA) can stay 1 when tau is learned.
-        if self.tau_learnable:
-            q = l2_normalize(q, self.eps) * self.tau.to(q.dtype)
+        """(..., heads, tokens, head_dim) q, k, v and an additive bias (a relative-position bias, a -inf/-100 mask)
+        broadcastable to the logits -> (..., heads, tokens, head_dim)."""
+        # tau scales q, not the (tokens x tokens) logits.
+        fast = False
+        if not torch.jit.is_scripting():
+            fast = fastpath.active()
+        if torch.jit.is_scripting() or not fast:
+            q = F.normalize(q, dim=-1, eps=self.eps) * self.tau
+            k = F.normalize(k, dim=-1, eps=self.eps)
+            if self.v_norm:
+                v = F.normalize(v, dim=-1, eps=self.eps)
         else:
-            q = l2_normalize(q, self.eps, self.tau_init)
-        k = l2_normalize(k, self.eps)
-        if self.v_norm:
-            v = l2_normalize(v, self.eps)
+            # The normalised q, k (and v) as autograd's only saved copies, tau folded into q's normalisation.
+            if self.tau_learnable:
+                q = fastpath.l2_normalize(q, self.eps) * self.tau
+            else:
+                q = fastpath.l2_normalize(q, self.eps, self.tau_init)
+            k = fastpath.l2_normalize(k, self.eps)
+            if self.v_norm:
+                v = fastpath.l2_normalize(v, self.eps)
         x = softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn)
         if self.v_norm:
             x = x * self.nu

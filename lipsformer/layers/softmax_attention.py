@@ -2,14 +2,17 @@
 
     Attn(q, k, v) = softmax(s q k^T + B) v
 
-on (batch, heads, tokens, head_dim) tensors, with B an additive bias (a relative-position bias, a key mask) and
-dropout on the probabilities. PyTorch's fused ``scaled_dot_product_attention`` computes it wherever it is faster
-than the explicit expression below.
+on (..., heads, tokens, head_dim) tensors, with B an additive bias (a relative-position bias, a key mask) and
+dropout on the probabilities. PyTorch's fused ``scaled_dot_product_attention`` computes it where timm's fused-attention
+switch says so (``timm.layers.use_fused_attn``), except where the fast path knows the explicit expression is faster.
 """
 
 import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
+
+from .. import fastpath
+from ..fastpath.lean_autograd import needs_backward
 
 __all__ = ['softmax_attention']
 
@@ -26,13 +29,17 @@ def softmax_attention(
 ) -> torch.Tensor:
     """softmax(scale q k^T + bias) v, with dropout ``dropout_p`` on the probabilities (pass 0.0 outside training).
 
-    ``fused`` uses PyTorch's SDPA, except on CPU where a backward will run: for windows and stripes (tens to a few
-    hundred tokens) its CPU backward is slower than the explicit expression's, and with a bias that needs a gradient
-    (a learned relative-position bias) SDPA falls back to an unfused math path slower than the one below.
+    ``fused`` uses PyTorch's SDPA, except under ``torch.func`` transforms and forward-mode AD, which its fused
+    kernels do not support (forward AD), and, on the fast path (``lipsformer.fastpath``), on CPU where a backward
+    will run: for windows and stripes (tens to a few hundred tokens) SDPA's CPU backward is slower, and with a bias
+    that needs a gradient (a learned relative-position bias) SDPA falls back to an unfused math path slower than the
+    one below; the explicit expression is also twice differentiable, which SDPA's fused kernels are not.
     """
-    cpu_backward = q.device.type == 'cpu' and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, attn_bias))
-    if fused and not cpu_backward:
+    if not torch.jit.is_scripting():
+        if fused and (fastpath.transformed() or q.device.type == 'cpu' and fastpath.active()
+                      and needs_backward(q, k, v, attn_bias)):
+            fused = False
+    if fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     attn = (q * scale if scale != 1.0 else q) @ k.transpose(-2, -1)
     if attn_bias is not None:

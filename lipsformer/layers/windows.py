@@ -59,25 +59,18 @@ def split_heads(x: torch.Tensor, parts: int, num_heads: int) -> list[torch.Tenso
 
 
 @register_notrace_function  # data-dependent on the traced size
-def padding_key_mask(
-        height: int,
-        width: int,
-        window_h: int,
-        window_w: int,
-        batch: int,
-        device: torch.device,
-        dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """Additive mask (B * num_windows, 1, 1, window area) that hides padded keys, or None without padding.
+def padding_key_mask(x: torch.Tensor, window_h: int, window_w: int) -> torch.Tensor | None:
+    """Additive mask (B * num_windows, 1, 1, window area) that hides the keys padding adds to the (B, H, W, C) map
+    ``x`` (in x's dtype), or None where no padding is needed.
 
-    Masking padded keys makes attention in a window cut by the map border the same as attention over its valid
-    tokens alone, so the result does not depend on how much padding was added.
+    Made from ``x`` itself, so that its batch dimension is ``x``'s whatever tracer or exporter follows it (a batch
+    size read as a Python number would be baked into a traced graph). Masking padded keys makes attention in a
+    window cut by the map border the same as attention over its valid tokens alone, so the result does not depend
+    on how much padding was added.
     """
+    height, width = x.shape[1], x.shape[2]
     padded_h, padded_w = padded_size(height, width, window_h, window_w)
     if padded_h == height and padded_w == width:
         return None
-    valid = torch.zeros(1, padded_h, padded_w, 1, device=device, dtype=dtype)
-    valid[:, :height, :width] = 1.0
-    valid = window_partition(valid, window_h, window_w).squeeze(-1)  # num_windows, area
-    mask = torch.zeros_like(valid).masked_fill(valid == 0, float('-inf'))
-    return mask.repeat(batch, 1)[:, None, None, :]
+    valid = window_partition(pad_to_multiple(torch.ones_like(x[..., :1]), window_h, window_w), window_h, window_w)
+    return torch.zeros_like(valid).masked_fill(valid == 0, float('-inf')).squeeze(-1)[:, None, None, :]

@@ -14,24 +14,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, PatchEmbed, calculate_drop_path_rates, to_2tuple
+from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_function
 from timm.models._features import feature_take_indices
 
+from .. import fastpath
 from .._compat import update_model_input_size
 from ..checkpoint import CheckpointError
-from ..layers import (
-    ResidualDropPath,
-    ScaledOutputMlp,
-    ScaleLayer,
-    create_attention_kernel,
-    create_conv_shortcuts,
-    get_norm_layer,
-    init_weights_,
-)
+from ..layers import ScaleLayer, create_attention_kernel, create_conv_shortcuts, get_norm_layer, init_weights_
 
-__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'build_lipsformer',
-           'check_checkpoint_depths', 'check_norm_position', 'default_cfg', 'record_input_size']
+__all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'TokenMixer',
+           'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg', 'record_input_size']
 
 
 class MixerArgs(NamedTuple):
@@ -43,6 +36,41 @@ class MixerArgs(NamedTuple):
     make_kernel: Callable[[int, int], nn.Module]  # (head_dim, heads) -> the attention kernel
     qkv_bias: bool
     proj_drop: float
+    device: torch.device | str | None
+    dtype: torch.dtype | None
+
+
+class TokenMixer(nn.Module):
+    """A family's attention on NHWC maps: ``forward(x, out_scale=None)``, (B, H, W, C) -> (B, H, W, C), with a
+    ``qkv`` projection in and a ``proj`` projection (and ``proj_drop``) out, both ``nn.Linear`` over channels.
+
+    ``out_scale`` is a per-channel factor of the output (the block's alpha), which the fast path folds into the
+    output projection; called as a plain module the mixer gets None. ``fast`` is the caller's
+    ``lipsformer.fastpath.active()``, False under TorchScript.
+    """
+
+    qkv: nn.Linear
+    proj: nn.Linear
+    proj_drop: nn.Module
+
+    def project_in(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
+        """``qkv(x)``; read from the module on the fast path where it is a plain ``nn.Linear``."""
+        if torch.jit.is_scripting() or not fast:
+            return self.qkv(x)
+        return fastpath.linear(self.qkv, x)
+
+    def project_out(self, x: torch.Tensor, out_scale: torch.Tensor | None, fast: bool) -> torch.Tensor:
+        """``proj_drop(proj(x) * out_scale)``; the fast path folds ``out_scale`` into a plain ``proj``."""
+        if torch.jit.is_scripting() or not fast:
+            x = self.proj(x)
+            if out_scale is not None:
+                x = x * out_scale
+        else:
+            x = fastpath.linear(self.proj, x, out_scale)
+        return self.proj_drop(x)
+
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
 
 
 MixerFactory = Callable[[MixerArgs], nn.Module]
@@ -70,8 +98,8 @@ class LipsFormerBlock(nn.Module):
     def __init__(
             self,
             dim: int,
-            attn: nn.Module,
-            norm_layer: Callable[[int], nn.Module],
+            attn: TokenMixer,
+            norm_layer: Callable[..., nn.Module],
             alpha_init: float,
             post_attn_norm: bool,
             mlp_ratio: float = 4.0,
@@ -80,30 +108,61 @@ class LipsFormerBlock(nn.Module):
             proj_drop: float = 0.0,
             alpha_learnable: bool = True,
             norm_position: str = 'post',
+            device=None,
+            dtype=None,
     ) -> None:
         super().__init__()
         check_norm_position(norm_position)
+        dd = {'device': device, 'dtype': dtype}
         self.pre_norm = norm_position == 'pre'
-        self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path, alpha_learnable)
+        self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path, alpha_learnable, **dd)
         self.attn = attn
-        self.alpha1 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
-        self.drop_path1 = ResidualDropPath(drop_path)
-        self.norm1 = norm_layer(dim) if post_attn_norm or self.pre_norm else nn.Identity()
-        self.mlp = ScaledOutputMlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop)
-        self.alpha2 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable)
-        self.drop_path2 = ResidualDropPath(drop_path)
-        self.norm2 = norm_layer(dim)
+        self.alpha1 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable, **dd)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm1 = norm_layer(dim, **dd) if post_attn_norm or self.pre_norm else nn.Identity()
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop, **dd)
+        self.alpha2 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable, **dd)
+        self.drop_path2 = DropPath(drop_path)
+        self.norm2 = norm_layer(dim, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for shortcut in self.conv_shortcuts:
             x = shortcut(x)
-        # alpha (.) f(x) with alpha folded into f's last linear layer (see ScaledOutputMlp, scaled_linear), and the
-        # drop-path mask fused with the sum (ResidualDropPath).
+        fast = False
+        if not torch.jit.is_scripting():
+            fast = fastpath.active()
+        if torch.jit.is_scripting() or not fast:
+            if self.pre_norm:
+                x = x + self.drop_path1(self.alpha1(self.attn(self.norm1(x))))
+                return x + self.drop_path2(self.alpha2(self.mlp(self.norm2(x))))
+            x = self.norm1(x + self.drop_path1(self.alpha1(self.attn(x))))
+            return self.norm2(x + self.drop_path2(self.alpha2(self.mlp(x))))
         if self.pre_norm:
-            x = self.drop_path1.residual(x, self.attn(self.norm1(x), self.alpha1.gamma))
-            return self.drop_path2.residual(x, self.mlp(self.norm2(x), self.alpha2.gamma))
-        x = self.norm1(self.drop_path1.residual(x, self.attn(x, self.alpha1.gamma)))
-        return self.norm2(self.drop_path2.residual(x, self.mlp(x, self.alpha2.gamma)))
+            x = self._attention_residual(x, self.norm1(x))
+            return self._mlp_residual(x, self.norm2(x))
+        x = self.norm1(self._attention_residual(x, x))
+        return self.norm2(self._mlp_residual(x, x))
+
+    @torch.jit.unused
+    def _attention_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
+        """The fast path of ``x + drop_path1(alpha1(attn(branch_input)))``: alpha folded into the attention's output
+        projection, drop path and sum one multiply-add (``lipsformer.fastpath.blocks``)."""
+        if not (fastpath.plain(self.alpha1, ScaleLayer) and fastpath.plain(self.drop_path1, DropPath)):
+            return x + self.drop_path1(self.alpha1(self.attn(branch_input)))
+        if isinstance(self.attn, TokenMixer) and fastpath.plain(self.attn, type(self.attn)):
+            return fastpath.weighted_residual(x, self.attn(branch_input, self.alpha1.gamma), None, self.drop_path1)
+        return fastpath.weighted_residual(x, self.attn(branch_input), self.alpha1.gamma, self.drop_path1)
+
+    @torch.jit.unused
+    def _mlp_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
+        """The fast path of ``x + drop_path2(alpha2(mlp(branch_input)))``: alpha folded into fc2, GELU's output not
+        kept, drop path and sum one multiply-add."""
+        if not (fastpath.plain(self.alpha2, ScaleLayer) and fastpath.plain(self.drop_path2, DropPath)):
+            return x + self.drop_path2(self.alpha2(self.mlp(branch_input)))
+        if fastpath.mlp_is_plain(self.mlp):
+            return fastpath.weighted_residual(x, fastpath.mlp(self.mlp, branch_input, self.alpha2.gamma), None,
+                                              self.drop_path2)
+        return fastpath.weighted_residual(x, self.mlp(branch_input), self.alpha2.gamma, self.drop_path2)
 
 
 class LipsFormerStage(nn.Module):
@@ -173,11 +232,14 @@ class LipsFormer(nn.Module):
             drop_path_rate: float = 0.0,
             alpha_learnable: bool = True,
             norm_position: str = 'post',
+            device=None,
+            dtype=None,
     ) -> None:
         """
         Args:
             make_mixer: Builds each block's token mixer from its :class:`MixerArgs`.
-            make_downsample: Builds a stage's downsampling from (in channels, out channels, norm constructor).
+            make_downsample: Builds a stage's downsampling from (in channels, out channels, norm constructor,
+                device=, dtype=).
             post_attn_norm: A norm after the attention residual (Swin) or none there (CSwin).
             final_norm: A norm after the last stage.
             alpha_init: Initial weighted-residual alpha.
@@ -208,8 +270,11 @@ class LipsFormer(nn.Module):
                 ``alpha_init`` as buffers (alpha_init=1 gives the plain residual of a standard Transformer).
             norm_position: 'post' (LipsFormer's norms after each residual sum) or 'pre' (the standard pre-norm
                 Transformer: a norm at the input of every attention and MLP branch and a final norm before the head).
+            device, dtype: Where and in which dtype to create parameters and buffers, as timm's models take them
+                (``device='meta'`` builds without memory; ``to_empty`` and ``init_non_persistent_buffers`` follow).
         """
         super().__init__()
+        dd = {'device': device, 'dtype': dtype}
         check_norm_position(norm_position)
         norm_layer = get_norm_layer(norm_layer)
         self.num_classes = num_classes
@@ -224,11 +289,11 @@ class LipsFormer(nn.Module):
 
         def make_kernel(head_dim: int, heads: int) -> nn.Module:
             return create_attention_kernel(attn_type, head_dim, tau=tau, tau_learnable=tau_learnable, v_norm=v_norm,
-                                           nu=nu, attn_drop=attn_drop_rate, num_heads=heads)
+                                           nu=nu, attn_drop=attn_drop_rate, num_heads=heads, **dd)
 
         self.patch_embed = PatchEmbed(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
-            norm_layer=norm_layer, output_fmt='NHWC', strict_img_size=False)
+            norm_layer=norm_layer, output_fmt='NHWC', strict_img_size=False, **dd)
         grid = self.patch_embed.grid_size
         drop_path_rates = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
         stages = []
@@ -237,19 +302,21 @@ class LipsFormer(nn.Module):
             feat_size = (grid[0] // 2 ** i, grid[1] // 2 ** i)
             blocks = [
                 LipsFormerBlock(
-                    dims[i], make_mixer(MixerArgs(i, j, dims[i], feat_size, make_kernel, qkv_bias, proj_drop_rate)),
+                    dims[i],
+                    make_mixer(MixerArgs(i, j, dims[i], feat_size, make_kernel, qkv_bias, proj_drop_rate, **dd)),
                     norm_layer, alpha_init, post_attn_norm, mlp_ratio=mlp_ratio, conv_config=conv_config,
                     drop_path=drop_path_rates[i][j], proj_drop=proj_drop_rate, alpha_learnable=alpha_learnable,
-                    norm_position=norm_position)
+                    norm_position=norm_position, **dd)
                 for j in range(depth)]
-            downsample = make_downsample(dims[i - 1], dims[i], norm_layer) if i > 0 else nn.Identity()
+            downsample = make_downsample(dims[i - 1], dims[i], norm_layer, **dd) if i > 0 else nn.Identity()
             stages.append(LipsFormerStage(downsample, blocks))
             self.feature_info.append(dict(num_chs=dims[i], reduction=patch_size * 2 ** i, module=f'stages.{i}'))
         self.stages = nn.Sequential(*stages)
         # A pre-norm stack leaves its residual stream unnormalised: it always ends with a norm.
-        self.norm = norm_layer(self.num_features) if final_norm or norm_position == 'pre' else nn.Identity()
+        self.norm = norm_layer(self.num_features, **dd) if final_norm or norm_position == 'pre' else nn.Identity()
         self.head = ClassifierHead(
-            self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, input_fmt=self.output_fmt)
+            self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate, input_fmt=self.output_fmt,
+            **dd)
         self.weight_init = weight_init
         self.apply(partial(init_weights_, mode=weight_init))
 

@@ -15,16 +15,9 @@ import torch
 import torch.nn as nn
 from timm.models import generate_default_cfgs, register_model
 
-from ..layers import (
-    TokenLinear,
-    pad_to_multiple,
-    padding_key_mask,
-    scaled_linear,
-    split_heads,
-    window_partition,
-    window_reverse,
-)
-from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
+from .. import fastpath
+from ..layers import pad_to_multiple, padding_key_mask, split_heads, window_partition, window_reverse
+from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
 
@@ -39,17 +32,17 @@ class StripeAttention(nn.Module):
 
     tied_qkv: torch.jit.Final[bool]
 
-    def __init__(self, dim: int, num_heads: int, kernel: nn.Module) -> None:
+    def __init__(self, dim: int, num_heads: int, kernel: nn.Module, device=None, dtype=None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.tied_qkv = bool(getattr(kernel, 'tied_qkv', False))
-        self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.lepe = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, device=device, dtype=dtype)
         self.kernel = kernel
         self.head_scale = num_heads ** -0.5
 
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
         """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
-        batch, height, width = qkv.shape[0], qkv.shape[1], qkv.shape[2]
+        height, width = qkv.shape[1], qkv.shape[2]
         # Split rather than index: its backward writes each gradient once, where indexing's adds zero-filled copies
         # of the whole projection.
         qk, v = qkv, qkv.squeeze(3)  # qk unused with tied_qkv
@@ -64,16 +57,17 @@ class StripeAttention(nn.Module):
         if not self.tied_qkv:
             qk_windows = window_partition(pad_to_multiple(qk, stripe_h, stripe_w), stripe_h, stripe_w)
             q, k = split_heads(qk_windows.flatten(2), 2, self.num_heads)
-        mask = padding_key_mask(height, width, stripe_h, stripe_w, batch, qkv.device, qkv.dtype)
         # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
-        num_windows, area = v_windows.shape[0], v_windows.shape[1]
-        positional = self.lepe(v_windows.transpose(1, 2).reshape(num_windows, -1, stripe_h, stripe_w))
-        positional = positional.reshape(num_windows, self.num_heads, -1, area).transpose(-1, -2)
-        x = (self.kernel(q, k, v, mask) + positional).mul_(self.head_scale)  # the sum's backward needs no output
+        # (B * stripes) stays -1 in every reshape: nothing here reads the batch size.
+        channels, area = v_windows.shape[2], v_windows.shape[1]
+        positional = self.lepe(v_windows.transpose(1, 2).reshape(-1, channels, stripe_h, stripe_w))
+        positional = positional.reshape(-1, self.num_heads, channels // self.num_heads, area).transpose(-1, -2)
+        x = self.kernel(q, k, v, padding_key_mask(qkv[:, :, :, 0], stripe_h, stripe_w))
+        x = (x + positional).mul_(self.head_scale)  # the sum's backward needs no output
         return window_reverse(x.transpose(1, 2), stripe_h, stripe_w, height, width).flatten(3)
 
 
-class CrossStripeAttention(nn.Module):
+class CrossStripeAttention(TokenMixer):
     """Cross-shaped window attention with LePE on NHWC maps.
 
     With two branches, the first half of the channels (and heads) attends within vertical stripes (full height,
@@ -93,6 +87,8 @@ class CrossStripeAttention(nn.Module):
             make_kernel: Callable[[int, int], nn.Module],
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
+            device=None,
+            dtype=None,
     ) -> None:
         """
         Args:
@@ -103,26 +99,32 @@ class CrossStripeAttention(nn.Module):
             make_kernel: Builds an attention kernel from the head dim and the heads of a branch.
             qkv_bias: Bias in the qkv projection.
             proj_drop: Dropout after the output projection.
+            device, dtype: Where and in which dtype to create the parameters.
         """
         super().__init__()
         branches = 2 if two_branches else 1
         if num_heads % branches or dim % num_heads:
             raise ValueError(f'dim {dim} and num_heads {num_heads} must split evenly into {branches} branch(es)')
+        dd = {'device': device, 'dtype': dtype}
         self.two_branches = two_branches
         self.split_size = split_size
         kernels = [make_kernel(dim // num_heads, num_heads // branches) for _ in range(branches)]
         self.tied_qkv = bool(getattr(kernels[0], 'tied_qkv', False))
-        self.qkv = TokenLinear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias, **dd)
         self.branches = nn.ModuleList([
-            StripeAttention(dim // branches, num_heads // branches, kernel) for kernel in kernels])
-        self.proj = nn.Linear(dim, dim)
+            StripeAttention(dim // branches, num_heads // branches, kernel, **dd) for kernel in kernels])
+        self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
+        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel when given (the fast path folds it into
+        ``proj``)."""
+        fast = False
+        if not torch.jit.is_scripting():
+            fast = fastpath.active()
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
-        qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
+        qkv = self.project_in(x, fast).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
         if self.two_branches:
             vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
             x = torch.cat([
@@ -131,16 +133,17 @@ class CrossStripeAttention(nn.Module):
             ], dim=-1)
         else:
             x = self.branches[0](qkv.squeeze(4), height, width)
-        return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
+        return self.project_out(x, out_scale, fast)
 
 
 class ConvMerge(nn.Module):
     """CSwin's downsampling between stages: a 2x2 stride-2 conv, then a norm, on NHWC maps."""
 
-    def __init__(self, dim: int, out_dim: int, norm_layer: Callable[[int], nn.Module]) -> None:
+    def __init__(self, dim: int, out_dim: int, norm_layer: Callable[..., nn.Module], device=None,
+                 dtype=None) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(dim, out_dim, 2, stride=2)
-        self.norm = norm_layer(out_dim)
+        self.conv = nn.Conv2d(dim, out_dim, 2, stride=2, device=device, dtype=dtype)
+        self.norm = norm_layer(out_dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
@@ -180,7 +183,7 @@ class LipsFormerCSwin(LipsFormer):
             split = split_size[args.stage]
             two_branches = args.stage < len(depths) - 1 and args.feat_size != (split, split)
             return CrossStripeAttention(args.dim, num_heads[args.stage], split, two_branches, args.make_kernel,
-                                        args.qkv_bias, args.proj_drop)
+                                        args.qkv_bias, args.proj_drop, device=args.device, dtype=args.dtype)
 
         super().__init__(
             make_mixer=make_mixer,

@@ -17,13 +17,14 @@ from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
-from ..layers import TokenLinear, pad_to_multiple, scaled_linear, split_heads, window_partition, window_reverse
-from ._base import LipsFormer, MixerArgs, build_lipsformer, check_checkpoint_depths, default_cfg
+from .. import fastpath
+from ..layers import pad_to_multiple, split_heads, window_partition, window_reverse
+from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['LipsFormerSwin', 'WindowAttention']
 
 
-class WindowAttention(nn.Module):
+class WindowAttention(TokenMixer):
     """Multi-head attention inside (optionally shifted) windows with Swin's relative-position bias, on NHWC maps.
 
     Maps are zero-padded to a multiple of the window at the bottom and right, as timm's Swin does, so any input
@@ -42,6 +43,8 @@ class WindowAttention(nn.Module):
             kernel: nn.Module,
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
+            device=None,
+            dtype=None,
     ) -> None:
         """
         Args:
@@ -52,29 +55,45 @@ class WindowAttention(nn.Module):
             kernel: The attention kernel (see ``lipsformer.layers.create_attention_kernel``).
             qkv_bias: Bias in the qkv projection.
             proj_drop: Dropout after the output projection.
+            device, dtype: Where and in which dtype to create parameters and buffers.
         """
         super().__init__()
         if dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
+        dd = {'device': device, 'dtype': dtype}
         self.num_heads = num_heads
         self.window_size = window_size
         self.shift_size = shift_size
         self.tied_qkv = bool(getattr(kernel, 'tied_qkv', False))
-        self.qkv = TokenLinear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias, **dd)
         self.relative_position_bias_table = nn.Parameter(
-            torch.zeros((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
-        trunc_normal_(self.relative_position_bias_table, std=0.02)
+            torch.empty((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads, **dd))
+        area = window_size[0] * window_size[1]
         self.register_buffer(
-            'relative_position_index', get_relative_position_index(*window_size).view(-1), persistent=False)
+            'relative_position_index', torch.empty(area * area, device=device, dtype=torch.long), persistent=False)
         self.kernel = kernel
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The relative-position table (truncated normal, std 0.02, as the authors' and timm's Swin) and the
+        index buffer."""
+        trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.init_non_persistent_buffers()
+
+    def init_non_persistent_buffers(self) -> None:
+        """Fill the relative-position index, which state dicts do not hold (after ``to_empty`` of a model built on
+        the meta device; timm's ``reinit_non_persistent_buffers`` calls this)."""
+        with torch.no_grad():
+            self.relative_position_index.copy_(
+                get_relative_position_index(*self.window_size, device=self.relative_position_index.device).view(-1))
 
     def relative_position_bias(self) -> torch.Tensor:
-        """(1, heads, window area, window area) bias gathered from the table."""
+        """(heads, window area, window area) bias gathered from the table."""
         area = self.window_size[0] * self.window_size[1]
         bias = self.relative_position_bias_table[self.relative_position_index].view(area, area, -1)
-        return bias.permute(2, 0, 1).unsqueeze(0)
+        return bias.permute(2, 0, 1)
 
     def shift_mask(self, height: int, width: int, device: torch.device) -> torch.Tensor:
         """Swin's (num_windows, 1, area, area) mask (-100 between tokens from different regions of a shifted map)."""
@@ -91,31 +110,39 @@ class WindowAttention(nn.Module):
         return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
 
     def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel (folded into ``proj``) when given."""
-        batch, height, width, _ = x.shape
+        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel when given (the fast path folds it into
+        ``proj``)."""
+        fast = False
+        if not torch.jit.is_scripting():
+            fast = fastpath.active()
+        height, width = x.shape[1], x.shape[2]
         window_h, window_w = self.window_size
         shifted = self.shift_size[0] > 0 or self.shift_size[1] > 0
         if shifted:
             x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2))
         x = pad_to_multiple(x, window_h, window_w)
         padded_h, padded_w = x.shape[1], x.shape[2]
-        projections = split_heads(self.qkv(window_partition(x, window_h, window_w)), 1 if self.tied_qkv else 3,
-                                  self.num_heads)
+        tokens = window_partition(x, window_h, window_w)
+        projections = split_heads(self.project_in(tokens, fast), 1 if self.tied_qkv else 3, self.num_heads)
         q = k = v = projections[0]
         if not self.tied_qkv:
             k, v = projections[1], projections[2]
         attn_bias = self.relative_position_bias()
         if shifted:
-            num_windows, area = q.shape[0], q.shape[2]
+            # The mask differs per window and is the same for every image: the windows' (B * num_windows) dimension
+            # is viewed as (B, num_windows), so that nothing depends on the batch size.
             mask = self.shift_mask(padded_h, padded_w, x.device).to(attn_bias.dtype)
-            attn_bias = (attn_bias.unsqueeze(0) + mask.unsqueeze(0)).expand(batch, -1, self.num_heads, -1, -1)
-            attn_bias = attn_bias.reshape(num_windows, self.num_heads, area, area)
+            num_windows = mask.shape[0]
+            q, k, v = q.unflatten(0, (-1, num_windows)), k.unflatten(0, (-1, num_windows)), v.unflatten(
+                0, (-1, num_windows))
+            x = self.kernel(q, k, v, attn_bias + mask).flatten(0, 1)
+        else:
+            x = self.kernel(q, k, v, attn_bias)
         # (windows, heads, area, head_dim) -> (B, H, W, heads, head_dim) in one copy, the padding cut off.
-        x = window_reverse(self.kernel(q, k, v, attn_bias).transpose(1, 2), window_h, window_w, height, width)
-        x = x.flatten(3)
+        x = window_reverse(x.transpose(1, 2), window_h, window_w, height, width).flatten(3)
         if shifted:
             x = torch.roll(x, shifts=(self.shift_size[0], self.shift_size[1]), dims=(1, 2))
-        return self.proj_drop(scaled_linear(x, self.proj.weight, self.proj.bias, out_scale))
+        return self.project_out(x, out_scale, fast)
 
 
 class LipsFormerSwin(LipsFormer):
@@ -154,11 +181,11 @@ class LipsFormerSwin(LipsFormer):
             shift = tuple(w // 2 if shifted and r > w else 0 for r, w in zip(args.feat_size, window))
             heads = num_heads[args.stage]
             return WindowAttention(args.dim, heads, window, shift, args.make_kernel(args.dim // heads, heads),
-                                   args.qkv_bias, args.proj_drop)
+                                   args.qkv_bias, args.proj_drop, device=args.device, dtype=args.dtype)
 
         super().__init__(
             make_mixer=make_mixer,
-            make_downsample=lambda dim, out_dim, norm: PatchMerging(dim, out_dim, norm_layer=norm),
+            make_downsample=lambda dim, out_dim, norm, **dd: PatchMerging(dim, out_dim, norm_layer=norm, **dd),
             post_attn_norm=True,
             final_norm=True,
             alpha_init=1.0 / sum(depths) if alpha_init is None else alpha_init,

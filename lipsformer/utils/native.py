@@ -1,8 +1,8 @@
 """The package's C kernels: compiled on first use with the machine's C compiler, cached, loaded through ctypes.
 
 PyTorch exposes no fast CPU kernel for a few of LipsFormer's operations (the depthwise weight gradient, see
-``lipsformer.layers.depthwise_conv``; the GELU residual's backward, ``lipsformer.layers.lean_autograd``); their C source
-ships in the package (:data:`CPU_KERNELS`). :func:`load_native` compiles one for the
+``lipsformer.fastpath.depthwise_conv``; the GELU residual's backward, ``lipsformer.fastpath.lean_autograd``); their C
+source ships in the package (:data:`CPU_KERNELS`). :func:`load_native` compiles one for the
 machine it runs on (``-O3 -march=native``, no PyTorch headers: well under a second) into a shared library cached under
 ``$LIPSFORMER_CACHE_DIR`` (default ``$XDG_CACHE_HOME/lipsformer`` or ``~/.cache/lipsformer``), in a file named by a
 hash of the source, the compiler and the CPU, so that a home folder shared between machines never serves one CPU's
@@ -33,7 +33,7 @@ from .io import atomic_path
 __all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
 
 _PACKAGE = Path(__file__).resolve().parent.parent
-CPU_KERNELS = 'layers/cpu_kernels.c'  # the layers' kernels, as load_native takes it
+CPU_KERNELS = 'fastpath/cpu_kernels.c'  # the fast paths' kernels, as load_native takes it
 _FLAGS = ('-O3', '-shared', '-fPIC', '-pthread', '-fno-strict-aliasing')
 _ARCH_FLAGS = (('-march=native',), ())  # the second where the compiler does not know -march=native
 

@@ -1,4 +1,4 @@
-"""The conv shortcuts' depthwise convolution on NHWC maps, with a faster weight gradient on CPU.
+"""The conv shortcuts' depthwise convolution on NHWC maps, with a faster weight gradient on CPU (a fast path).
 
     y[b, h, w, c] = bias[c] + sum_{i, j} W[c, i, j] x_pad[b, h + i, w + j, c]
     dL/dW[c, i, j] = sum_b sum_{h, w} g[b, h, w, c] x_pad[b, h + i, w + j, c]
@@ -16,9 +16,9 @@ import ctypes
 
 import torch
 import torch.nn.functional as F
-from timm.models import register_notrace_function
 
 from ..utils.native import call_kernel, cpu_kernels
+from .lean_autograd import autocast_backward, autocast_forward, differentiate_plain
 
 __all__ = ['depthwise_conv2d']
 
@@ -49,19 +49,30 @@ def _native_weight_grad(library: ctypes.CDLL, x: torch.Tensor, grad: torch.Tenso
     return per_image.sum(0).unsqueeze(1)
 
 
+def _plain_depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            padding: tuple[int, int]) -> torch.Tensor:
+    return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=x.shape[-1]).permute(0, 2, 3, 1)
+
+
 class _DepthwiseConv2d(torch.autograd.Function):
-    """Stride-1 depthwise convolution of an NHWC map, NHWC out; the backward as in the module docstring."""
+    """Stride-1 depthwise convolution of an NHWC map, NHWC out; the backward as in the module docstring (a recorded
+    backward, ``create_graph=True``, differentiates the plain convolution instead)."""
 
     @staticmethod
+    @autocast_forward
     def forward(ctx, x, weight, bias, padding: tuple[int, int]):
         ctx.padding = padding
-        ctx.save_for_backward(x, weight)
-        return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=x.shape[-1]).permute(0, 2, 3, 1)
+        ctx.save_for_backward(x, weight, bias)
+        return _plain_depthwise_conv2d(x, weight, bias, padding)
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         need_x, need_weight, need_bias, _ = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            return *differentiate_plain(lambda *inputs: _plain_depthwise_conv2d(*inputs, ctx.padding),
+                                        (x, weight, bias), (need_x, need_weight, need_bias), grad), None
         grad_x = grad_weight = grad_bias = None
         if need_x:
             # A stride-1 'same' convolution's transpose is the convolution by the flipped kernel: oneDNN's forward
@@ -75,17 +86,14 @@ class _DepthwiseConv2d(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-@register_notrace_function  # picks its path from the device and autograd state at run time
 def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Stride-1 depthwise convolution of an NHWC map with a (C, 1, kh, kw) weight, 'same' padding; NHWC out.
 
     Training on CPU in float32 takes the faster weight gradient of the module docstring; elsewhere (GPU, other
-    dtypes, no backward, TorchScript) it is ``F.conv2d`` on the channels-last view.
+    dtypes, no weight gradient) it is ``F.conv2d`` on the channels-last view.
     """
     padding = (weight.shape[2] // 2, weight.shape[3] // 2)
-    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
-        if (x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and not torch.is_autocast_enabled('cpu') and torch.is_grad_enabled() and not torch.jit.is_tracing()
-                and weight.requires_grad):
-            return _DepthwiseConv2d.apply(x, weight, bias, padding)
-    return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=x.shape[-1]).permute(0, 2, 3, 1)
+    if (x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled('cpu') and torch.is_grad_enabled() and weight.requires_grad):
+        return _DepthwiseConv2d.apply(x, weight, bias, padding)
+    return _plain_depthwise_conv2d(x, weight, bias, padding)

@@ -1,4 +1,4 @@
-"""Token-wise linear layers on CPU through oneDNN's 1x1 convolution.
+"""Token-wise linear layers on CPU through oneDNN's 1x1 convolution (a fast path: see ``lipsformer.fastpath``).
 
     y = x W^T + b,    computed as the 1x1 convolution of the (rows, C_in) tokens laid out as a (1, C_in, 1, rows)
                       channels-last map (a view: no copy)
@@ -6,29 +6,23 @@
 The same products, summed in another order. On CPU, PyTorch computes ``F.linear`` with its BLAS (MKL on x86) and a
 channels-last 1x1 convolution with oneDNN's JIT kernels, which are faster for the tall products of a vision
 transformer (thousands of tokens, a few hundred channels) on the CPUs measured in docs/benchmarks.md; the backward
-goes through oneDNN's convolution backward (input and weight gradients in one call). Elsewhere (GPU, other dtypes,
-autocast, a few rows, TorchScript) it is ``F.linear`` and a matrix product.
+goes through oneDNN's convolution backward (input and weight gradients in one call). The choice depends on the
+device and dtype only, never on the number of rows (a batch or token count that export keeps dynamic): elsewhere
+(GPU, other dtypes, autocast) it is ``F.linear`` and a matrix product. Only the blocks' token-wise layers come here;
+a classifier head or a pooled batch, a few rows, keeps its module.
 """
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from timm.models import register_notrace_function
 
-__all__ = ['TokenLinear', 'linear', 'linear_backward']
+__all__ = ['linear', 'linear_backward']
 
-# Below this many rows (a classifier head, a pooled batch) the BLAS call is as fast or faster: from one 14x14 map
-# up, oneDNN was faster at every product of the models measured in docs/benchmarks.md (a 7x7 stage of 16 images
-# included), at 64 rows not always.
-_MIN_ROWS = 196
-# Read once: torch.compile does not trace the call.
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() > 1 and x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu') and _ONEDNN_AVAILABLE
-            and x.numel() >= _MIN_ROWS * x.shape[-1])
+            and not torch.is_autocast_enabled('cpu') and _ONEDNN_AVAILABLE)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -40,16 +34,14 @@ def _as_map(rows: torch.Tensor) -> torch.Tensor:
     return rows.unsqueeze(0).unsqueeze(0).permute(0, 3, 1, 2)
 
 
-@register_notrace_function  # picks its kernel from the device, dtype and size at run time
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over the last dimension of ``x``, on CPU as a 1x1 convolution (module docstring).
 
     Differentiable either way; autograd keeps x, as ``F.linear`` does.
     """
-    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
-        if _use_onednn(x, weight):
-            out = F.conv2d(_as_map(_rows(x)), weight.unsqueeze(-1).unsqueeze(-1), bias)
-            return out.permute(0, 2, 3, 1).reshape(x.shape[:-1] + (weight.shape[0],))
+    if _use_onednn(x, weight):
+        out = F.conv2d(_as_map(_rows(x)), weight.unsqueeze(-1).unsqueeze(-1), bias)
+        return out.permute(0, 2, 3, 1).reshape(x.shape[:-1] + (weight.shape[0],))
     return F.linear(x, weight, bias)
 
 
@@ -71,9 +63,3 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, n
     grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1]).to(grad.dtype) if need_weight else None
     return grad_input, grad_weight, grad_rows.sum(0) if need_bias else None
 
-
-class TokenLinear(nn.Linear):
-    """``nn.Linear`` (same parameters, keys and initialisation) computed by :func:`linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)

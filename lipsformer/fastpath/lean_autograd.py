@@ -1,42 +1,84 @@
-"""Lean autograd: the plain expressions of LipsFormer's blocks, with backwards that keep fewer activations.
+"""Lean autograd: the blocks' expressions with backwards that keep fewer activations (a fast path).
 
 For each operation autograd keeps what that operation's own backward needs, so a chain keeps a tensor per link:
 
 - ``F.linear(F.gelu(u), W)`` keeps u (GELU's derivative) and gelu(u) (the weight's gradient);
 - ``x + alpha * gelu(z)`` keeps z and gelu(z) (alpha's gradient);
 - ``F.linear(x, alpha[:, None] * W, alpha * b)`` keeps x and the scaled weight, a weight-sized tensor per call;
-- ``q * rsqrt(max(sum(q^2), eps^2))`` keeps q (and, q being a view, the whole qkv projection it was cut from) beside
-  the normalised q that attention keeps.
+- ``q / max(||q||, eps)`` keeps q (and, q being a view, the whole projection it was cut from) beside the normalised
+  q that attention keeps.
 
 The Functions below compute the same values and gradients keeping one activation each: GELU is evaluated again
 from its saved input in backward (one elementwise pass over a tensor the backward reads anyway), the scaled weight
-is formed again from the parameters, and the l2 normalisation differentiates through its output:
+is formed again from the parameters, and the l2 normalisation differentiates through its outputs:
 
-    y = s x / max(||x||, eps):    dL/dx = (s g - <g, y> y / s) / max(||x||, eps)    (second term only if ||x|| >= eps)
+    y = s x / r,  r^2 = max(||x||^2, eps^2):    dL/dx = (s g - <g, y> y / s) / r    (second term only if ||x|| > eps)
 
-Each public function takes this path only where a backward will run (grad enabled, an input requiring grad) and
-outside TorchScript and tracing; elsewhere it evaluates the plain expression, which is also what the tests compare
-it with. GELU is the exact (erf) form, as ``nn.GELU()``.
+Each public function takes its Function only where a backward will run (grad enabled, an input requiring grad);
+elsewhere it evaluates the plain expression, which is also what the tests compare it with. GELU is the exact (erf)
+form, as ``nn.GELU()``. Every backward is itself differentiable: when autograd records it (``create_graph=True``:
+gradient penalties, ``torch.autograd.functional.jvp`` / ``hvp``), it differentiates the plain expression again
+instead of running its in-place arithmetic and C kernels, so second derivatives are the plain expression's. Each
+Function runs its backward under the autocast state of its forward (``torch.amp.custom_fwd`` / ``custom_bwd`` for
+the device of its inputs, CPU and CUDA alike). ``torch.func`` transforms never reach these Functions: the fast
+paths step aside under them (``switch.active``).
 """
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from timm.models import register_notrace_function
 
 from ..utils.native import call_kernel, cpu_kernels
 from .onednn_linear import linear, linear_backward
 
-__all__ = ['gelu_residual', 'l2_normalize', 'mlp', 'scaled_linear']
+__all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize', 'mlp',
+           'needs_backward', 'scaled_linear']
 
 
-def _needs_backward(*tensors: torch.Tensor | None) -> bool:
+def needs_backward(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an operation on these tensors."""
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
-def _lean(*tensors: torch.Tensor | None) -> bool:
-    """Whether a backward will run through these tensors, outside tracing (callers test for TorchScript first)."""
-    return not torch.jit.is_tracing() and _needs_backward(*tensors)
+@functools.cache
+def _autocast_declared(function: Callable, device_type: str, backward: bool) -> Callable:
+    if not torch.amp.is_autocast_available(device_type):
+        return function
+    declare = torch.amp.custom_bwd if backward else torch.amp.custom_fwd
+    return declare(function, device_type=device_type)
+
+
+def autocast_forward(forward: Callable) -> Callable:
+    """A Function's forward under ``torch.amp.custom_fwd`` for the device of its first tensor argument."""
+
+    @functools.wraps(forward)
+    def declared(ctx, *args):
+        ctx.device_type = next(arg.device.type for arg in args if isinstance(arg, torch.Tensor))
+        return _autocast_declared(forward, ctx.device_type, False)(ctx, *args)
+
+    return declared
+
+
+def autocast_backward(backward: Callable) -> Callable:
+    """A Function's backward under ``torch.amp.custom_bwd`` for the device its forward ran on."""
+
+    @functools.wraps(backward)
+    def declared(ctx, *grads):
+        return _autocast_declared(backward, ctx.device_type, True)(ctx, *grads)
+
+    return declared
+
+
+def differentiate_plain(expression: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor | None],
+                        needs: Sequence[bool], grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The vector-Jacobian product of ``expression(*inputs)`` with ``grad``, recorded by autograd: what a Function's
+    backward returns when autograd records the backward itself (``create_graph=True``). ``needs`` says which inputs'
+    gradients are wanted (None for the others)."""
+    wanted = [tensor for tensor, need in zip(inputs, needs) if need]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(expression(*inputs), wanted, grad, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need else None for need in needs)
 
 
 def _gelu_backward_(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +93,17 @@ def _scaled_weights(weight: torch.Tensor, bias: torch.Tensor | None, scale: torc
     return weight * scale.unsqueeze(-1), bias * scale if bias is not None else None
 
 
-class _Linear(torch.autograd.Function):
+def _plain_scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         scale: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+    weight, bias = _scaled_weights(weight, bias, scale)
+    return F.linear(F.gelu(x) if gelu else x, weight, bias)
+
+
+class _ScaledLinear(torch.autograd.Function):
     """linear(act(x), scale[:, None] W, scale b) keeping only x (and the parameters)."""
 
     @staticmethod
+    @autocast_forward
     def forward(ctx, x, weight, bias, scale, gelu: bool):
         weight_scaled, bias_scaled = _scaled_weights(weight, bias, scale)
         out = linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
@@ -63,9 +112,13 @@ class _Linear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad):
         x, weight, bias, scale = ctx.saved_tensors
         need_x, need_weight, need_bias, need_scale, _ = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            return *differentiate_plain(lambda *inputs: _plain_scaled_linear(*inputs, ctx.gelu),
+                                        (x, weight, bias, scale), ctx.needs_input_grad[:4], grad), None
         weight_scaled, _ = _scaled_weights(weight, None, scale)
         need_parameters = need_weight or need_bias or need_scale  # the scale's gradient needs the weight's
         act = F.gelu(x) if ctx.gelu and need_parameters else x  # GELU's output is the weight gradient's input
@@ -85,18 +138,16 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, grad_scale, None
 
 
-@register_notrace_function  # picks its path from the autograd state at run time
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   scale: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """``F.linear(F.gelu(x) if gelu else x, scale[:, None] * weight, scale * bias)`` (``scale=None``: no scale).
 
     ``F.linear(x, weight, bias) * scale`` with the per-channel scale folded into the weight and bias (the weighted
-    residual's alpha, see ``weighted_residual``). The backward keeps x alone: not gelu(x), and not the scaled weight
-    (formed again from the parameters).
+    residual's alpha, see ``lipsformer.layers.weighted_residual``). The backward keeps x alone: not gelu(x), and not
+    the scaled weight (formed again from the parameters).
     """
-    if not torch.jit.is_scripting():  # a branch TorchScript does not compile
-        if _lean(x, weight, bias, scale):
-            return _Linear.apply(x, weight, bias, scale, gelu)
+    if needs_backward(x, weight, bias, scale):
+        return _ScaledLinear.apply(x, weight, bias, scale, gelu)
     weight, bias = _scaled_weights(weight, bias, scale)
     return linear(F.gelu(x) if gelu else x, weight, bias)
 
@@ -114,7 +165,6 @@ def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | 
     return grad_weight_scaled * scale.unsqueeze(-1), grad_bias_scaled, grad_scale
 
 
-@register_notrace_function  # calls functions that pick their path at run time
 def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
         bias2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
@@ -128,6 +178,7 @@ class _GeluResidual(torch.autograd.Function):
     """x + scale * gelu(z) keeping only z (and scale); on CPU the backward is one pass of ``cpu_kernels.c``."""
 
     @staticmethod
+    @autocast_forward
     def forward(ctx, x, z, scale):
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(z, scale)
@@ -137,9 +188,13 @@ class _GeluResidual(torch.autograd.Function):
         return torch.addcmul(x, branch, scale)
 
     @staticmethod
+    @autocast_backward
     def backward(ctx, grad):
         z, scale = ctx.saved_tensors
         _, need_z, need_scale = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            return grad.to(ctx.x_dtype), *differentiate_plain(lambda z, scale: F.gelu(z) * scale, (z, scale),
+                                                              (need_z, need_scale), grad)
         native = _native_gelu_residual_backward(grad, z, scale) if need_z and need_scale else None
         if native is not None:
             return grad.to(ctx.x_dtype), *native
@@ -173,55 +228,64 @@ def _native_gelu_residual_backward(grad: torch.Tensor, z: torch.Tensor, scale: t
     return grad_z, (grad_scale if per_image else grad_scale.sum(0)).view(scale.shape)
 
 
-@register_notrace_function  # picks its path from the autograd state at run time
 def gelu_residual(x: torch.Tensor, z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x + scale * F.gelu(z)``, scale broadcasting over z; the backward keeps z alone, not gelu(z)."""
-    if not torch.jit.is_scripting():
-        if _lean(x, z, scale):
-            return _GeluResidual.apply(x, z, scale)
+    if needs_backward(x, z, scale):
+        return _GeluResidual.apply(x, z, scale)
     return torch.addcmul(x, F.gelu(z), scale)
 
 
-def _inverse_norm(squared_norm: torch.Tensor, eps: float) -> torch.Tensor:
-    return squared_norm.clamp_min(eps * eps).rsqrt()
-
-
-def _squared_norm(x: torch.Tensor) -> torch.Tensor:
-    # In at least float32, so that float16 squares cannot overflow.
-    return x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True)
+def _squared_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """max(||x||^2, eps^2) over the last dimension, in at least float32 so that float16 squares cannot overflow."""
+    return x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True).clamp_min(eps * eps)
 
 
 class _L2Normalize(torch.autograd.Function):
-    """scale * x / max(||x||, eps) over the last dimension, keeping the (contiguous) output and the squared norm."""
+    """(s x / r, r^2) with r^2 = max(||x||^2, eps^2) over the last dimension, keeping its two outputs and not x.
+
+    The backward is written in those outputs alone, so that autograd can differentiate it again: a recorded
+    backward (``create_graph=True``) reaches x through the saved outputs, whose own gradients this backward gives.
+    """
 
     @staticmethod
+    @autocast_forward
     def forward(ctx, x, eps: float, scale: float):
-        squared_norm = _squared_norm(x)
+        squared_norm = _squared_norm(x, eps)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-        torch.mul(x, (_inverse_norm(squared_norm, eps) * scale).to(x.dtype), out=out)
+        torch.mul(x, (squared_norm.rsqrt() * scale).to(x.dtype), out=out)
         ctx.eps, ctx.scale = eps, scale
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(out, squared_norm)
-        return out
+        return out, squared_norm
 
     @staticmethod
-    def backward(ctx, grad):
+    @autocast_backward
+    def backward(ctx, grad, grad_squared_norm):
         out, squared_norm = ctx.saved_tensors
         eps, scale = ctx.eps, ctx.scale
-        inverse_norm = _inverse_norm(squared_norm, eps)
-        # <g, y> / s, zero where the norm was clamped to eps (there y = s x / eps is linear in x).
-        radial = (grad * out).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale
-        radial = radial.masked_fill(squared_norm < eps * eps, 0.0)
-        grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm.to(out.dtype))
+        unclamped = squared_norm > eps * eps  # where the clamp is active y = s x / eps is linear in x
+        inverse_norm = squared_norm.rsqrt()
+        grad_x = None
+        if grad is not None:
+            # (s g - <g, y> y / s) / r
+            radial = ((grad * out).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale) * unclamped
+            if torch.is_grad_enabled():
+                grad_x = (grad * scale - out * radial.to(out.dtype)) * inverse_norm.to(out.dtype)
+            else:
+                grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm.to(out.dtype))
+        if grad_squared_norm is not None:
+            # d(r^2)/dx = 2 x = 2 r y / s where unclamped
+            radial_norm = (grad_squared_norm * unclamped * 2.0 / (scale * inverse_norm)).to(out.dtype)
+            grad_x = out * radial_norm if grad_x is None else grad_x + out * radial_norm
         return grad_x, None, None
 
 
-@register_notrace_function  # picks its path from the autograd state at run time
 def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """``scale * F.normalize(x, dim=-1, eps=eps)``, as x times a reciprocal norm taken in at least float32.
+    """``scale * x / max(||x||, eps)`` over the last dimension (``F.normalize`` times ``scale``), the norm taken in at
+    least float32.
 
     The backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared norm: not x.
     """
-    if not torch.jit.is_scripting():
-        if scale != 0.0 and _lean(x):
-            return _L2Normalize.apply(x, eps, scale)
-    return x * (_inverse_norm(_squared_norm(x), eps) * scale).to(x.dtype)
+    if scale != 0.0 and needs_backward(x):
+        return _L2Normalize.apply(x, eps, scale)[0]
+    return x * (_squared_norm(x, eps).rsqrt() * scale).to(x.dtype)

@@ -1,0 +1,82 @@
+"""The fast paths of the blocks' compositions, computed from their modules' parameters.
+
+Each function computes what calling the modules would, in fewer passes and keeping fewer activations:
+
+- :func:`weighted_residual`: ``x + DropPath(scale (.) branch)``, the keep mask drawn exactly as timm's ``drop_path``
+  draws it (the same seed drops the same samples), mask and scale one small factor, the sum one multiply-add;
+- :func:`linear`: a token-wise ``nn.Linear`` (through oneDNN on CPU), optionally times a per-channel scale folded
+  into its weight and bias (alpha of a weighted residual whose branch ends in that layer);
+- :func:`mlp`: timm's ``Mlp`` with exact GELU, alpha folded into fc2, keeping fc1's input and output but not GELU's;
+- :func:`conv_shortcut`: ``x + DropPath(alpha (.) GELU(PW(GELU(DW(x)))))`` keeping x, DW(x) and PW(GELU(DW(x))).
+
+The callers decide that a fast path applies (``switch.active`` and ``switch.plain`` for every module read here);
+these functions only compute.
+"""
+import torch
+import torch.nn as nn
+from timm.layers import DropPath, Mlp
+
+from . import lean_autograd
+from .depthwise_conv import depthwise_conv2d
+from .onednn_linear import linear as onednn_linear
+from .switch import plain
+
+__all__ = ['conv_shortcut', 'linear', 'mlp', 'mlp_is_plain', 'weighted_residual']
+
+
+def _residual_scale(branch: torch.Tensor, scale: torch.Tensor | None, drop_path: DropPath) -> torch.Tensor | None:
+    """The factor ``drop_path(branch * scale)`` multiplies ``branch`` by: ``scale`` (None: 1) times, in training,
+    the per-sample keep mask (B, 1, ..., 1) over the keep probability."""
+    if drop_path.training and drop_path.drop_prob > 0.0:
+        keep_prob = 1.0 - drop_path.drop_prob
+        keep = branch.new_empty([branch.shape[0]] + [1] * (branch.dim() - 1)).bernoulli_(keep_prob)
+        if keep_prob > 0.0 and drop_path.scale_by_keep:
+            keep = keep / keep_prob
+        scale = keep if scale is None else keep * scale
+    return scale
+
+
+def weighted_residual(x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor | None,
+                      drop_path: DropPath) -> torch.Tensor:
+    """``x + drop_path(branch * scale)`` (``scale=None``: no scale, as where alpha was folded into the branch)."""
+    scale = _residual_scale(branch, scale, drop_path)
+    if scale is None:
+        return x + branch
+    return torch.addcmul(x, branch, scale)
+
+
+def linear(module: nn.Linear, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``module(x) * scale`` (``scale=None``: ``module(x)``), read from the module where it is a plain ``nn.Linear``,
+    called as a module where it is not (a LoRA wrapper, a hook, a parametrization)."""
+    if plain(module, nn.Linear):
+        if scale is None and not lean_autograd.needs_backward(x, module.weight, module.bias):
+            return onednn_linear(x, module.weight, module.bias)
+        return lean_autograd.scaled_linear(x, module.weight, module.bias, scale)
+    x = module(x)
+    return x if scale is None else x * scale
+
+
+def mlp_is_plain(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain timm ``Mlp`` with exact GELU and nothing between GELU and fc2 that trains."""
+    return (plain(module, Mlp) and plain(module.fc1, nn.Linear) and plain(module.fc2, nn.Linear)
+            and plain(module.act, nn.GELU) and module.act.approximate == 'none' and plain(module.norm, nn.Identity)
+            and plain(module.drop1, nn.Dropout) and (module.drop1.p == 0.0 or not module.training)
+            and plain(module.drop2, nn.Dropout))
+
+
+def mlp(module: Mlp, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``module(x) * scale`` for a module that :func:`mlp_is_plain` accepts (dropout commutes with the scale)."""
+    return module.drop2(lean_autograd.mlp(x, module.fc1.weight, module.fc1.bias, module.fc2.weight, module.fc2.bias,
+                                          scale))
+
+
+def conv_shortcut(x: torch.Tensor, dw: nn.Conv2d, pw: nn.Conv2d | None, scale: torch.Tensor,
+                  drop_path: DropPath) -> torch.Tensor:
+    """``x + drop_path(scale (.) GELU(pw(GELU(dw(x)))))`` on an NHWC map (``pw=None``: ``GELU(dw(x))``), exact
+    GELUs, dw a stride-1 depthwise conv with 'same' padding and pw a 1x1 conv."""
+    z = depthwise_conv2d(x, dw.weight, dw.bias)
+    if pw is not None:
+        z = lean_autograd.scaled_linear(z, pw.weight.flatten(1), pw.bias, gelu=True)
+    scale = _residual_scale(z, scale, drop_path)
+    assert scale is not None  # alpha is always there
+    return lean_autograd.gelu_residual(x, z, scale)

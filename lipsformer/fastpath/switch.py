@@ -1,0 +1,90 @@
+"""The one switch for the package's fast paths, and the tests that decide where a fast path may run.
+
+A fast path computes what the plain module graph computes, the same function of the same parameters, with kernels
+that are faster or keep fewer activations for backward. It runs only where nothing can tell the difference:
+
+- the switch is on: :func:`set_fast_path` (on by default; ``LIPSFORMER_FAST_PATH=0`` in the environment turns it off
+  at import), and timm's ``set_layer_config(exportable=True)`` or ``scriptable=True`` is not in effect;
+- nothing traces or transforms the model: TorchScript, FX, ``torch.jit.trace`` (the legacy ONNX exporter), dynamo
+  (``torch.compile``, ``torch.export``, the dynamo ONNX exporter), ``torch.func`` transforms and forward-mode AD all
+  see the plain module graph (:func:`active`);
+- every module a fast path would stand in for is exactly its class, with no hooks, no parametrization and no forward
+  of its own: a PEFT LoRA wrapper, a quantized replacement, ``parametrize`` (spectral norm, weight norm), a forward
+  or backward hook, an Accelerate hook all make it step aside, and the module is called (:func:`plain`).
+"""
+import os
+
+import torch
+import torch.nn as nn
+from timm.layers import is_exportable, is_scriptable
+from torch.autograd import forward_ad
+from torch.fx import _symbolic_trace
+from torch.nn.modules import module as torch_module
+
+__all__ = ['active', 'plain', 'set_fast_path', 'transformed', 'use_fast_path']
+
+_ENVIRONMENT_VARIABLE = 'LIPSFORMER_FAST_PATH'
+_ON, _OFF = ('1', 'true', 'on', 'yes'), ('0', 'false', 'off', 'no')
+
+
+def _from_environment() -> bool:
+    value = os.environ.get(_ENVIRONMENT_VARIABLE, '1').strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f'{_ENVIRONMENT_VARIABLE}={os.environ[_ENVIRONMENT_VARIABLE]!r} is neither on {_ON} nor off '
+                         f'{_OFF}; set it to 0 to run the plain module graph, or unset it')
+    return value in _ON
+
+
+_enabled = _from_environment()
+# torch >= 2.8 names the FX-only test apart from export's (its is_fx_tracing warns that it covers both)
+_fx_tracing = getattr(_symbolic_trace, 'is_fx_symbolic_tracing', _symbolic_trace.is_fx_tracing)
+
+
+class set_fast_path:  # noqa: N801 (a function that is also a context manager, as timm's set_layer_config)
+    """Turn the fast paths on or off: ``set_fast_path(False)`` for the rest of the process, or
+    ``with set_fast_path(False): ...`` for a block, after which the previous state returns."""
+
+    def __init__(self, enable: bool = True) -> None:
+        global _enabled
+        self.previous = _enabled
+        _enabled = bool(enable)
+
+    def __enter__(self) -> 'set_fast_path':
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _enabled
+        _enabled = self.previous
+
+
+def use_fast_path() -> bool:
+    """Whether the fast paths are switched on (:func:`set_fast_path`, and timm's layer config not exportable or
+    scriptable)."""
+    return _enabled and not is_exportable() and not is_scriptable()
+
+
+def _global_module_hooks() -> bool:
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks)
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp, jacrev, ...) or forward-mode AD is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or getattr(forward_ad, '_current_level', -1) >= 0
+
+
+def active() -> bool:
+    """Whether a fast path may run now: switched on, nothing tracing or transforming the call, no global module hooks.
+
+    Callers test ``torch.jit.is_scripting()`` first, in a branch of its own, so that TorchScript never compiles this.
+    """
+    # dynamo folds is_compiling() to True and reads nothing after it
+    return (not torch.compiler.is_compiling() and use_fast_path() and not torch.jit.is_tracing()
+            and not _fx_tracing() and not transformed() and not _global_module_hooks())
+
+
+def plain(module: nn.Module | None, cls: type[nn.Module]) -> bool:
+    """Whether ``module`` is exactly a ``cls`` that a fast path may read the parameters of instead of calling it: no
+    subclass or wrapper (a parametrized module is a subclass), no hooks, no forward set on the instance."""
+    return (type(module) is cls and not module._forward_hooks and not module._forward_pre_hooks
+            and not module._backward_hooks and not module._backward_pre_hooks and 'forward' not in module.__dict__)

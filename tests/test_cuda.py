@@ -1,0 +1,124 @@
+"""The GPU checks in one command, ``python -m pytest tests/test_cuda.py`` (every test skips without CUDA).
+
+Both families at their default size (224): forward and backward in float32 and under bf16 autocast equal to the
+plain path (``lipsformer.layers.set_fast_path(False)``), ``torch.compile`` equal to eager, a 20-step training run
+through ``lipsformer.training`` whose loss falls, and the benchmark's CUDA path.
+"""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from tool_support import FAMILIES, plain_path
+from training_support import make_image_folder, tiny_overrides
+
+from lipsformer.training import load_config, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+
+DEVICE = 'cuda'
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Relative to the reference's scale: float32 differs by summation order; bf16 by its 8-bit mantissa through a dozen
+# blocks, on either side of the comparison.
+TOLERANCES = {'fp32': 1e-3, 'bf16': 5e-2}
+
+
+@pytest.fixture(autouse=True)
+def _full_float32():
+    """Float32 products in float32, not TF32 (whose 10-bit mantissa would hide a float32 difference)."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def _default_model(name: str) -> torch.nn.Module:
+    return timm.create_model(name, drop_path_rate=0.0).to(DEVICE)  # dropouts are 0 by default: deterministic
+
+
+def _batch(size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 3, 224, 224, device=DEVICE), torch.randint(0, 1000, (size,), device=DEVICE)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = 'fp32', forward=None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward (through ``forward``, default the model) and backward: the logits (float32) and the gradient of
+    every parameter of the model."""
+    model.zero_grad(set_to_none=True)
+    autocast = torch.autocast(DEVICE, dtype=torch.bfloat16) if precision == 'bf16' else contextlib.nullcontext()
+    with autocast:
+        logits = (forward or model)(x)
+    F.cross_entropy(logits.float(), y).backward()
+    return logits.detach().float(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_step(actual, expected, tolerance: float) -> None:
+    (logits, grads), (expected_logits, expected_grads) = actual, expected
+    scale = expected_logits.abs().max().item()
+    torch.testing.assert_close(logits, expected_logits, rtol=tolerance, atol=tolerance * scale)
+    assert grads.keys() == expected_grads.keys()
+    scale = max(g.abs().max().item() for g in expected_grads.values())  # all gradients at one scale
+    for n, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[n], rtol=tolerance, atol=tolerance * scale,
+                                   msg=lambda message, n=n: f'grad {n}: {message}')
+
+
+@pytest.mark.parametrize('precision', ['fp32', 'bf16'])
+@pytest.mark.parametrize('name', FAMILIES)
+def test_forward_backward_equal_the_plain_path(name, precision):
+    model = _default_model(name).train()
+    x, y = _batch()
+    fast = _step(model, x, y, precision)
+    with plain_path():
+        plain = _step(model, x, y, precision)
+    _assert_same_step(fast, plain, TOLERANCES[precision])
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_torch_compile_equals_eager(name):
+    torch._dynamo.reset()
+    model = _default_model(name).train()
+    x, y = _batch()
+    eager = _step(model, x, y)
+    compiled = _step(model, x, y, forward=torch.compile(model, fullgraph=True))
+    _assert_same_step(compiled, eager, TOLERANCES['fp32'])
+
+
+def test_twenty_training_steps_lower_the_loss(tmp_path):
+    """4 epochs of 5 steps (40 images, batch 8) in bf16 autocast: no augmentation or drop path, so that the loss of
+    the last epoch below the first's is the optimizer's doing."""
+    data_dir = make_image_folder(str(tmp_path / 'images'), train_per_class=10)
+    overrides = tiny_overrides(data_dir, **{
+        'train.epochs': 4, 'train.mixed_precision': 'bf16', 'model.drop_path_rate': 0.0, 'augment.reprob': 0.0,
+        'augment.scale': '[1.0, 1.0]', 'augment.ratio': '[1.0, 1.0]', 'augment.hflip': 0.0,
+        'augment.color_jitter': 0.0, 'augment.mixup': 0.0, 'augment.cutmix': 0.0})
+    torch.cuda.reset_peak_memory_stats()
+    run_dir = tmp_path / 'run'
+    summary = train(load_config(None, overrides), str(run_dir))
+    assert summary['status'] == 'finished'
+    assert torch.cuda.max_memory_allocated() > 0  # it ran on the GPU
+    lines = [json.loads(line) for line in (run_dir / 'metrics.jsonl').read_text().splitlines()]
+    assert [line['step'] for line in lines] == [5, 10, 15, 20]
+    losses = [line['train_loss'] for line in lines]
+    assert losses[-1] < losses[0], losses
+
+
+def test_benchmark_runs_on_cuda(tmp_path):
+    out = tmp_path / 'report.json'
+    completed = subprocess.run(
+        [sys.executable, '-m', 'lipsformer.benchmark', '--models', ','.join(FAMILIES), '--mode', 'infer,train',
+         '--batch-size', '8', '--img-size', '224', '--precision', 'bf16', '--device', DEVICE, '--warmup', '2',
+         '--repeats', '2', '--steps', '2', '--json', str(out)],
+        cwd=REPO, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report['environment']['gpu'] and report['environment']['memory_metric'] == 'cuda_max_memory_allocated'
+    rows = {(row['model'], row['mode']): row for row in report['results']}
+    assert rows.keys() == {(name, mode) for name in FAMILIES for mode in ('infer', 'train')}
+    for row in rows.values():
+        assert row['images_per_s'] > 0 and row['peak_memory_mb'] > 0, row

@@ -1,0 +1,202 @@
+"""The fast paths (lipsformer.fastpath) against the plain module graph: one switch, the same values and gradients,
+and stepping aside wherever a module is hooked, wrapped or parametrized."""
+import os
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.layers import set_layer_config
+from tiny_models import TINY_MODELS
+
+from lipsformer import fastpath
+from lipsformer.fastpath import blocks
+from lipsformer.layers import set_fast_path, use_fast_path
+
+
+def _model(name: str, dtype: torch.dtype = torch.float32, drop_path_rate: float = 0.3) -> nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model(name, drop_path_rate=drop_path_rate, **TINY_MODELS[name]).to(dtype)
+    with torch.no_grad():  # alphas and norms away from their initial values, so that every term shows
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
+
+
+def _step(model: nn.Module, x: torch.Tensor, seed: int = 5) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and every parameter's gradient of one step, drop path drawn from ``seed``."""
+    torch.manual_seed(seed)
+    model.zero_grad()
+    logits = model(x)
+    logits.logsumexp(-1).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _both_paths(model: nn.Module, x: torch.Tensor, autocast: bool = False):
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+        fast = _step(model, x)
+        with set_fast_path(False):
+            plain = _step(model, x)
+    return fast, plain
+
+
+def test_one_switch_as_a_call_and_as_a_context_manager():
+    assert use_fast_path()
+    with set_fast_path(False):
+        assert not use_fast_path() and not fastpath.active()
+        with set_fast_path(True):
+            assert use_fast_path()
+        assert not use_fast_path()
+    assert use_fast_path()
+    set_fast_path(False)
+    try:
+        assert not use_fast_path()
+    finally:
+        set_fast_path(True)
+    for config in (dict(exportable=True), dict(scriptable=True)):
+        with set_layer_config(**config):  # timm's export and TorchScript configurations turn it off too
+            assert not use_fast_path()
+
+
+@pytest.mark.parametrize('value, expected', [('0', 'False'), ('off', 'False'), ('1', 'True'), ('bad', 'error')])
+def test_the_environment_variable_sets_the_switch_at_import(value, expected):
+    result = subprocess.run([sys.executable, '-c', 'import lipsformer.layers as l; print(l.use_fast_path())'],
+                            capture_output=True, text=True, env=dict(os.environ, LIPSFORMER_FAST_PATH=value))
+    if expected == 'error':
+        assert result.returncode != 0
+        assert "LIPSFORMER_FAST_PATH='bad'" in result.stderr and 'set it to 0' in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected
+
+
+@pytest.mark.parametrize('training', [True, False])
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_fast_and_plain_paths_agree_in_float64(name, training):
+    """The same function of the same parameters: equal to rounding, values and every gradient, drop path included."""
+    model = _model(name, torch.float64).train(training)
+    x = torch.randn(2, 3, 64, 96, dtype=torch.float64)  # cut windows and stripes
+    (fast_logits, fast_grads), (plain_logits, plain_grads) = _both_paths(model, x)
+    torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-12, atol=1e-12)
+    for key, plain_grad in plain_grads.items():
+        torch.testing.assert_close(fast_grads[key], plain_grad, rtol=1e-10, atol=1e-12, msg=lambda m: f'{key}: {m}')
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_fast_and_plain_paths_agree_in_float32(name):
+    """float32 sums in another order (oneDNN's products, the C kernels): close relative to each gradient's size."""
+    model = _model(name).train()
+    x = torch.randn(3, 3, 64, 96)
+    (fast_logits, fast_grads), (plain_logits, plain_grads) = _both_paths(model, x)
+    torch.testing.assert_close(fast_logits, plain_logits, rtol=1e-4, atol=1e-5)
+    for key, plain_grad in plain_grads.items():
+        torch.testing.assert_close(fast_grads[key], plain_grad, rtol=1e-4, atol=1e-5 * plain_grad.abs().max().item(),
+                                   msg=lambda m: f'{key}: {m}')
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_fast_and_plain_paths_agree_under_bfloat16_autocast(name):
+    """Under CPU autocast the fast path's Functions run their backward under the forward's autocast state
+    (torch.amp.custom_fwd / custom_bwd): bfloat16 rounding apart, the plain path's values and gradients."""
+    model = _model(name).train()
+    x = torch.randn(3, 3, 64, 96)
+    (fast_logits, fast_grads), (plain_logits, plain_grads) = _both_paths(model, x, autocast=True)
+    torch.testing.assert_close(fast_logits.float(), plain_logits.float(), rtol=0.05, atol=0.02)
+    for key, plain_grad in plain_grads.items():
+        assert fast_grads[key].dtype == plain_grad.dtype == torch.float32
+        scale = plain_grad.abs().max().item()
+        torch.testing.assert_close(fast_grads[key], plain_grad, rtol=0.1, atol=0.03 * scale,
+                                   msg=lambda m: f'{key}: {m}')
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fast path's fused compositions, by name."""
+    calls = {'mlp': 0, 'conv_shortcut': 0, 'weighted_residual': 0}
+    for name in calls:
+        original = getattr(fastpath, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(fastpath, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_a_hooked_module_is_called_and_its_hook_sees_what_the_plain_path_computes(name, fused_calls):
+    model = _model(name, drop_path_rate=0.0).eval()
+    x = torch.randn(2, 3, 64, 64)
+    blocks_count = sum(len(stage.blocks) for stage in model.stages)
+    shortcuts = sum(len(block.conv_shortcuts) for stage in model.stages for block in stage.blocks)
+    with torch.no_grad():
+        reference = model(x)
+        assert fused_calls == {'mlp': blocks_count, 'conv_shortcut': shortcuts, 'weighted_residual': 2 * blocks_count}
+        with set_fast_path(False):
+            plain = model(x)
+    block = model.stages[0].blocks[0]
+    seen = {}
+    hooks = [block.mlp.fc2.register_forward_hook(lambda m, i, o: seen.setdefault('fc2', o)),
+             block.conv_shortcuts[0].dw.register_forward_pre_hook(lambda m, i: seen.setdefault('dw', i[0])),
+             block.attn.proj.register_forward_hook(lambda m, i, o: seen.setdefault('proj', o))]
+    for key in fused_calls:
+        fused_calls[key] = 0
+    with torch.no_grad():
+        hooked = model(x)
+    for hook in hooks:
+        hook.remove()
+    # That block's MLP and first shortcut ran through their modules; every other one was fused.
+    assert fused_calls['mlp'] == blocks_count - 1 and fused_calls['conv_shortcut'] == shortcuts - 1
+    assert set(seen) == {'fc2', 'dw', 'proj'}
+    assert seen['dw'].shape[1] == block.conv_shortcuts[0].dw.in_channels  # NCHW, as nn.Conv2d takes it
+    torch.testing.assert_close(hooked, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
+    with set_fast_path(False), torch.no_grad():
+        block.mlp.fc2.register_forward_hook(lambda m, i, o: seen.__setitem__('plain_fc2', o))
+        model(x)
+    torch.testing.assert_close(seen['fc2'], seen['plain_fc2'], rtol=1e-5, atol=1e-6)
+
+
+def test_a_parametrized_weight_is_used():
+    """spectral norm via torch.nn.utils.parametrize (a subclass of the module) on the attention's projection and an
+    MLP's fc2: the fast path steps aside for both, and the output is the plain path's."""
+    name = 'lipsformer_cswin_tiny'
+    model = _model(name, drop_path_rate=0.0).eval()
+    block = model.stages[2].blocks[0]
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        before = model(x)
+    nn.utils.parametrizations.spectral_norm(block.attn.proj)
+    nn.utils.parametrizations.spectral_norm(block.mlp.fc2)
+    assert not fastpath.plain(block.attn.proj, nn.Linear) and not blocks.mlp_is_plain(block.mlp)
+    with torch.no_grad():
+        fast = model(x)
+        with set_fast_path(False):
+            plain = model(x)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
+    assert (fast - before).abs().max() > 1e-4  # the normalised weights changed the output
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_gradient_penalties_differentiate_the_backward(name):
+    """A gradient penalty needs the backward's own gradient (create_graph=True): the fast path's Functions record a
+    backward that autograd differentiates again, equal to the plain path's in float64."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    model = _model(name, torch.float64).train()
+    results = []
+    for fast in (True, False):
+        # PyTorch's fused CPU attention kernels have no double backward: the plain path's is SDPA's math backend.
+        with set_fast_path(fast), sdpa_kernel(SDPBackend.MATH):
+            torch.manual_seed(1)
+            x = torch.randn(2, 3, 64, 64, dtype=torch.float64, requires_grad=True)
+            (input_grad,) = torch.autograd.grad(model(x).logsumexp(-1).sum(), x, create_graph=True)
+            penalty = input_grad.square().sum()
+            results.append((penalty.detach(), torch.autograd.grad(penalty, list(model.parameters()))))
+    (fast_penalty, fast_grads), (plain_penalty, plain_grads) = results
+    torch.testing.assert_close(fast_penalty, plain_penalty, rtol=1e-10, atol=0)
+    for fast_grad, plain_grad in zip(fast_grads, plain_grads, strict=True):
+        torch.testing.assert_close(fast_grad, plain_grad, rtol=1e-8, atol=1e-12)
