@@ -1,6 +1,7 @@
 """transformers loads the timm model folders this package writes: AutoModelForImageClassification and the
 image-classification pipeline (TimmWrapper) on an export of each family give timm's ``local-dir:`` logits and
-probabilities.
+probabilities. transformers 5 builds the model on the meta device and loads the saved tensors into it; the Swin
+relative-position index, never saved, is rebuilt by the model's init_non_persistent_buffers().
 
 transformers is a dev extra; the import alone takes seconds, so each family is one test."""
 import numpy as np
@@ -25,14 +26,7 @@ pytestmark = [
 ]
 
 CLASSES = ['t-shirt', 'trouser', 'pullover']
-# transformers 5 builds the model on the meta device and loads the saved tensors into it: a non-persistent buffer
-# (the Swin relative-position index, rebuilt at construction and never saved) is left uninitialised unless the model
-# rebuilds it through init_non_persistent_buffers().
-_SWIN_BUFFER = pytest.mark.xfail(
-    Version(transformers.__version__) >= Version('5'), strict=True, raises=(IndexError, RuntimeError, AssertionError),
-    reason='transformers 5 leaves the non-persistent relative_position_index of LipsFormer-Swin uninitialised (built '
-           'on the meta device) until the model provides init_non_persistent_buffers()')
-FAMILIES = [pytest.param('lipsformer_swin_tiny', marks=_SWIN_BUFFER), 'lipsformer_cswin_tiny']
+FAMILIES = ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
 
 
 def _image() -> Image.Image:
