@@ -57,7 +57,8 @@ def check_access(api: HfApi, token: str | None) -> str:
             raise HubAccessError(f'cannot reach the Hugging Face Hub at {hf_constants.ENDPOINT} ({reason}); nothing '
                                  f'was uploaded and the export is unchanged: push again once online') from None
         raise HubAccessError(f'the Hugging Face Hub at {hf_constants.ENDPOINT} refused the token ({reason}); nothing '
-                             f'was uploaded and the export is unchanged: log in again or pass another --token') from None
+                             f'was uploaded and the export is unchanged: log in again or pass another '
+                             f'--token') from None
 
 
 def _first_line(error: BaseException) -> str:
