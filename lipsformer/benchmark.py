@@ -44,6 +44,7 @@ from lipsformer.complexity import build_model, model_complexity, resolve_model_n
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.hub.model_names import check_model_source, model_source
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
+from lipsformer.utils.cli import command_name
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
            'saved_activations_mb']
@@ -115,9 +116,21 @@ def _load_factory(path: Path, name: str) -> Callable[..., nn.Module]:
     return factory
 
 
+def _split_top_level(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and parentheses, at any depth (``a[x=[1,2]],b``)."""
+    parts, depth, start = [], 0, 0
+    for position, char in enumerate(text):
+        depth += char in '([{'
+        depth -= char in ')]}'
+        if char == ',' and depth == 0:
+            parts.append(text[start:position])
+            start = position + 1
+    return [part.strip() for part in [*parts, text[start:]] if part.strip()]
+
+
 def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
     kwargs = {}
-    for item in filter(None, (part.strip() for part in re.split(r',(?![^()\[\]]*[)\]])', text))):
+    for item in _split_top_level(text):
         key, sep, value = item.partition('=')
         if not sep or not key.strip().isidentifier():
             raise ValueError(f'bad constructor argument {item!r} in {spec!r}; write name[key=value,key=value]')
@@ -136,7 +149,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         TypeError: an ``img_size`` argument that is not one integer.
     """
     specs = []
-    for item in filter(None, (part.strip() for part in re.split(r',(?![^\[]*\])', text))):
+    for item in _split_top_level(text):
         match = re.fullmatch(r'([^\[\]]+?)(?:\[(.*)\])?', item)
         if match is None:
             raise ValueError(f'bad model spec {item!r}; write name, name[key=value,...] or file:/path.py:factory')
@@ -496,6 +509,7 @@ def format_table(report: dict, markdown: bool = False) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        prog=command_name('lipsformer.benchmark'),
         description='Images/s, peak memory, params, GMACs and TFLOP/s of timm models (lipsformer included), '
                     'models interleaved so that ratios to the first model cancel machine drift.')
     parser.add_argument('--models', required=True,

@@ -1,10 +1,19 @@
 """Loading checkpoint files without executing code from them.
 
-Every file goes through ``torch.load(weights_only=True)`` (or safetensors), never an unrestricted unpickler. The one
-non-tensor object the authors' released checkpoints carry, a pickled ``yacs.config.CfgNode`` under ``config``, is
-admitted by torch's restricted (weights-only) unpickler as an inert ``OrderedDict`` so that the tensors around it
-can be read; yacs itself is never imported and nothing in the file is called.
+Every file goes through ``torch.load(weights_only=True)`` (or safetensors), never an unrestricted unpickler. Two
+non-tensor objects that checkpoints users have carry are admitted by torch's restricted (weights-only) unpickler as
+plain data, so that the tensors around them can be read:
+
+- the authors' released checkpoints pickle a ``yacs.config.CfgNode`` under ``config``: it is read as an inert
+  ``OrderedDict`` (yacs itself is never imported);
+- timm's ``train.py`` saves its parsed arguments, an ``argparse.Namespace``, under ``args`` in every checkpoint: it
+  is rebuilt as a Namespace (``object.__new__`` and an update of its ``__dict__``; no constructor or method runs),
+  and each of its values must itself be admitted data, so a Namespace holding code is refused like any other pickle.
+  It is admitted only while this module loads a file, as timm's own loaders admit it around theirs.
+
+Nothing else is widened, and nothing in a file is called.
 """
+import argparse
 import io
 import os
 import pickletools
@@ -30,6 +39,9 @@ class CheckpointError(ValueError):
 # authors' files too; the only effect is that such a config comes back as an OrderedDict instead of an error.
 _INERT_GLOBALS = [(OrderedDict, 'yacs.config.CfgNode')]
 torch.serialization.add_safe_globals(_INERT_GLOBALS)
+# timm train.py's arguments, admitted while this module loads a file (timm's own checkpoint loaders do the same
+# around theirs), so that nothing else in the process reads them without asking.
+_ARGUMENTS = [argparse.Namespace]
 
 
 # What load_file reads, said in every error about a file it cannot read.
@@ -39,7 +51,8 @@ READABLE_FORMATS = ('lipsformer reads .safetensors files and torch.save files (.
 _ZIP_MAGIC = b'PK\x03\x04'
 
 
-def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu') -> dict[str, Any]:
+def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu', mmap: bool = False
+              ) -> dict[str, Any]:
     """Read a checkpoint (``.safetensors``, or a torch file) without executing any code stored in it.
 
     A file that cannot be read gets a :class:`CheckpointError` that says what it is instead (empty, text, unknown
@@ -49,6 +62,8 @@ def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu')
     Args:
         path: File to read.
         map_location: Device for the loaded tensors.
+        mmap: Map the tensors of a torch.save (zip) file from the disk instead of reading them, to look at its other
+            entries cheaply (other formats are read whole).
 
     Returns:
         The file's top-level dict (a safetensors file gives its tensors).
@@ -68,7 +83,8 @@ def load_file(path: str | os.PathLike, map_location: str | torch.device = 'cpu')
     if kind not in ('zip', 'pickle'):
         raise _unreadable(path, kind)
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(_ARGUMENTS):
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and kind == 'zip')
     except Exception as e:  # torch raises many types for damaged files (RuntimeError, EOFError, KeyError, ...)
         raise _load_failure(path, kind, e) from None  # torch's text (and its weights_only=False advice) left out
     if not isinstance(checkpoint, dict):
@@ -126,12 +142,13 @@ def _load_failure(path: str, kind: str, error: Exception) -> CheckpointError:
 
 def _admitted_globals() -> set[str]:
     """The globals torch's weights-only unpickler admits (tensor storage, plain containers, registered ones)."""
+    arguments = {f'{cls.__module__}.{cls.__qualname__}' for cls in _ARGUMENTS}
     try:  # private, but the one list of what a weights-only load accepts
         from torch import _weights_only_unpickler as unpickler
-        return set(unpickler._get_allowed_globals()) | set(unpickler._get_user_allowed_globals())
+        return set(unpickler._get_allowed_globals()) | set(unpickler._get_user_allowed_globals()) | arguments
     except (ImportError, AttributeError):  # a torch without the list: storage, dtypes and containers only
         return {'collections.OrderedDict', 'builtins.set', 'torch._utils._rebuild_tensor_v2', 'torch.Size',
-                'torch.FloatStorage', 'torch.LongStorage', 'yacs.config.CfgNode'}
+                'torch.FloatStorage', 'torch.LongStorage', 'yacs.config.CfgNode'} | arguments
 
 
 def _first_line(error: Exception) -> str:

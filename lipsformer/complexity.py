@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .utils.cli import command_name
+
 __all__ = ['SDPA_FLOP_FORMULAS', 'build_model', 'complexity_table', 'count_macs', 'model_complexity']
 
 ModelSource = str | nn.Module | Callable[..., nn.Module]
@@ -273,7 +275,8 @@ def complexity_table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description='Parameters and GMACs (multiply-accumulates, attention included) '
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.complexity'),
+                                     description='Parameters and GMACs (multiply-accumulates, attention included) '
                                                  'of timm models, counted on the meta device.')
     parser.add_argument('--models', required=True,
                         help="comma list of timm model names or wildcard patterns, e.g. 'lipsformer*'")

@@ -1,13 +1,15 @@
 """Command line: ``python -m lipsformer.convert SRC OUT_DIR [--model NAME] [--model-kwargs K=V ...]``.
 
 Turns weights into a timm model folder (``config.json`` + ``model.safetensors``, as ``timm.models.save_for_hf``
-writes it) that ``timm.create_model('local-dir:OUT_DIR', pretrained=True)`` loads, and checks that it does: the
-folder is reloaded that way and its logits compared with the source model's before it is moved into place.
+writes it) that ``timm.create_model('local-dir:OUT_DIR', pretrained=True)`` and transformers'
+``AutoModelForImageClassification.from_pretrained(OUT_DIR)`` load, and checks that timm does: the folder is reloaded
+that way and its logits compared with the source model's before it is moved into place.
 
 SRC is an authors' checkpoint (``{'model', ..., 'config'}``; the architecture, classes, input size and interpolation
 come from its yacs config), or anything validate.py's ``--checkpoint`` takes: a training run folder, an export, a
-checkpoint folder, a ``.safetensors`` or timm ``.pth.tar`` file (``--model`` names the architecture when nothing
-next to the file does). Files are read by :mod:`lipsformer.checkpoint`, which never runs pickled code.
+checkpoint folder, a ``.safetensors`` or a timm ``train.py`` checkpoint (``model_best.pth.tar``, whose saved arguments
+name the model); ``--model`` names the architecture when nothing in or next to the file does, and takes precedence
+over an authors' config. Files are read by :mod:`lipsformer.checkpoint`, which never runs pickled code.
 """
 import argparse
 import logging
@@ -19,11 +21,14 @@ from typing import Any
 import timm
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
+from timm.models import split_model_name_tag
 from timm.utils import ParseKwargs
 
 from .checkpoint import CheckpointError, load_checkpoint_dict, load_file
 from .evaluation.errors import EvaluationError
 from .evaluation.models import create_eval_model, resolve_checkpoint
+from .hub.model_folder import save_model_folder
+from .utils.cli import HelpFormatter, command_name
 from .utils.io import replace_dir
 
 __all__ = ['ConversionError', 'authors_model_config', 'convert', 'main']
@@ -43,33 +48,40 @@ class ConversionError(ValueError):
     """A source that cannot be converted, or an output folder that must not be written."""
 
 
-def authors_model_config(config: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], list[str] | None]:
+def authors_model_config(config: dict[str, Any], model_name: str | None = None
+                         ) -> tuple[str, dict[str, Any], dict[str, Any], list[str] | None]:
     """The model an authors' yacs config describes.
 
     Args:
         config: The ``config`` entry of an authors' checkpoint (read as nested dicts).
+        model_name: The registered model name ``--model`` gives; then ``MODEL.TYPE`` is not needed (the config's
+            ``MODEL.SWIN`` arguments, class count and input size still apply to a LipsFormer-Swin).
 
     Returns:
-        The registered model name (the variant whose width, depths and heads match, else the family's tiny one with
-        every argument given), its constructor arguments, the preprocessing (input size, interpolation, crop_pct)
-        and the label names (ImageNet synsets for their ImageNet checkpoints, else None).
+        The registered model name (``model_name``, else the variant whose width, depths and heads match, else the
+        family's tiny one with every argument given), its constructor arguments, the preprocessing (input size,
+        interpolation, crop_pct) and the label names (ImageNet synsets for their ImageNet checkpoints, else None).
     """
     model, data = config.get('MODEL', {}), config.get('DATA', {})
     family = _AUTHORS_FAMILIES.get(str(model.get('TYPE', '')).lower())
-    if family is None:
+    if family is None and model_name is None:
         raise ConversionError(f'the checkpoint\'s config has MODEL.TYPE {model.get("TYPE")!r}; only the authors\' '
                               f'{", ".join(_AUTHORS_FAMILIES)} models are known. Give --model to name the architecture')
-    section = model.get('SWIN', {})
+    swin = family is not None or split_model_name_tag(model_name)[0].startswith(_AUTHORS_FAMILIES['swin'])
+    section = model.get('SWIN', {}) if swin else {}
     kwargs = {ours: section[theirs] for ours, theirs in _AUTHORS_SWIN_KEYS.items() if theirs in section}
-    kwargs.update(num_classes=model['NUM_CLASSES'], img_size=data['IMG_SIZE'])
+    kwargs.update({ours: source[theirs] for ours, source, theirs in (
+        ('num_classes', model, 'NUM_CLASSES'), ('img_size', data, 'IMG_SIZE')) if theirs in source})
     for key in ('depths', 'num_heads'):
-        kwargs[key] = tuple(kwargs[key])
-    name = _matching_variant(family, kwargs)
+        if key in kwargs:
+            kwargs[key] = tuple(kwargs[key])
+    name = model_name or _matching_variant(family, kwargs)
     crop_pct = 0.875 if config.get('TEST', {}).get('CROP', True) else 1.0
-    data_config = dict(input_size=(kwargs.get('in_chans', 3), data['IMG_SIZE'], data['IMG_SIZE']), crop_pct=crop_pct,
+    img_size = data.get('IMG_SIZE', 224)
+    data_config = dict(input_size=(kwargs.get('in_chans', 3), img_size, img_size), crop_pct=crop_pct,
                        interpolation=data.get('INTERPOLATION', 'bicubic'), mean=IMAGENET_DEFAULT_MEAN,
                        std=IMAGENET_DEFAULT_STD)
-    subset = _IMAGENET_SUBSETS.get(kwargs['num_classes'])
+    subset = _IMAGENET_SUBSETS.get(kwargs.get('num_classes'))
     imagenet = str(data.get('DATASET', '')).lower().startswith('imagenet')
     label_names = ImageNetInfo(subset).label_names() if imagenet and subset else None
     return name, kwargs, data_config, label_names
@@ -114,9 +126,7 @@ def load_source(src: str, model_name: str | None = None, model_kwargs: dict[str,
             raise ConversionError(str(e)) from e
         label_names = model.pretrained_cfg.get('label_names')  # from the config.json beside the weights
         return model, None, {'label_names': label_names} if label_names else None
-    name, kwargs, data_config, label_names = authors_model_config(authors_config)
-    if model_name is not None:
-        name = model_name
+    name, kwargs, data_config, label_names = authors_model_config(authors_config, model_name)
     kwargs.update(model_kwargs or {})
     model = timm.create_model(name, **kwargs)
     load_checkpoint_dict(model, checkpoint, source=src, use_ema=use_ema)
@@ -171,8 +181,7 @@ def convert(src: str, out_dir: str, model_name: str | None = None, model_kwargs:
     os.makedirs(parent, exist_ok=True)
     tmp_dir = os.path.join(parent, f'.{os.path.basename(out_dir)}.tmp-{os.getpid()}')
     try:
-        timm.models.save_for_hf(model, tmp_dir, model_config=model_config, safe_serialization=True,
-                                data_config=data_config)
+        save_model_folder(model, tmp_dir, model_config=model_config, data_config=data_config)
         difference = logit_difference(model, tmp_dir)
         if difference != 0.0:
             raise ConversionError(f'the written folder does not reproduce the source model (max |logit difference| '
@@ -185,8 +194,8 @@ def convert(src: str, out_dir: str, model_name: str | None = None, model_kwargs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='python -m lipsformer.convert', description=__doc__.split('\n\n')[1],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.convert'), description=__doc__.split('\n\n')[1],
+                                     formatter_class=HelpFormatter)
     parser.add_argument('src', help='authors\' checkpoint, training run folder, export, checkpoint folder or weights '
                                     'file')
     parser.add_argument('out_dir', help='timm model folder to write (new or empty; see --force)')

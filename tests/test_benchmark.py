@@ -192,6 +192,15 @@ def test_model_specs_parse_constructor_arguments_and_files():
     assert specs[2].kwargs == {'width': 8, 'act': 'gelu'} and specs[2].is_file
 
 
+def test_model_specs_take_lists_at_any_depth():
+    text = ('lipsformer_swin_tiny[embed_dim=16,depths=[1,1,2,1],num_heads=[1, 2, 2, 4]],'
+            'lipsformer_cswin_tiny[split_size=[1,2,(2),2],depths=(1,1,2,1)],test_vit[depth=1]')
+    swin, cswin, vit = parse_model_specs(text)
+    assert swin.kwargs == {'embed_dim': 16, 'depths': [1, 1, 2, 1], 'num_heads': [1, 2, 2, 4]}
+    assert cswin.kwargs == {'split_size': [1, 2, 2, 2], 'depths': (1, 1, 2, 1)} and vit.kwargs == {'depth': 1}
+    assert swin.text == 'lipsformer_swin_tiny[embed_dim=16,depths=[1,1,2,1],num_heads=[1, 2, 2, 4]]'
+
+
 @pytest.mark.parametrize('text, message', [
     ('swin_tiny_patch4_window7_2244', 'no timm model matches'),
     ('swin_tiny*', 'exact model names'),

@@ -35,7 +35,8 @@ def test_set_input_size_is_recorded_where_timm_keeps_a_record():
     assert _base.update_model_input_size.__module__ == 'timm.models._input'
     assert timm.models.get_model_input_config(model)['input_size'] == (3, 128, 128)
     assert timm.models.get_model_args(model)['img_size'] == (128, 128)
-    assert model.pretrained_cfg['input_size'] == (3, 224, 224)  # the source checkpoint's metadata is kept
+    # and in the pretrained cfg, which timm.data.resolve_model_data_config reads
+    assert model.pretrained_cfg['input_size'] == (3, 128, 128)
 
 
 def test_set_input_size_without_timms_record(without_timm_input_record):
@@ -43,7 +44,7 @@ def test_set_input_size_without_timms_record(without_timm_input_record):
     model = tiny_swin()
     model.set_input_size((96, 128))
     assert model.patch_embed.img_size == (96, 128)
-    assert model.pretrained_cfg['input_size'] == (3, 224, 224)
+    assert model.pretrained_cfg['input_size'] == (3, 96, 128)
     assert model(torch.randn(1, 3, 96, 128)).shape == (1, 1000)
     with pytest.raises(ValueError, match='multiple of 32'):
         model.set_input_size(120)

@@ -45,6 +45,21 @@ def test_authors_checkpoint_to_local_dir_reproduces_their_logits(tmp_path, capsy
     assert torch.equal(saved['head.fc.weight'], authors['head.weight'])
 
 
+def test_model_flag_names_an_authors_file_whose_config_lacks_the_type(tmp_path, capsys):
+    """--model is read before the config: MODEL.TYPE is not needed when it is given (MODEL.SWIN still applies)."""
+    checkpoint = load_file(AUTHORS_FILE)
+    del checkpoint['config']['MODEL']['TYPE']
+    untyped = str(tmp_path / 'untyped.pth')
+    torch.save(checkpoint, untyped)
+    assert convert_main([untyped, str(tmp_path / 'refused')]) == 2
+    assert 'Give --model to name the architecture' in capsys.readouterr().err
+    assert convert_main([untyped, str(tmp_path / 'out'), '--model', 'lipsformer_swin_tiny']) == 0
+    reference = torch.load(os.path.join(AUTHORS, 'swin_small.pt'), weights_only=True)
+    with torch.no_grad():
+        torch.testing.assert_close(_local_dir(tmp_path / 'out')(reference['input']), reference['logits'], rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_authors_config_picks_the_registered_variant():
     def config(embed_dim, depths, heads, classes=1000, dataset='imagenet'):
         swin = dict(PATCH_SIZE=4, IN_CHANS=3, EMBED_DIM=embed_dim, DEPTHS=depths, NUM_HEADS=heads, WINDOW_SIZE=7,

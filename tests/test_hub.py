@@ -55,9 +55,10 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _export_model(export: str) -> torch.nn.Module:
-    """The exported network built by hand: registered name, saved arguments, the export's weights."""
+    """The exported network built by hand, as transformers' TimmWrapper builds it: registered name, the class count
+    at config.json's root, the saved arguments, the export's weights."""
     config = json.load(open(os.path.join(export, 'config.json')))
-    model = timm.create_model(config['architecture'], **config['model_args'])
+    model = timm.create_model(config['architecture'], num_classes=config['num_classes'], **config['model_args'])
     model.load_state_dict(load_file(os.path.join(export, 'model.safetensors')))
     return model
 
@@ -67,17 +68,28 @@ def _header(card: str) -> dict[str, object]:
     return {k: v for k, v in re.findall(r'^(\w+): (.+)$', header, re.M)}
 
 
-def test_card_describes_the_run(run_dir, tmp_path, capsys):
+def test_card_describes_the_run(run_dir, data_dir, tmp_path, capsys):
     run = _copy(run_dir, tmp_path)
     assert hub_main(['card', run]) == 0
     export = os.path.join(run, 'export', 'best')
     card = open(os.path.join(export, 'README.md')).read()
     assert _header(card) == {'library_name': 'timm', 'license': 'apache-2.0', 'pipeline_tag': 'image-classification'}
-    assert '- accuracy' in card and 'datasets:\n- ' in card and '- lipsformer' in card
     summary = json.load(open(os.path.join(run, 'summary.json')))
-    final = summary['final_metrics']
-    assert f'| raw | `model.safetensors` | {final["val_top1"]:.2f} | {final["val_top5"]:.2f} |' in card
-    assert f'| EMA | `model_ema.safetensors` | {final["ema_val_top1"]:.2f} | {final["ema_val_top5"]:.2f} |' in card
+    epochs = [json.loads(line) for line in open(os.path.join(run, 'metrics.jsonl'))]
+    (best,) = [line for line in epochs if line['epoch'] == summary['best_epoch'] and 'val_top1' in line]
+    # The Hub's reading of the metadata: tags, and a model-index with the exported epoch's scores; an image folder
+    # has no Hub dataset id, so no datasets entry.
+    data = huggingface_hub.ModelCard(card).data
+    assert 'lipsformer' in data.tags and data.metrics == ['accuracy'] and data.datasets is None
+    assert {(r.task_type, r.dataset_type, r.dataset_name, r.dataset_split, r.metric_type, r.metric_name,
+             r.metric_value) for r in data.eval_results} == {
+        ('image-classification', 'imagefolder', os.path.basename(data_dir), 'validation', 'accuracy',
+         'Top-1 accuracy', round(best['val_top1'], 3)),
+        ('image-classification', 'imagefolder', os.path.basename(data_dir), 'validation', 'accuracy',
+         'Top-5 accuracy', round(best['val_top5'], 3))}
+    assert f'| raw | `model.safetensors` | {best["val_top1"]:.2f} | {best["val_top5"]:.2f} |' in card
+    assert f'| EMA | `model_ema.safetensors` | {best["ema_val_top1"]:.2f} | {best["ema_val_top5"]:.2f} |' in card
+    assert f'after 2 epochs. These weights are from epoch {best["epoch"]} (the best epoch of the run)' in card
     assert f'Best {summary["best_metric"]}: {summary["best_value"]:.2f} at epoch {summary["best_epoch"]}' in card
     params = sum(p.numel() for p in _export_model(export).parameters())
     assert f'parameters: {params / 1e6:.2f}M' in card
@@ -107,48 +119,71 @@ def test_card_of_a_converted_folder_and_bad_targets(run_dir, tmp_path, capsys):
 
 
 class _FakeHub:
-    """Stands in for the two HfApi calls that reach the network and records what they were given."""
+    """Stands in for the three HfApi calls that reach the network and records what they were given: the token
+    check, the repository and the commit (whose files it reads as the Hub would, or fails as a dropped upload)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, fail_commit: bool = False):
         self.calls = []
         fake = self
+        monkeypatch.setenv('HF_TOKEN', 'hf_fake')
+
+        def whoami(api, token=None, **kwargs):
+            fake.calls.append(('whoami', dict(token=token)))
+            return {'name': 'me'}
 
         def create_repo(api, repo_id, private=False, exist_ok=False, **kwargs):
             fake.calls.append(('create_repo', dict(repo_id=repo_id, private=private, exist_ok=exist_ok,
                                                    library=api.library_name)))
             return huggingface_hub.RepoUrl(f'https://huggingface.co/{repo_id}')
 
-        def upload_folder(api, repo_id, folder_path, allow_patterns=None, **kwargs):
-            sent = sorted(os.path.relpath(os.path.join(root, name), folder_path)
-                          for root, _, names in os.walk(folder_path) for name in names
-                          if os.path.relpath(os.path.join(root, name), folder_path) in allow_patterns)
-            fake.calls.append(('upload_folder', dict(repo_id=repo_id, folder=folder_path, files=sent, **kwargs)))
-            fake.card = open(os.path.join(folder_path, 'README.md')).read()
+        def create_commit(api, repo_id, operations, commit_message=None, revision=None, **kwargs):
+            sent = {}
+            for operation in operations:
+                source = operation.path_or_fileobj
+                sent[operation.path_in_repo] = source.getvalue() if hasattr(source, 'getvalue') else \
+                    open(source, 'rb').read()
+            fake.calls.append(('create_commit', dict(repo_id=repo_id, files=sorted(sent), revision=revision,
+                                                     commit_message=commit_message)))
+            fake.sent = sent
+            fake.card = sent['README.md'].decode()
+            if fail_commit:
+                raise ConnectionResetError(104, 'Connection reset by peer')
             return None
 
+        monkeypatch.setattr(huggingface_hub.HfApi, 'whoami', whoami)
         monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', create_repo)
-        monkeypatch.setattr(huggingface_hub.HfApi, 'upload_folder', upload_folder)
+        monkeypatch.setattr(huggingface_hub.HfApi, 'create_commit', create_commit)
+
+
+def _folder_state(folder: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), 'rb').read()
+            for root, _, names in os.walk(folder) for name in names}
 
 
 def test_push_sends_the_export_with_its_card(run_dir, tmp_path, monkeypatch, capsys):
     run = _copy(run_dir, tmp_path)
     hub = _FakeHub(monkeypatch)
     assert hub_main(['push', run, 'me/lipsformer-tiny', '--private', '--no-lipschitz']) == 0
-    (create, created), (upload, uploaded) = hub.calls
+    (check, checked), (create, created), (commit, committed) = hub.calls
+    assert check == 'whoami' and checked == dict(token='hf_fake')
     assert create == 'create_repo' and created == dict(repo_id='me/lipsformer-tiny', private=True, exist_ok=True,
                                                        library='timm')
-    assert upload == 'upload_folder' and uploaded['repo_id'] == 'me/lipsformer-tiny'
-    assert uploaded['folder'] == os.path.join(run, 'export', 'best')
-    assert uploaded['files'] == ['README.md', 'config.json', 'model.safetensors', 'model_ema.safetensors',
-                                 'plots/accuracy.png', 'plots/alpha.png', 'plots/loss.png']
+    assert commit == 'create_commit' and committed['repo_id'] == 'me/lipsformer-tiny'
+    assert committed['files'] == ['README.md', 'config.json', 'model.safetensors', 'model_ema.safetensors',
+                                  'plots/accuracy.png', 'plots/alpha.png', 'plots/loss.png']
     assert "timm.create_model('hf-hub:me/lipsformer-tiny', pretrained=True)" in hub.card
-    assert uploaded['commit_message'] == 'Add lipsformer_swin_tiny weights'
+    assert "pipeline('image-classification'" not in hub.card  # 1 channel: the pipeline sends RGB images
+    assert "AutoModelForImageClassification.from_pretrained('me/lipsformer-tiny')" in hub.card
+    assert committed['commit_message'] == 'Add lipsformer_swin_tiny weights'
+    # Written into the export after the upload: the same card, and the plots it shows.
+    export = os.path.join(run, 'export', 'best')
+    assert {name: data for name, data in _folder_state(export).items() if name in hub.sent} == hub.sent
     # An export pushed alone, its edited card kept; a public repository unless --private.
     export = os.path.join(run, 'export', 'last')
     open(os.path.join(export, 'README.md'), 'w').write('my own card\n')
     hub.calls.clear()
     assert hub_main(['push', export, 'me/other', '--keep-card']) == 0
-    assert hub.calls[0][1]['private'] is False and hub.card == 'my own card\n'
+    assert hub.calls[1][1]['private'] is False and hub.card == 'my own card\n'
 
 
 def test_push_refuses_an_incomplete_export(run_dir, tmp_path, monkeypatch, capsys):
@@ -157,6 +192,18 @@ def test_push_refuses_an_incomplete_export(run_dir, tmp_path, monkeypatch, capsy
     hub = _FakeHub(monkeypatch)
     assert hub_main(['push', os.path.join(run, 'export', 'best'), 'me/x', '--no-lipschitz']) == 2
     assert 'lacks model.safetensors' in capsys.readouterr().err and hub.calls == []
+
+
+def test_a_failed_upload_leaves_the_export_as_it_was(run_dir, tmp_path, monkeypatch, capsys):
+    run = _copy(run_dir, tmp_path)
+    export = os.path.join(run, 'export', 'best')
+    before = _folder_state(export)
+    hub = _FakeHub(monkeypatch, fail_commit=True)
+    assert hub_main(['push', run, 'me/x', '--no-lipschitz']) == 2
+    assert 'error: the upload to me/x lost the connection to the Hugging Face Hub ([Errno 104] Connection reset by ' \
+           'peer); the export is unchanged' in capsys.readouterr().err
+    assert "'hf-hub:me/x'" in hub.card  # what was on its way up
+    assert _folder_state(export) == before
 
 
 def test_fine_tune_from_a_local_dir_export_with_another_class_count(run_dir, tmp_path, caplog):
@@ -250,8 +297,9 @@ def test_hf_hub_names_up_to_the_download(run_dir, data_dir, monkeypatch):
     _FakeDownloads(monkeypatch, None)
     for build in (lambda: create_eval_model('hf-hub:me/tiny', None, pretrained=True),
                   lambda: create_model('hf-hub:me/tiny', pretrained=True)):
-        with pytest.raises(ModelSourceError, match=r'hf-hub:me/tiny: cannot get its files from the Hugging Face Hub '
-                                                   r'\(LocalEntryNotFoundError.*local-dir:FOLDER'):
+        with pytest.raises(ModelSourceError, match=r'cannot download the weights of hf-hub:me/tiny from the Hugging '
+                                                   r'Face Hub repository me/tiny at .*pretrained_cfg_overlay=dict\('
+                                                   r'file=.*python -m lipsformer.convert .*local-dir:FOLDER'):
             build()
 
 

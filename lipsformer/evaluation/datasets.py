@@ -14,14 +14,14 @@ from timm.data import create_dataset
 from torch.utils.data import IterableDataset
 
 from ..training.data import RobustDataset, num_classes_of, prepare_dataset
-from ..training.splits import DatasetError, check_torchvision_split
+from ..training.splits import DatasetError, DatasetNotFoundError, check_torchvision_split, split_folder
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
 from .predict import InferenceSettings, predict
 from .real import real_labels_for
 
-__all__ = ['DataRequest', 'DatasetResult', 'PlannedPass', 'plan_datasets', 'evaluate']
+__all__ = ['DataRequest', 'DatasetResult', 'PlannedPass', 'plan_datasets', 'evaluate', 'split_of']
 
 _logger = logging.getLogger(__name__)
 
@@ -31,13 +31,16 @@ class DataRequest:
     """What to evaluate on.
 
     Attributes:
-        data_dir: ImageNet val folder (or a class-folder data set with ``layout='imagefolder'``).
+        data_dir: ImageNet val folder (or a class-folder data set with ``layout='imagefolder'``), or, as timm's
+            validate.py reads ``--data-dir``, the data set root holding that folder as its ``split`` sub-folder.
         layout: ``imagenet`` or ``imagefolder`` for ``data_dir``.
         real_labels: ReaL label sets by file name, to score ``data_dir`` against them too.
         v2_dirs: ImageNet-V2 variant folders.
         class_names: The model's classes, saved with its weights: class folders are labelled by these names.
         dataset: A timm dataset name (``torch/cifar10``, ``hfds/<repo>``) read with ``data_dir`` as its root.
-        split: The split of ``dataset``.
+        split: The split of ``dataset``, or the sub-folder of ``data_dir`` to score (a name or a synonym timm
+            accepts: ``val`` for ``validation``, ...); None: ``validation``, and ``data_dir`` itself when it has no
+            such sub-folder.
         download: Let torchvision / Hugging Face download ``dataset`` when missing.
     """
     data_dir: str | None = None
@@ -46,7 +49,7 @@ class DataRequest:
     v2_dirs: tuple[str, ...] = ()
     class_names: list[str] | None = None
     dataset: str | None = None
-    split: str = 'validation'
+    split: str | None = None
     download: bool = False
 
 
@@ -101,18 +104,35 @@ def plan_datasets(request: DataRequest) -> list[PlannedPass]:
     if request.dataset:
         passes.append(PlannedPass(request.dataset, open_named_dataset(request)))
     elif request.data_dir is not None:
+        folder = split_of(request.data_dir, request.split)
         if request.layout == 'imagenet':
-            images = list_imagenet_val(request.data_dir)
+            images = list_imagenet_val(folder)
             real = real_labels_for(images.paths, request.real_labels) if request.real_labels is not None else None
             passes.append(PlannedPass('imagenet', images, real))
         else:
-            passes.append(PlannedPass('imagefolder', list_image_folder(request.data_dir, request.class_names)))
+            passes.append(PlannedPass('imagefolder', list_image_folder(folder, request.class_names)))
     passes.extend(PlannedPass('imagenet-v2', list_imagenet_v2(path)) for path in request.v2_dirs)
     for planned in passes:
         if planned.images.source is None and planned.images.classes_present < planned.images.num_classes:
             _logger.info('%s at %s: %d of the %d classes present, %d images', planned.dataset, planned.images.root,
                          planned.images.classes_present, planned.images.num_classes, len(planned.images.paths))
     return passes
+
+
+def split_of(data_dir: str, split: str | None) -> str:
+    """The folder ``--data-dir DATA_DIR [--split SPLIT]`` means, as timm's validate.py finds it: ``DATA_DIR/SPLIT``
+    (or a synonym timm accepts: ``val``, ``valid``, ... for ``validation``). Without ``--split``: the validation
+    split's folder when DATA_DIR has one, else DATA_DIR itself, the folder of the images to score.
+
+    Raises:
+        EvaluationError: ``--split`` was given and DATA_DIR holds no such split.
+    """
+    try:
+        return split_folder(data_dir, split or 'validation', '--split', '--data-dir')
+    except DatasetNotFoundError as e:
+        if split is None:
+            return data_dir
+        raise EvaluationError(str(e)) from e
 
 
 def open_named_dataset(request: DataRequest) -> ImageList:
@@ -122,7 +142,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
     Raises:
         EvaluationError: The dataset or the split is not there, or holds no images.
     """
-    name, split = request.dataset, request.split
+    name, split = request.dataset, request.split or 'validation'
     try:
         if name.lower().startswith('torch/'):
             check_torchvision_split(name, split, 'split')

@@ -5,16 +5,20 @@ Accepted checkpoints: a weights file (``.safetensors``, timm ``.pth.tar``, the a
 else ``export/last``, else the newest checkpoint (the one training would resume from) is taken. With EMA requested,
 a folder's ``model_ema.safetensors`` / ``ema.safetensors`` is used, and a torch file's EMA entry.
 
-The model is rebuilt from timm's ``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the
-run's ``config.yaml`` (read by :func:`lipsformer.training.load_config`) with the class count and architecture a
-training checkpoint's ``meta.json`` records, else from ``--model``; all weights then go through
+The model is rebuilt from the arguments timm's ``train.py`` saved in its own checkpoint (``args``: ``--model``,
+``--model-kwargs``, ``--num-classes``, ``--in-chans``, ``--gp`` and the preprocessing flags), else from timm's
+``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the run's ``config.yaml`` (read by
+:func:`lipsformer.training.load_config`) with the class count and architecture a training checkpoint's ``meta.json``
+records, else from ``--model``; all weights then go through
 :func:`lipsformer.checkpoint.load_model_weights`, which never executes pickled code and names every mismatched key.
 The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along, so
 that a class-folder data set is labelled by name, as in training.
 """
+import argparse
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import timm
 import torch
@@ -144,6 +148,43 @@ def _checkpoint_model(folder: str) -> dict:
         return {}
 
 
+def _model_config_in_file(path: str) -> SavedModelConfig | None:
+    """The model a timm ``train.py`` checkpoint describes through its saved arguments, or None for other files."""
+    if path.endswith('.safetensors'):
+        return None
+    try:
+        args = load_file(path, mmap=True).get('args')
+    except CheckpointError:  # loading the weights says what is wrong with the file
+        return None
+    if not isinstance(args, argparse.Namespace) or not isinstance(getattr(args, 'model', None), str):
+        return None
+    return model_config_from_timm_args(vars(args))
+
+
+def model_config_from_timm_args(args: dict[str, Any]) -> SavedModelConfig:
+    """The model and preprocessing of timm ``train.py``'s arguments, as its ``create_model`` call and
+    ``resolve_data_config`` read them: ``--model``, ``--model-kwargs``, ``--num-classes``, ``--in-chans`` (else
+    ``--input-size``'s first value), ``--gp``; ``--img-size`` / ``--input-size``, ``--mean``, ``--std``,
+    ``--interpolation`` and ``--crop-pct`` for the data (the model itself is built at its default size, as there)."""
+    input_size = args.get('input_size')
+    in_chans = args.get('in_chans') or (input_size[0] if input_size else None)
+    kwargs = dict(args.get('model_kwargs') or {})
+    for key, value in (('num_classes', args.get('num_classes')), ('in_chans', in_chans),
+                       ('global_pool', args.get('gp'))):
+        if value is not None:
+            kwargs[key] = value
+    overlay: dict[str, Any] = {}
+    size = tuple(input_size[1:]) if input_size else (args['img_size'],) * 2 if args.get('img_size') else None
+    if size:
+        overlay['input_size'] = (in_chans or 3, *size)
+    for key in ('mean', 'std'):
+        if args.get(key):
+            values = tuple(args[key])
+            overlay[key] = values * (in_chans or 3) if len(values) == 1 else values
+    overlay.update({key: args[key] for key in ('interpolation', 'crop_pct') if args.get(key)})
+    return SavedModelConfig(args['model'], kwargs, cfg_overlay=overlay or None)
+
+
 def _ema_in(folder: str) -> str | None:
     return next((os.path.join(folder, n) for n in _EMA_FILES if os.path.isfile(os.path.join(folder, n))), None)
 
@@ -160,7 +201,8 @@ def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> Resolv
         if use_ema and os.path.basename(path) in _WEIGHT_FILES and _ema_in(folder):
             path = _ema_in(folder)  # the EMA twin of an export's or a checkpoint's weights
         ema_entry = use_ema and os.path.basename(path) not in _EMA_FILES
-        return ResolvedCheckpoint(path, ema_entry=ema_entry, model_config=_model_config_near(folder))
+        model_config = _model_config_in_file(path) or _model_config_near(folder)
+        return ResolvedCheckpoint(path, ema_entry=ema_entry, model_config=model_config)
     if not os.path.isdir(path):
         raise EvaluationError(f'checkpoint {path!r} does not exist')
     folder = _weights_folder(path)
@@ -209,7 +251,7 @@ def _choose_model_config(model_name: str | None, checkpoint: ResolvedCheckpoint 
     if model_name is None:
         if saved is None:
             raise EvaluationError(f'--model is required: {checkpoint.weights!r} has no config.json or run config.yaml '
-                                  f'next to it to rebuild the model from')
+                                  f'next to it, nor timm train.py\'s arguments in it, to rebuild the model from')
         return saved
     if saved is not None and split_model_name_tag(model_name)[0] != split_model_name_tag(saved.name)[0]:
         raise EvaluationError(

@@ -20,6 +20,8 @@ from timm.utils import ParseKwargs
 
 from ..checkpoint import CheckpointError
 from ..training.session import end_processes
+from ..utils.cli import command_name
+from ..utils.env import select_device
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
@@ -31,7 +33,7 @@ __all__ = ['build_parser', 'run', 'main']
 
 _logger = logging.getLogger('lipsformer.evaluation')
 _BUNDLED_REAL_LABELS = 'bundled'
-_DATA_CONFIG_KEYS = ('img_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+_DATA_CONFIG_KEYS = ('img_size', 'input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
 _AMP_DTYPES = {'float16': 'fp16', 'bfloat16': 'bf16'}
 
 
@@ -45,22 +47,34 @@ def _amp_precision(value: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog='validate.py',
+        prog=command_name('lipsformer.evaluation.validate_command'),
         description='Evaluate a timm or LipsFormer model on ImageNet val, ImageNet-ReaL and ImageNet-V2 in one run. '
-                    'Runs on one process, or sharded with accelerate launch (same numbers).')
+                    'Runs on one process, or sharded with accelerate launch (same numbers). timm validate.py\'s '
+                    'flags mean what they mean there.')
+    parser.add_argument('data', nargs='?', metavar='DIR', help='the --data-dir folder, given as timm\'s (deprecated) '
+                                                               'positional argument')
     model = parser.add_argument_group('model')
     model.add_argument('--model', '-m', help='model name, comma list or wildcard (lipsformer_cswin_*); optional '
-                                             'when --checkpoint has a config.json / run config.yaml')
-    model.add_argument('--checkpoint', help='weights file (.safetensors, .pth.tar, authors\' .pth), a folder with '
-                                            'model.safetensors, or a training run folder (export/best, export/last, '
-                                            'else the newest checkpoint); without it, timm pretrained weights')
+                                             'when --checkpoint has a config.json / run config.yaml, or is a timm '
+                                             'train.py checkpoint (its saved arguments name the model)')
+    model.add_argument('--checkpoint', help='weights file (.safetensors, timm train.py\'s .pth.tar, authors\' .pth), '
+                                            'a folder with model.safetensors, or a training run folder (export/best, '
+                                            'export/last, else the newest checkpoint); without it, timm pretrained '
+                                            'weights')
+    model.add_argument('--pretrained', action='store_true',
+                       help='timm\'s pretrained weights of --model (what is evaluated without --checkpoint; with it, '
+                            'as in timm, the checkpoint\'s weights replace them)')
     model.add_argument('--use-ema', action='store_true', help='evaluate the EMA weights of the checkpoint')
     model.add_argument('--num-classes', type=int, help='classifier size, if not the model default')
+    model.add_argument('--in-chans', type=int, help='input channels, if not the model default (else --input-size\'s '
+                                                    'first value)')
+    model.add_argument('--gp', metavar='POOL', help='global pool type of the head (avg, max, avgmax, ...), if not the '
+                                                    'model default')
     model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                        help='extra model constructor arguments')
     data = parser.add_argument_group('data')
     data.add_argument('--data-dir', help='ImageNet val in synset folders (any subset of the 1000 folders and of '
-                                               'the images)')
+                                         'the images), or, as in timm, the data set root with the --split folder')
     data.add_argument('--data-layout', choices=('imagenet', 'imagefolder'), default='imagenet',
                       help='imagefolder: any class-folder data set, each folder labelled by its name among the '
                            'classes saved with the checkpoint (else classes in natural sort order)')
@@ -71,10 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument('--dataset', help='a dataset timm\'s create_dataset opens, as timm\'s --dataset: torch/<name> '
                                         '(torchvision: torch/cifar10, torch/fashion_mnist, ...) or hfds/<name> '
                                         '(Hugging Face datasets), rooted at --data-dir')
-    data.add_argument('--split', default='validation', help='the --dataset split (validation)')
+    data.add_argument('--split', metavar='NAME',
+                      help='the split to score: the --dataset split, or the --data-dir sub-folder (timm\'s synonyms '
+                           'val, valid, ... found too); default validation, and without --split a --data-dir with '
+                           'no such sub-folder is itself the folder scored')
     data.add_argument('--dataset-download', action='store_true', help='let --dataset download what is missing')
     settings = parser.add_argument_group('evaluation settings (default: the model\'s pretrained cfg)')
     settings.add_argument('--img-size', type=int, help='input resolution')
+    settings.add_argument('--input-size', type=int, nargs=3, metavar=('C', 'H', 'W'),
+                          help='input channels and size, as timm (e.g. 3 256 320)')
     settings.add_argument('--crop-pct', type=float, help='centre crop fraction')
     settings.add_argument('--crop-mode', choices=('center', 'squash', 'border'), help='crop mode')
     settings.add_argument('--interpolation', help='resize interpolation (bicubic, bilinear, ...)')
@@ -89,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument('--torchcompile', nargs='?', const='inductor', metavar='BACKEND',
                           help='torch.compile the model, with this backend (inductor), as timm')
     settings.add_argument('--channels-last', action='store_true', help='NHWC memory layout')
-    settings.add_argument('--cpu', action='store_true', help='run on CPU even if a GPU is available')
+    settings.add_argument('--device', help='cpu, or an accelerator (cuda, cuda:1, mps, xpu, ...); default: the one '
+                                           'accelerate gives each process, else the CPU')
+    settings.add_argument('--cpu', action='store_true', help='run on CPU even if a GPU is available (--device cpu)')
     settings.add_argument('--log-every', type=int, default=50, help='progress log every N batches (50; 0: off)')
     output = parser.add_argument_group('output')
     output.add_argument('--results-file', help='write the results here')
@@ -105,6 +126,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EvaluationError('--use-ema needs --checkpoint')
     if args.model is None and not args.checkpoint:
         raise EvaluationError('give --model, --checkpoint, or both')
+    if args.data is not None:
+        if args.data_dir is not None and args.data_dir != args.data:
+            raise EvaluationError(f'the data folder is given twice: {args.data!r} and --data-dir {args.data_dir!r}; '
+                                  f'give --data-dir alone')
+        args.data_dir = args.data
+    if args.cpu and args.device not in (None, 'cpu'):
+        raise EvaluationError(f'--cpu and --device {args.device} disagree; give one of them')
+    if args.pretrained and args.checkpoint:
+        _logger.info('--pretrained with --checkpoint: the checkpoint\'s weights are evaluated (they replace every '
+                     'pretrained one, as in timm)')
 
 
 def _resolve_amp(amp: str | bool | None, amp_dtype: str | None) -> str | None:
@@ -120,7 +151,11 @@ def _resolve_amp(amp: str | bool | None, amp_dtype: str | None) -> str | None:
 def _make_accelerator(args: argparse.Namespace) -> Accelerator:
     # A CPU-only machine launched with several processes (accelerate launch --multi_gpu, torchrun) must use gloo.
     launched = int(os.environ.get('WORLD_SIZE', '1')) > 1
-    accelerator = Accelerator(cpu=args.cpu or (launched and not torch.cuda.is_available()),
+    try:
+        cpu = select_device('cpu' if args.cpu else args.device)
+    except ValueError as e:
+        raise EvaluationError(str(e)) from e
+    accelerator = Accelerator(cpu=cpu or (launched and not torch.cuda.is_available()),
                               mixed_precision=args.amp or 'no')
     if args.amp == 'fp16' and accelerator.device.type == 'cpu':
         raise EvaluationError('--amp fp16 runs only on a GPU (on CPU it would silently stay fp32); use --amp bf16 '
@@ -141,7 +176,9 @@ def _data_config(model: torch.nn.Module, args: argparse.Namespace) -> dict:
 def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | None, args: argparse.Namespace,
                     passes: list[PlannedPass], accelerator: Accelerator) -> dict:
     """Build one model, run every planned pass and return its results record."""
-    model_kwargs = dict(args.model_kwargs, **({'num_classes': args.num_classes} if args.num_classes else {}))
+    in_chans = args.in_chans if args.in_chans is not None else args.input_size[0] if args.input_size else None
+    given = dict(num_classes=args.num_classes, in_chans=in_chans, global_pool=args.gp)
+    model_kwargs = dict(args.model_kwargs, **{key: value for key, value in given.items() if value is not None})
     try:
         model, model_name = create_eval_model(
             model_name, checkpoint, pretrained=checkpoint is None, model_kwargs=model_kwargs, img_size=args.img_size)
@@ -204,11 +241,12 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (2 for bad input, with the reason on stderr)."""
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         records, accelerator = run(args)
     except (EvaluationError, CheckpointError) as e:
-        print(f'validate.py: error: {e}', file=sys.stderr)
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
         return 2
     if accelerator.is_main_process:
         print(format_table(records))

@@ -1,19 +1,21 @@
 """Command line: ``python -m lipsformer.hub card RUN_DIR`` and ``python -m lipsformer.hub push RUN_DIR|EXPORT REPO_ID``.
 
-``card`` writes the model card (README.md) and the run's plots into the run's export; ``push`` does the same with the
-repository's name in the card and uploads the export to the Hugging Face Hub.
+``card`` writes the model card (README.md) and the run's plots into the run's export; ``push`` uploads the export with
+such a card (naming the repository) to the Hugging Face Hub, and writes the card into the export once the upload has
+succeeded (without a token or a connection it stops first, the export unchanged).
 """
 import argparse
 import logging
 import sys
 
 from ..checkpoint import CheckpointError
+from ..utils.cli import command_name
 from .model_card import CardError, write_card
 from .upload import push
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='python -m lipsformer.hub', description=__doc__.split('\n\n')[1])
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.hub'), description=__doc__.split('\n\n')[1])
     commands = parser.add_subparsers(dest='command', required=True)
     card = commands.add_parser('card', help='write README.md (the model card) and plots into the run\'s export')
     upload = commands.add_parser('push', help='write the card and upload the export to the Hugging Face Hub')
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument('--keep-card', action='store_true', help='upload an existing README.md as it is')
     for sub in (card, upload):
         sub.add_argument('--which', choices=('best', 'last'), default='best', help='which of the run\'s exports')
+        sub.add_argument('--results', nargs='+', action='extend', default=[], metavar='FILE',
+                         help='validate.py --results-file JSON of the export\'s weights (ImageNet val, ReaL, V2, ...): '
+                              'each data set scored there joins the card\'s results and its model-index')
         sub.add_argument('--no-lipschitz', action='store_true',
                          help="leave the Lipschitz bounds out of the card (seconds for a full-size model)")
     return parser
@@ -39,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     lipschitz = not args.no_lipschitz
     try:
         if args.command == 'card':
-            print(f'wrote {write_card(args.target, args.repo_id, args.which, lipschitz)}')
+            print(f'wrote {write_card(args.target, args.repo_id, args.which, lipschitz, tuple(args.results))}')
         else:
             commit = push(args.target, args.repo_id, private=args.private, which=args.which, token=args.token,
-                          revision=args.revision, keep_card=args.keep_card, lipschitz=lipschitz)
+                          revision=args.revision, keep_card=args.keep_card, lipschitz=lipschitz,
+                          results=tuple(args.results))
             print(f'uploaded to {getattr(commit, "commit_url", args.repo_id)}')
     except (CardError, CheckpointError, FileNotFoundError) as e:
         print(f'error: {e}', file=sys.stderr)

@@ -4,21 +4,34 @@ Every command that takes a model name (train.py's ``model.name``, validate.py's 
 lipsformer.lipschitz --model``, ``python -m lipsformer.benchmark --models``) accepts them through this module: a
 ``local-dir:`` folder is checked before anything is built, and a Hub download that fails names the model and the
 way around it instead of a bare network error.
+
+Pretrained weights at a URL (a registered tag such as ``lipsformer_swin_tiny.in1k``) are fetched into timm's cache
+before the model is built, so that a machine without network fails in a second rather than after building a large
+model. Any download of weights that cannot reach its host (``pretrained=True``, a tagged name, ``hf-hub:``) raises a
+:class:`ModelSourceError` whose one line names what was asked for, from where, and the two ways to use a copy of the
+weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsformer.convert`` and ``local-dir:``.
 """
 import contextlib
 import os
+import socket
+import urllib.error
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import timm
 import torch
-from timm.models import is_model, parse_model_name
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.utils import LocalEntryNotFoundError, OfflineModeIsEnabled
+from timm.models import is_model, parse_model_name, resolve_pretrained_cfg, split_model_name_tag
+from timm.models._builder import _resolve_pretrained_source
+from timm.models._hub import download_cached_file
 
 from ..checkpoint import CheckpointError, load_file
 from ..utils.io import read_json
 
 __all__ = ['ModelSourceError', 'check_model_source', 'classifier_reset_note', 'create_model', 'hub_errors',
-           'model_source']
+           'model_source', 'offline_message', 'unreachable']
 
 
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
@@ -65,17 +78,71 @@ def check_model_source(name: str) -> None:
 
 
 @contextlib.contextmanager
-def hub_errors(name: str) -> Iterator[None]:
-    """Turn a failed Hub download for ``name`` (``hf-hub:...``) into a :class:`ModelSourceError` saying what to do."""
+def hub_errors(name: str, location: str | None = None) -> Iterator[None]:
+    """Turn a failed download for ``name`` into a :class:`ModelSourceError` saying what to do: a host that cannot be
+    reached (any weights: ``location`` names the URL or Hub repository), or any other Hub failure of an ``hf-hub:``
+    name (an unknown repository or file)."""
     try:
         yield
-    except OSError as e:  # huggingface_hub's errors (offline, unknown repo or file) are OSErrors
-        if model_source(name) != 'hf-hub' or isinstance(e, ModelSourceError):
+    except ModelSourceError:
+        raise
+    except Exception as e:  # noqa: BLE001  every network library raises its own types; the others are re-raised
+        if unreachable(e):
+            raise ModelSourceError(offline_message(name, location, e)) from e
+        if model_source(name) != 'hf-hub' or not isinstance(e, OSError):
             raise
         raise ModelSourceError(
             f'{name}: cannot get its files from the Hugging Face Hub ({type(e).__name__}: {str(e)[:300]}). Without '
             f'network access a Hub model works only once it is in the local cache (HF_HOME); a copy of the model '
             f'folder works anywhere as local-dir:FOLDER') from e
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) says that a host could not be reached, or that downloads are off
+    (HF_HUB_OFFLINE and nothing in the cache)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (urllib.error.URLError, ConnectionError, TimeoutError, socket.gaierror,
+                              LocalEntryNotFoundError, OfflineModeIsEnabled)):
+            return True
+        if type(error).__module__.startswith(('httpx', 'httpcore', 'requests', 'urllib3')) and any(
+                word in type(error).__name__ for word in ('Connect', 'Timeout', 'Network', 'Proxy')):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def offline_message(name: str, location: str | None, error: BaseException) -> str:
+    """One line: what was asked for and from where, why it failed, and the two offline ways."""
+    source = model_source(name)
+    file = os.path.basename(urllib.parse.urlparse(location).path) if location and '://' in location else ''
+    file = file or 'model.safetensors'
+    if source == 'hf-hub' or location and '://' not in str(location):
+        repo = location if location else parse_model_name(name)[1]
+        location = f'the Hugging Face Hub repository {repo} at {hf_constants.ENDPOINT}'
+    architecture = split_model_name_tag(name)[0] if not source else 'ARCHITECTURE'
+    text = str(error).strip()
+    reason = text.splitlines()[0].split('. ')[0].rstrip('.')[:200] if text else type(error).__name__
+    copy = ('a copy of the repository\'s files (a folder with its config.json and model.safetensors is itself '
+            'local-dir:FOLDER)' if source == 'hf-hub' else f'a copy of {file}')
+    return (f'cannot download the weights of {name} from {location or "its host"}: {reason}. Offline, use {copy}: '
+            f'timm.create_model(\'{architecture}\', pretrained=True, pretrained_cfg_overlay=dict(file=\'{file}\')), '
+            f'or python -m lipsformer.convert {file} FOLDER --model {architecture} once, then the model name '
+            f'local-dir:FOLDER (validate.py also takes the file as --checkpoint, train.py as model.init_checkpoint)')
+
+
+def _pretrained_source(model_name: str, kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """Where timm will take a registered model's pretrained weights from, as timm decides it: ('url', URL),
+    ('hf-hub', REPO_ID), ('file', PATH), ... or ('', '') for none or a cfg timm itself rejects (its own error then
+    comes from create_model)."""
+    try:
+        cfg = resolve_pretrained_cfg(model_name, kwargs.get('pretrained_cfg'),
+                                     kwargs.get('pretrained_cfg_overlay')).to_dict()
+    except Exception:  # noqa: BLE001
+        return '', ''
+    load_from, location = _resolve_pretrained_source(cfg)
+    return ('url-custom' if load_from == 'url' and cfg.get('custom_load') else load_from), location
 
 
 def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
@@ -90,11 +157,17 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
     if source:
         check_model_source(model_name)
     cfg = kwargs.get('pretrained_cfg') if isinstance(kwargs.get('pretrained_cfg'), dict) else {}
-    hub_name = f'hf-hub:{cfg["hf_hub_id"]}' if cfg.get('source') == 'hf-hub' else model_name
+    asked = f'{model_name}.{cfg["tag"]}' if cfg.get('tag') and not split_model_name_tag(model_name)[1] else model_name
+    hub_name = f'hf-hub:{cfg["hf_hub_id"]}' if cfg.get('source') == 'hf-hub' else asked
     folder = parse_model_name(model_name)[1] if source == 'local-dir' else (
         cfg.get('file') if cfg.get('source') == 'local-dir' else None)
+    load_from, location = _pretrained_source(model_name, kwargs) if kwargs.get('pretrained') and not source else (
+        '', None)
     try:
-        with hub_errors(hub_name):
+        if load_from == 'url':  # into timm's cache, where timm finds it: a failure costs no model build
+            with hub_errors(asked, location):
+                download_cached_file(location, check_hash=False, progress=False, cache_dir=kwargs.get('cache_dir'))
+        with hub_errors(hub_name, location if load_from in ('url', 'url-custom', 'hf-hub') else None):
             return timm.create_model(model_name, **kwargs)
     except Exception:
         problem = _unreadable_weights(folder) if folder and kwargs.get('pretrained') else None

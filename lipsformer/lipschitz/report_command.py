@@ -17,6 +17,7 @@ import yaml
 
 from ..checkpoint import CheckpointError, load_model_weights
 from ..hub.model_names import create_model, model_source
+from ..utils.cli import HelpFormatter, command_name
 from ..utils.io import write_json
 from .analysis import analyze
 
@@ -24,8 +25,8 @@ __all__ = ['build_parser', 'format_report', 'main', 'to_json']
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='python -m lipsformer.lipschitz', description=__doc__.split('\n\n')[1],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.lipschitz'), description=__doc__.split('\n\n')[1],
+                                     formatter_class=HelpFormatter)
     parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny, or one with its '
                                                        'weights: local-dir:FOLDER, hf-hub:REPO_ID')
     parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.checkpoint reads); default: '

@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointError
 from ..layers import ScaleLayer, create_attention_kernel, create_conv_shortcuts, get_norm_layer, init_weights_
 
 __all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'TokenMixer',
-           'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg']
+           'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg', 'record_input_size']
 
 
 class MixerArgs(NamedTuple):
@@ -331,6 +331,7 @@ class LipsFormer(nn.Module):
         self._check_img_size(img_size)
         self.patch_embed.set_input_size(img_size=img_size)
         update_model_input_size(self, img_size)
+        record_input_size(self, img_size=img_size)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -473,8 +474,27 @@ def build_lipsformer(model_cls: type[LipsFormer], variant: str, pretrained: bool
     ``kwargs``, a feature map per stage (``features_only``), checkpoints mapped by the family's filter."""
     kwargs = dict(model_args, **kwargs)
     out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs['depths']))))
-    return build_model_with_cfg(
+    model = build_model_with_cfg(
         model_cls, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
         **kwargs)
+    record_input_size(model, kwargs.get('in_chans'), kwargs.get('img_size'), kwargs.get('patch_size', 4) * 2 ** (
+        len(kwargs['depths']) - 1))
+    return model
+
+
+def record_input_size(model: nn.Module, in_chans: int | None = None, img_size: int | Sequence[int] | None = None,
+                      reduction: int | None = None) -> None:
+    """Put the input the model was built for (or resized to) into its ``pretrained_cfg``, which timm's
+    ``resolve_model_data_config`` and ``save_for_hf`` read, so that a model built with ``img_size=64`` (or resized by
+    ``set_input_size``) is preprocessed at 64. Sizes not given keep the cfg's (a data overlay, the variant's own)."""
+    cfg = model.pretrained_cfg
+    channels, *size = cfg.get('input_size', (3, 224, 224))
+    channels = in_chans if in_chans is not None else channels
+    size = list(to_2tuple(img_size)) if img_size is not None else size
+    if (channels, *size) == tuple(cfg.get('input_size', ())):
+        return
+    reduction = reduction or getattr(model, 'input_divisor', None)
+    pool_size = (size[0] // reduction, size[1] // reduction) if reduction else None
+    model.pretrained_cfg = model.default_cfg = {**cfg, 'input_size': (channels, *size), 'pool_size': pool_size}

@@ -165,6 +165,11 @@ class OptimizerConfig:
     clip_grad: float | None = _key(None, 'Gradient clipping threshold; null or 0: no clipping (the paper).',
                                    Rule(lambda v: v is None or v >= 0, 'null, 0 (off) or a positive number'))
     clip_mode: Literal['norm', 'value'] = _key('norm', 'Clip the global norm or each value.')
+    layer_decay: float | None = _key(None, 'Layer-wise learning-rate decay (fine-tuning): each stage\'s lr is scaled '
+                                           'by layer_decay ** (its distance from the head), through timm\'s '
+                                           'create_optimizer_v2(layer_decay=...) and the model\'s group_matcher(); '
+                                           'null: one lr for all.', _optional(Rule(lambda v: 0 < v <= 1,
+                                                                                   'a number in (0, 1]')))
 
 
 @dataclass
@@ -201,6 +206,10 @@ class TrainConfig:
     grad_accum_steps: int = _key(1, 'Micro-batches accumulated per optimizer update.', _POSITIVE_INT)
     mixed_precision: Literal['no', 'fp16', 'bf16'] | None = _key(None, 'Autocast precision; null: what '
                                                                        '`accelerate config` / launch chose.')
+    device: str | None = _key(None, 'Where to train: null lets Accelerate choose (the accelerator a launch gives each '
+                                    'process, else the one the machine has, else the CPU); cpu: the CPU even with a '
+                                    'GPU present; cuda, cuda:1, mps, xpu, ...: that device, which must be present '
+                                    '(an index only in a single-process run).')
     seed: int = _key(42, 'Seed for weights, data order and augmentation (each process offsets it by its rank).',
                      Rule(lambda v: 0 <= v < 2 ** 31, 'an integer in [0, 2**31)'))
     deterministic: bool = _key(False, 'Use deterministic kernels (slower; for bit-exact GPU runs).')

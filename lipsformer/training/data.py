@@ -322,7 +322,7 @@ def _open_split(config: Config, key: str, is_training: bool, root: str | None,
 def _open_folder_split(config: Config, key: str, is_training: bool, class_map: Mapping[str, int] | None) -> Dataset:
     """An image-folder split, labelled with the run's one class map (see :mod:`.splits`)."""
     data = config.data
-    root = split_folder(data.data_dir, getattr(data, key), key)
+    root = split_folder(data.data_dir, getattr(data, key), f'data.{key}')
     dataset = _open_split(config, key, is_training, root)
     found = class_map_of(dataset) or {}
     reference, source = class_map, 'the training split\'s classes'

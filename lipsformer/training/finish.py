@@ -1,7 +1,8 @@
 """The end of a run: final weights in timm's format, PNG curves of the metrics and ``summary.json``.
 
 ``export/<which>/model.safetensors`` (+ ``model_ema.safetensors``) and the ``config.json`` that
-``timm.models.save_for_hf`` writes, so that both
+``timm.models.save_for_hf`` writes (:func:`lipsformer.hub.model_folder.save_model_folder`: transformers' TimmWrapper
+loads it too), so that both
 
     timm.create_model('local-dir:<run>/export/best', pretrained=True)
     timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file='<run>/export/best/model.safetensors'))
@@ -21,6 +22,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ..checkpoint import load_file
+from ..hub.model_folder import save_model_folder
 from ..utils.io import atomic_open, replace_dir, write_json
 from .optim import best_metric_name
 from .session import Session
@@ -100,8 +102,7 @@ def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name:
     tmp_dir = os.path.join(run_dir, EXPORT_DIR, f'.tmp-{which}')
     shutil.rmtree(tmp_dir, ignore_errors=True)
     model_config = {'label_names': class_names} if class_names else None
-    timm.models.save_for_hf(model, tmp_dir, model_config=model_config, safe_serialization=True,
-                            data_config=data_config)
+    save_model_folder(model, tmp_dir, model_config=model_config, data_config=data_config)
     ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
     if os.path.isfile(ema_path):
         shutil.copyfile(ema_path, os.path.join(tmp_dir, 'model_ema.safetensors'))

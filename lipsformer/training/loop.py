@@ -21,6 +21,7 @@ from timm.utils import accuracy
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .optim import scheduled_lr
 from .session import Session
 from .signals import StopSignal
 from .train_state import Progress
@@ -140,7 +141,7 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], b
         else:
             tally.consecutive_bad = 0
             grad_norm = _apply_update(session, measure_grad_norm=reporting)
-        lr = session.optimizer.param_groups[0]['lr']  # the lr this update used
+        lr = scheduled_lr(session.optimizer)  # the lr this update used
         tally.window_bad.zero_()
         progress.step += 1
         session.scheduler.step_update(num_updates=progress.step)

@@ -28,16 +28,37 @@ def lr_scale(config: Config, global_batch: int) -> float:
 def create_optimizer(model: torch.nn.Module, config: Config, global_batch: int) -> torch.optim.Optimizer:
     """timm's optimizer over two parameter groups: weight matrices decay, everything else (1-D parameters such as
     norms, biases and alpha, plus the model's ``no_weight_decay()`` names such as position tables) decays with
-    ``optimizer.no_decay_weight_decay`` (0 in the paper, 5e-4 in the authors' code)."""
+    ``optimizer.no_decay_weight_decay`` (0 in the paper, 5e-4 in the authors' code). With ``optimizer.layer_decay``
+    timm's ``create_optimizer_v2(model, layer_decay=...)`` makes those two groups per layer of the model's
+    ``group_matcher()``, each with its ``lr_scale`` (which the schedule applies)."""
     opt = config.optimizer
+    settings = dict(opt=opt.name, lr=opt.lr * lr_scale(config, global_batch), momentum=opt.momentum, eps=opt.eps,
+                    betas=tuple(opt.betas))
+    # timm marks the decaying groups with the weight decay it is given and the others with 0: given 1, they are told
+    # apart, then set to the two configured decays
+    if opt.layer_decay is not None:
+        optimizer = create_optimizer_v2(model, weight_decay=1.0, layer_decay=opt.layer_decay, **settings)
+        _set_weight_decays(optimizer.param_groups, config)
+        optimizer.defaults['weight_decay'] = opt.weight_decay
+        return optimizer
     no_decay_names = model.no_weight_decay() if hasattr(model, 'no_weight_decay') else ()
-    # timm marks the decaying group with the weight decay it is given and the other with 0: pass 1 to tell them apart
     groups = param_groups_weight_decay(model, 1.0, no_weight_decay_list=no_decay_names)
+    _set_weight_decays(groups, config)
+    return create_optimizer_v2(groups, weight_decay=opt.weight_decay, **settings)
+
+
+def _set_weight_decays(groups: list[dict], config: Config) -> None:
+    """Each group marked 1 (by timm, given weight_decay=1) decays with optimizer.weight_decay, the others with
+    optimizer.no_decay_weight_decay."""
     for group in groups:
-        group['weight_decay'] = opt.weight_decay if group['weight_decay'] else opt.no_decay_weight_decay
-    return create_optimizer_v2(groups, opt=opt.name, lr=opt.lr * lr_scale(config, global_batch),
-                               weight_decay=opt.weight_decay, momentum=opt.momentum, eps=opt.eps,
-                               betas=tuple(opt.betas))
+        group['weight_decay'] = config.optimizer.weight_decay if group['weight_decay'] else \
+            config.optimizer.no_decay_weight_decay
+
+
+def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's current learning rate: that of a group without a layer-decay scale below 1 (the head's)."""
+    group = max(optimizer.param_groups, key=lambda group: group.get('lr_scale', 1.0))
+    return group['lr'] / group.get('lr_scale', 1.0)
 
 
 def create_scheduler(optimizer: torch.optim.Optimizer, config: Config, updates_per_epoch: int,

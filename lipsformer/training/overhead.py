@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..utils.cli import command_name
 from .config_io import load_config
 from .loop import train_epoch
 from .session import Session, create_accelerator, create_session
@@ -64,7 +65,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.training.overhead'), description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--config', required=True)
     parser.add_argument('--updates', type=int, default=60, help='updates per measurement')
     parser.add_argument('--warmup', type=int, default=10, help='untimed updates at the start of each')

@@ -32,6 +32,7 @@ from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
 from ..hub.model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
 from ..hub.model_names import create_model as create_timm_model
+from ..utils.env import select_device
 from .config import Config, ConfigError, LipschitzConfig
 from .data import (
     InputSpec,
@@ -96,8 +97,12 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
         torch.set_num_threads(config.train.cpu_threads)
     dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
     project = ProjectConfiguration(project_dir=run_dir, logging_dir=os.path.join(run_dir, TENSORBOARD_DIR))
+    try:
+        cpu = select_device(config.train.device, 'train.device')
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     accelerator = Accelerator(
-        mixed_precision=config.train.mixed_precision, log_with=chosen_trackers(config) or None,
+        cpu=cpu, mixed_precision=config.train.mixed_precision, log_with=chosen_trackers(config) or None,
         project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':

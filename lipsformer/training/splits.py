@@ -45,20 +45,21 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '') or 'nothing'
 
 
-def split_folder(root: str, split: str, key: str) -> str:
+def split_folder(root: str, split: str, key: str, root_key: str = 'data.data_dir') -> str:
     """The folder (or ``.tar`` file) holding ``split`` of an image-folder dataset under ``root``.
 
     Args:
         root: ``data.data_dir``.
         split: The split's name.
-        key: The config key that named it (``train_split`` or ``val_split``), for the message.
+        key: The config key or option that named it (``data.train_split``, ``--split``), for the message.
+        root_key: The config key or option that named ``root``, for the message.
 
     Raises:
         DatasetNotFoundError: Neither the split nor a synonym of it is under ``root``.
     """
     if not os.path.isdir(root):
-        raise DatasetNotFoundError(f'data.data_dir {root!r} is not a folder; an image-folder dataset is a folder with '
-                                   f'one sub-folder per split (data.{key}: {split!r})')
+        raise DatasetNotFoundError(f'{root_key} {root!r} is not a folder; an image-folder dataset is a folder with '
+                                   f'one sub-folder per split ({key}: {split!r})')
     family = next((names for names in (TRAIN_NAMES, EVAL_NAMES) if split in names), ())
     tried = [split, *(name for name in family if name != split)]
     for name in tried:
@@ -66,16 +67,16 @@ def split_folder(root: str, split: str, key: str) -> str:
             path = os.path.join(root, candidate)
             if os.path.exists(path):
                 if name != split:
-                    _logger.info('data.%s: %r is not under %s; using %r, a synonym timm accepts', key, split, root,
+                    _logger.info('%s: %r is not under %s; using %r, a synonym timm accepts', key, split, root,
                                  candidate)
                 return path
     present = [entry.name for entry in os.scandir(root) if not entry.name.startswith('.') and (
         entry.is_dir() or entry.name.endswith('.tar'))]
-    hint = (f'; if {root!r} itself holds the class folders of one split, point data.data_dir at the folder above it '
+    hint = (f'; if {root!r} itself holds the class folders of one split, point {root_key} at the folder above it '
             f'and name the split' if present and not set(present) & set(TRAIN_NAMES + EVAL_NAMES) else '')
     raise DatasetNotFoundError(
-        f'data.{key}: no split {split!r} under {root!r} (looked for {", ".join(tried)}, as a folder or a .tar); it '
-        f'holds {_listing(present)}. Set data.{key} to the sub-folder to use{hint}')
+        f'{key}: no split {split!r} under {root!r} (looked for {", ".join(tried)}, as a folder or a .tar); it '
+        f'holds {_listing(present)}. Set {key} to the sub-folder to use{hint}')
 
 
 def check_torchvision_split(dataset: str, split: str, key: str) -> None:

@@ -16,8 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import yaml
+from timm.utils import ParseKwargs
 
 from ..checkpoint import CheckpointError
+from ..utils.cli import command_name
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
@@ -89,6 +91,7 @@ TIMM_ALIASES: tuple[Alias, ...] = (
     Alias(('--num-classes',), 'model.num_classes'),
     Alias(('--img-size',), 'model.img_size'),
     Alias(('--in-chans',), 'model.in_chans'),
+    Alias(('--gp',), 'model.kwargs.global_pool', note='the head\'s global pool type (avg, max, avgmax, ...)'),
     Alias(('--drop',), 'model.drop_rate'),
     Alias(('--drop-path',), 'model.drop_path_rate'),
     Alias(('--grad-checkpointing',), 'model.grad_checkpointing', switch=True),
@@ -128,6 +131,7 @@ TIMM_ALIASES: tuple[Alias, ...] = (
     Alias(('--weight-decay',), 'optimizer.weight_decay'),
     Alias(('--clip-grad',), 'optimizer.clip_grad'),
     Alias(('--clip-mode',), 'optimizer.clip_mode'),
+    Alias(('--layer-decay',), 'optimizer.layer_decay'),
     Alias(('--lr',), 'optimizer.lr', implies=_absolute_lr,
           note='the absolute peak lr, as in timm: also sets optimizer.lr_base_batch_size=null, so lr, '
                'scheduler.min_lr and scheduler.warmup_lr are used as given, whatever the global batch'),
@@ -151,6 +155,7 @@ TIMM_ALIASES: tuple[Alias, ...] = (
     Alias(('-b', '--batch-size'), 'train.batch_size'),
     Alias(('--grad-accum-steps',), 'train.grad_accum_steps'),
     Alias(('--seed',), 'train.seed'),
+    Alias(('--device',), 'train.device'),
     Alias(('--log-interval',), 'train.log_interval'),
     Alias(('--checkpoint-hist',), 'checkpoint.keep_last'),
 )
@@ -162,6 +167,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Options and ``key.sub=value`` overrides, in any order; an unknown option is an error naming the closest."""
     parser = _parser()
     args, unknown = parser.parse_known_intermixed_args(argv)
+    # --model-kwargs takes every KEY=VALUE after it: a dotted key there is a config override that followed it
+    overrides = [item for item in args.model_kwargs if '.' in item.partition('=')[0]]
+    args.model_kwargs = [item for item in args.model_kwargs if item not in overrides]
+    args.overrides = [*args.overrides, *overrides]
+    bad = [item for item in args.model_kwargs if '=' not in item or not item.partition('=')[0].isidentifier()]
+    if bad:
+        parser.error(f'--model-kwargs {bad[0]!r} is not KEY=VALUE (e.g. embed_dim=64 depths=2,2,6,2)')
     if unknown:
         known = [s for action in parser._actions for s in action.option_strings]
         close = difflib.get_close_matches(unknown[0].split('=')[0], known, n=1)
@@ -172,8 +184,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=_DESCRIPTION, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.training.train_command'), description=_DESCRIPTION,
+                                     allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--config', help='YAML config: a path, or the name of a packaged config '
                                          '(lipsformer_cswin_tiny, quickstart, ablations/alpha_0.1, ...); defaults '
                                          'apply to keys it does not set')
@@ -194,6 +206,12 @@ def _parser() -> argparse.ArgumentParser:
                        help='train.mixed_precision with --amp: float16 -> fp16, bfloat16 -> bf16 (implies --amp)')
     group.add_argument('--log-wandb', action='store_true',
                        help='log.trackers: adds wandb to the trackers the config chooses')
+    group.add_argument('--model-kwargs', nargs='*', action='extend', default=[], metavar='KEY=VALUE',
+                       help='model.kwargs.KEY for each KEY=VALUE, the value read as timm reads it (a Python literal, '
+                            'else a string: depths=2,2,6,2 window_size=7 act_layer=gelu); a key.sub=value among them '
+                            'is a config override')
+    group.add_argument('--input-size', nargs=3, type=int, metavar=('C', 'H', 'W'),
+                       help='model.in_chans and model.img_size (square: H = W)')
     for alias in TIMM_ALIASES:
         text = f'{alias.key}: {alias.note}' if alias.note else alias.key
         if alias.switch:
@@ -240,6 +258,15 @@ def resolve_overrides(args: argparse.Namespace, config_keys: dict[str, Any]) -> 
         amp = args.amp if args.amp is not None else True
         put('--amp' if amp else '--no-amp', 'train.mixed_precision', _AMP_DTYPES[args.amp_dtype or 'float16']
             if amp else 'no')
+    if args.input_size is not None:
+        channels, height, width = args.input_size
+        if height != width:
+            raise ConfigError(f'--input-size {channels} {height} {width}: model.img_size is square; give the same '
+                              f'height and width')
+        put('--input-size', 'model.in_chans', channels)
+        put('--input-size', 'model.img_size', height)
+    for key, value in _model_kwargs(args.model_kwargs).items():
+        put('--model-kwargs', f'model.kwargs.{key}', value)
     for alias in TIMM_ALIASES:
         given = getattr(args, _dest(alias))
         if given is None:
@@ -250,6 +277,17 @@ def resolve_overrides(args: argparse.Namespace, config_keys: dict[str, Any]) -> 
         for key, implied in (alias.implies(value) if alias.implies else {}).items():
             put(flag, key, implied)
     return [f'{key}={_yaml_text(value)}' for key, (_, value) in from_flags.items()]
+
+
+def _model_kwargs(items: list[str]) -> dict[str, Any]:
+    """``--model-kwargs`` values as timm's train.py reads them (timm.utils.ParseKwargs); tuples become lists."""
+    kwargs = argparse.Namespace()
+    ParseKwargs(option_strings=['--model-kwargs'], dest='kwargs')(None, kwargs, items)
+    return {key: _plain(value) for key, value in kwargs.kwargs.items()}
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def _yaml_text(value: Any) -> str:
@@ -327,8 +365,8 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool) -> in
     if is_main:
         final = summary.get('final_metrics', {})
         shown = {k: round(v, 3) for k, v in final.items() if k in ('val_top1', 'ema_val_top1', 'train_loss')}
-        _logger.info('%s after %d epochs in %.0f s: %s; run folder %s', summary['status'], summary['epochs_done'],
-                     summary['wall_time_s'], shown, output)
+        _logger.info('%s after %d epoch%s in %.0f s: %s; run folder %s', summary['status'], summary['epochs_done'],
+                     '' if summary['epochs_done'] == 1 else 's', summary['wall_time_s'], shown, output)
     return 0
 
 

@@ -20,7 +20,7 @@ from .config import Config
 from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
-from .optim import best_metric_name, total_epochs
+from .optim import best_metric_name, scheduled_lr, total_epochs
 from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .session import Session, create_accelerator, create_session, end_processes, release_accelerator
@@ -131,7 +131,7 @@ def _close_epoch(session: Session, result: EpochResult) -> None:
     progress.batch_in_epoch = 0
     progress.epoch_totals = None
     progress.unscored = dict(epoch=progress.epoch, step=progress.step, train_loss=result.loss,
-                             lr=session.optimizer.param_groups[0]['lr'],
+                             lr=scheduled_lr(session.optimizer),
                              images_per_s=result.images / max(result.seconds, 1e-9), epoch_time_s=result.seconds)
     _save(session, f'epoch_{progress.epoch:04d}')
 

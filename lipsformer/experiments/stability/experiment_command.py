@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ...utils.cli import HelpFormatter, command_name
 from .arms import ARMS, ModelShape
 from .grid import run_grid
 from .report import write_report
@@ -37,8 +38,7 @@ def _arms(text: str) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults, shape = RunSettings(), ModelShape()
     parser = argparse.ArgumentParser(
-        prog='python -m lipsformer.experiments.stability', description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog=command_name('lipsformer.experiments.stability'), description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument('--out', type=Path, required=True, help='grid folder (resumed if it exists)')
     parser.add_argument('--report', type=Path, metavar='DOCS_DIR',
                         help='write stability.md and its PNGs into DOCS_DIR from the results in --out; no training')

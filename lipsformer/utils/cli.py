@@ -1,0 +1,32 @@
+"""What the package's command lines share: the command's name as the user ran it, and help with real defaults."""
+import argparse
+import os
+import sys
+
+__all__ = ['HelpFormatter', 'command_name']
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command_name(module: str) -> str:
+    """The name a command's usage and error lines give it: the console script or script file the user ran
+    (``lipsformer-validate``, ``validate.py``), or ``python -m <module>`` when it runs as a module of the package.
+
+    Args:
+        module: The module ``python -m`` runs (``lipsformer.lipschitz``).
+    """
+    program = sys.argv[0] if sys.argv and sys.argv[0] else ''
+    inside_package = os.path.abspath(program).startswith(_PACKAGE_DIR + os.sep)
+    if not program or program == '-c' or inside_package or os.path.basename(program) == '__main__.py':
+        return f'python -m {module}'
+    return os.path.basename(program)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with ``(default: X)`` after an option only when it has a default worth reading: not for
+    options without one (None), switches (False) or empty lists."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default in ([], {}, ''):
+            return action.help
+        return super()._get_help_string(action)

@@ -1,0 +1,70 @@
+"""transformers loads the timm model folders this package writes: AutoModelForImageClassification and the
+image-classification pipeline (TimmWrapper) on an export of each family give timm's ``local-dir:`` logits and
+probabilities. transformers 5 builds the model on the meta device and loads the saved tensors into it; the Swin
+relative-position index, never saved, is rebuilt by the model's init_non_persistent_buffers().
+
+transformers is a dev extra; the import alone takes seconds, so each family is one test."""
+import numpy as np
+import pytest
+import timm
+import torch
+from packaging.version import Version
+from PIL import Image
+from tiny_models import TINY_MODELS
+
+from lipsformer.convert import convert
+from lipsformer.hub.model_folder import save_model_folder
+from lipsformer.utils.io import read_json, save_safetensors
+
+transformers = pytest.importorskip('transformers')
+
+pytestmark = [
+    pytest.mark.usefixtures('one_thread'),
+    pytest.mark.skipif(Version(transformers.__version__) < Version('4.53'), reason=(
+        'transformers before 4.53 builds config.json\'s architecture without its model_args (TimmWrapper passes '
+        'them from 4.53 on), so only the registered default shapes load there, not these tiny ones')),
+]
+
+CLASSES = ['t-shirt', 'trouser', 'pullover']
+FAMILIES = ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
+
+
+def _image() -> Image.Image:
+    pixels = np.random.default_rng(0).integers(0, 256, (80, 96, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_transformers_loads_an_export_as_timm_does(name, tmp_path):
+    model = timm.create_model(name, num_classes=len(CLASSES), **TINY_MODELS[name]).eval()
+    folder = str(tmp_path / 'export')
+    save_model_folder(model, folder, model_config={'label_names': CLASSES})
+    assert 'num_classes' not in read_json(f'{folder}/config.json')['model_args']  # transformers passes it itself
+    reference = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+
+    classifier = transformers.AutoModelForImageClassification.from_pretrained(folder).eval()
+    assert [classifier.config.id2label[i] for i in range(len(CLASSES))] == CLASSES
+    inputs = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(classifier(inputs).logits, reference(inputs))
+
+    # The pipeline preprocesses as timm's transform of the folder's pretrained cfg (64x64, bicubic, crop 0.875).
+    predictions = transformers.pipeline('image-classification', model=folder)(_image(), top_k=len(CLASSES))
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(reference))
+    with torch.no_grad():
+        probabilities = reference(transform(_image()).unsqueeze(0)).softmax(-1)[0]
+    expected = sorted(zip(CLASSES, probabilities.tolist()), key=lambda item: -item[1])
+    assert [p['label'] for p in predictions] == [label for label, _ in expected]
+    np.testing.assert_allclose([p['score'] for p in predictions], [score for _, score in expected], atol=1e-5)
+
+
+def test_a_converted_folder_loads_in_transformers(tmp_path):
+    """python -m lipsformer.convert writes the same config.json (the training export goes through it as well)."""
+    name = 'lipsformer_cswin_tiny'
+    model = timm.create_model(name, num_classes=3, **TINY_MODELS[name]).eval()
+    save_safetensors(model.state_dict(), str(tmp_path / 'weights.safetensors'))
+    convert(str(tmp_path / 'weights.safetensors'), str(tmp_path / 'out'), name, dict(TINY_MODELS[name], num_classes=3))
+    classifier = transformers.AutoModelForImageClassification.from_pretrained(str(tmp_path / 'out')).eval()
+    inputs = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(classifier(inputs).logits, model(inputs))
