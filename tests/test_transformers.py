@@ -3,12 +3,13 @@ image-classification pipeline (TimmWrapper) on an export of each family give tim
 probabilities. transformers 5 builds the model on the meta device and loads the saved tensors into it; the Swin
 relative-position index, never saved, is rebuilt by the model's init_non_persistent_buffers().
 
-transformers is a dev extra; the import alone takes seconds, so each family is one test."""
+transformers is a dev extra (4.53 or later: the first TimmWrapper that builds a folder's architecture with its
+model_args); the import alone takes seconds, so each family is one test."""
 import numpy as np
 import pytest
 import timm
 import torch
-from packaging.version import Version
+import transformers
 from PIL import Image
 from tiny_models import TINY_MODELS
 
@@ -16,14 +17,7 @@ from lipsformer.convert import convert
 from lipsformer.hub.model_folder import save_model_folder
 from lipsformer.utils.io import read_json, save_safetensors
 
-transformers = pytest.importorskip('transformers')
-
-pytestmark = [
-    pytest.mark.usefixtures('one_thread'),
-    pytest.mark.skipif(Version(transformers.__version__) < Version('4.53'), reason=(
-        'transformers before 4.53 builds config.json\'s architecture without its model_args (TimmWrapper passes '
-        'them from 4.53 on), so only the registered default shapes load there, not these tiny ones')),
-]
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 CLASSES = ['t-shirt', 'trouser', 'pullover']
 FAMILIES = ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
