@@ -6,7 +6,9 @@ Example (the CPU comparison of ``docs/benchmarks.md``)::
         --mode infer,train --batch-size 16 --img-size 224 --precision fp32 --device cpu --json cpu.json
 
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
-window_size=12]``; ``img_size`` there also sets that model's input size), or ``file:/path/module.py:factory[...]`` for
+window_size=12]``; ``img_size`` there also sets that model's input size, and ``fast_path=False`` runs that model with
+``lipsformer.fastpath`` switched off, so that both paths of one model are timed in one process), or
+``file:/path/module.py:factory[...]`` for
 a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
 name files you trust). Per model and mode it reports images/s (models interleaved in the warm-up and in every
 repeat, median of the repeats), the median and interquartile range of its per-repeat ratios to the first model
@@ -42,6 +44,7 @@ from torch import nn
 
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
+from lipsformer.fastpath import set_fast_path, use_fast_path
 from lipsformer.hub.model_names import check_model_source, model_source
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
 from lipsformer.utils.cli import command_name
@@ -61,6 +64,14 @@ class ModelSpec:
     text: str
     source: str  # timm name, or 'file:/path.py:factory'
     kwargs: dict[str, Any] = field(default_factory=dict)
+    fast_path: bool = True  # lipsformer.fastpath's switch while this model runs
+
+    def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
+        """``step`` with the fast paths switched as this spec asks."""
+        def switched() -> Any:
+            with set_fast_path(self.fast_path):
+                return step()
+        return switched
 
     @property
     def is_file(self) -> bool:
@@ -156,6 +167,9 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
         if not isinstance(kwargs.get('img_size', 1), int):
             raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
+        fast_path = kwargs.pop('fast_path', True)
+        if not isinstance(fast_path, bool):
+            raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
         if source.startswith('file:'):
             if source.count(':') < 2:
                 raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
@@ -165,7 +179,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
             check_model_source(source)
         else:
             resolve_model_names(source)  # raises with close matches if the name is unknown
-        specs.append(ModelSpec(item, source, kwargs))
+        specs.append(ModelSpec(item, source, kwargs, fast_path))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')
     if not specs:
@@ -331,7 +345,7 @@ def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
     resident_mb = None if cuda else _reset_peak_rss()
     baseline_mb = peak_rss_mb() if resident_mb is None and not cuda else resident_mb
     model, inputs = _build(spec, benchmark_config)
-    step = _make_step(model, inputs, mode, benchmark_config)
+    step = spec.running(_make_step(model, inputs, mode, benchmark_config))
     for _ in range(max(2, benchmark_config.warmup)):  # the second train step is the first with optimizer state
         step()
     if cuda:
@@ -357,9 +371,10 @@ def _log(message: str) -> None:
 
 
 def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: BenchmarkConfig,
-               names: list[str]) -> list[list[tuple[float, float]]]:
+               specs: list[ModelSpec]) -> list[list[tuple[float, float]]]:
     """(seconds, page faults per step) of every timed run of every model, models interleaved within each repeat."""
-    steps = [_make_step(model, inputs, mode, config) for model, inputs in models]
+    steps = [spec.running(_make_step(model, inputs, mode, config)) for spec, (model, inputs) in zip(specs, models)]
+    names = [spec.text for spec in specs]
     # Warmed up in the timed runs' order: warmed up alone, then left idle while the others warmed up, timm's Swin-T
     # took 1.35-1.6x its median time for its first timed training step (docs/benchmarks.md, session 10).
     _log(f'warm-up: {mode}, {config.warmup} step(s) of each of {", ".join(names)}, interleaved')
@@ -422,11 +437,12 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
         _log(f'building {spec.text}')
         model, inputs = _build(spec, config)
         counts.append(_count(spec, model, config))
-        activations.append(saved_activations_mb(model, inputs, config) if 'train' in modes else None)
+        measure = spec.running(functools.partial(saved_activations_mb, model, inputs, config))
+        activations.append(measure() if 'train' in modes else None)
         built.append((model, inputs))
     results = []
     for mode in modes:
-        runs = _time_mode(built, mode, config, [spec.text for spec in specs])
+        runs = _time_mode(built, mode, config, specs)
         rows = [_result_row(spec, mode, count, model_runs, config)
                 for spec, count, model_runs in zip(specs, counts, runs)]
         for row, saved_mb in zip(rows, activations):
@@ -475,6 +491,7 @@ def environment(device: str) -> dict:
         'cpu_details': cpu_details(),  # two guests both named "AMD EPYC" gave different ratios (docs/benchmarks.md)
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'native_kernels': native_kernels(),  # the C kernels in use: without them the CPU backward is slower
+        'fast_path': use_fast_path(),  # the switch (LIPSFORMER_FAST_PATH); a model spec's fast_path=False overrides it
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',
         'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     }

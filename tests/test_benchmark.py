@@ -214,6 +214,26 @@ def test_bad_model_specs_say_what_is_wrong(text, message):
         parse_model_specs(text)
 
 
+def test_a_model_spec_can_switch_the_fast_paths_off_for_its_model():
+    """``fast_path=False`` times the plain module graph of a model beside its fast path, in one process: it is no
+    constructor argument, and it switches lipsformer.fastpath off only while that model runs."""
+    from tiny_models import TINY_CSWIN
+
+    from lipsformer.fastpath import use_fast_path
+    shape = ','.join(f'{key}={list(value) if isinstance(value, tuple) else value}' for key, value in TINY_CSWIN.items())
+    fast, plain = parse_model_specs(f'lipsformer_cswin_tiny[{shape}],lipsformer_cswin_tiny[{shape},fast_path=False]')
+    assert fast.fast_path and not plain.fast_path and 'fast_path' not in plain.kwargs
+    assert plain.running(use_fast_path)() is False and fast.running(use_fast_path)() is True and use_fast_path()
+    config = BenchmarkConfig(batch_size=2, img_size=64, memory=False)
+    report = run_benchmark([fast, plain], ['train'], config)
+    assert report['environment']['fast_path'] is True
+    fast_row, plain_row = report['results']
+    # The plain graph keeps GELU's outputs and alpha's products that the fast path's Functions do not.
+    assert plain_row['saved_activations_mb_per_image'] > 1.2 * fast_row['saved_activations_mb_per_image']
+    with pytest.raises(TypeError, match='fast_path must be True or False'):
+        parse_model_specs('lipsformer_cswin_tiny[fast_path=0]')
+
+
 def test_img_size_argument_must_be_one_integer():
     with pytest.raises(TypeError, match='one integer'):
         parse_model_specs('test_vit[img_size=(64, 32)]')
