@@ -156,7 +156,8 @@ def test_warm_up_steps_are_interleaved_like_the_timed_ones(monkeypatch):
     monkeypatch.setattr(benchmark, '_make_step', lambda model, inputs, mode, config: lambda: calls.append(
         'a' if model is first else 'b'))
     config = BenchmarkConfig(warmup=3, repeats=2)
-    runs = benchmark._time_mode([(first, None), (second, None)], 'train', config, ['a', 'b'])
+    runs = benchmark._time_mode([(first, None), (second, None)], 'train', config,
+                                   [ModelSpec('a', 'a'), ModelSpec('b', 'b')])
     assert calls == ['a', 'b', 'b', 'a', 'a', 'b'] + ['a', 'b', 'b', 'a']  # three warm-up rounds, then the repeats
     assert [len(model_runs) for model_runs in runs] == [2, 2]
 
