@@ -2,6 +2,7 @@
 validate.py reads, timm-loadable exports, and resuming (bit-exact at an epoch boundary and mid-epoch)."""
 import json
 import os
+import stat
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ from lipsformer.training import load_config, train
 from lipsformer.training.finish import write_plots
 from lipsformer.training.overhead import main as overhead_main
 from lipsformer.training.train_state import list_checkpoints
+from lipsformer.utils.io import default_file_mode
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -80,6 +82,10 @@ def test_run_folder_holds_what_validation_reads(reference_run):
                                                              'model_ema.safetensors'))
     _assert_same(_weights(os.path.join(run_dir, 'checkpoints', best['name'])),
                  _weights(os.path.join(run_dir, 'export', 'best')))
+    modes = {os.path.relpath(path, run_dir): stat.S_IMODE(os.stat(path).st_mode)
+             for path in (os.path.join(folder, name) for folder, _, files in os.walk(run_dir) for name in files)}
+    assert any(name.endswith('.safetensors') for name in modes)
+    assert {name: f'{mode:o}' for name, mode in modes.items() if mode != default_file_mode()} == {}  # safetensors too
 
 
 def test_exports_load_with_timm(reference_run, data_dir):

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..checkpoint import CheckpointError
+from ..utils.io import os_error_in_chain
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
@@ -48,7 +49,8 @@ Exit status (the last log line gives the reason):
   1    an unexpected error, a bug: the traceback is printed above the reason
   2    a config, data or checkpoint problem: the message says what to change
   3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
-  4    the operating system refused a read or write (disk full, permissions, I/O error); saved checkpoints are whole
+  4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
+       from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
   130  a second Ctrl-C aborted without saving; the checkpoints saved before are whole
 """
 
@@ -314,14 +316,14 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool) -> in
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
         return _fail(EXIT_DIVERGED, f'training diverged: {e}')
-    except OSError as e:
-        return _fail(EXIT_OS_ERROR, f'the operating system refused a read or write: {e}; free space or fix the '
-                                    f'permissions, then continue with --resume auto')
     except KeyboardInterrupt:
         return _fail(EXIT_ABORTED, 'aborted by a second Ctrl-C without saving; --resume auto continues from the last '
                                    'checkpoint saved')
-    except Exception as e:  # a bug: the traceback first, for a report, then the one-line reason
-        traceback.print_exc()
+    except Exception as e:
+        system_error = os_error_in_chain(e)
+        if system_error is not None:
+            return _fail(EXIT_OS_ERROR, _os_error_reason(e, system_error))
+        traceback.print_exc()  # a bug: the traceback first, for a report, then the one-line reason
         return _fail(EXIT_UNEXPECTED, f'unexpected error (please report it with the traceback above): '
                                       f'{type(e).__name__}: {e}')
     if is_main:
@@ -332,8 +334,19 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool) -> in
     return 0
 
 
+def _os_error_reason(error: Exception, system_error: OSError) -> str:
+    """The reason of exit status 4: the operating system's words (and the file, when known), the library error that
+    carried them when there is one, and what to do."""
+    carried = ''
+    if error is not system_error:
+        lines = str(error).strip().splitlines()
+        carried = f' (reported as {type(error).__name__}: {lines[0][:200] if lines else ""})'
+    return (f'the operating system refused a read or write: {system_error}{carried}; free space or fix the '
+            f'permissions, then continue with --resume auto')
+
+
 def _fail(code: int, reason: str) -> int:
-    _logger.error('%s (exit %d)', reason, code)
+    _logger.error('%s (exit %d)', reason.rstrip(), code)  # a loader worker's error text ends in a newline
     return code
 
 

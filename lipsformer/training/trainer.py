@@ -9,6 +9,7 @@ once the run has started (a refused resume leaves the folder as it was).
 import logging
 import os
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -52,13 +53,20 @@ def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, 
 
     Raises:
         ConfigError: The config does not fit the data, the model or the run folder.
-        DatasetError: A split is missing or its classes do not fit (DatasetNotFoundError: data not on disk).
+        DatasetError: A split is missing, holds no readable image, or its classes do not fit (DatasetNotFoundError:
+            data not on disk).
         CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
         NonFiniteLossError: Training diverged.
     """
     accelerator = create_accelerator(config, run_dir)
     try:
         return _train(accelerator, config, run_dir, resume)
+    except BaseException as error:
+        # An error raised in a loader worker holds the loader's iterator in its traceback, in a reference cycle only
+        # the garbage collector breaks; the workers ignore SIGTERM (signals.ignore_stop_signals), so an interpreter
+        # that exits while they live waits for them forever. Clearing the finished frames lets them go now.
+        traceback.clear_frames(error.__traceback__)
+        raise
     finally:
         release_accelerator()
 
@@ -132,7 +140,8 @@ def _close_epoch(session: Session, result: EpochResult) -> None:
     progress.epoch_totals = None
     progress.unscored = dict(epoch=progress.epoch, step=progress.step, train_loss=result.loss,
                              lr=session.optimizer.param_groups[0]['lr'],
-                             images_per_s=result.images / max(result.seconds, 1e-9), epoch_time_s=result.seconds)
+                             images_per_s=result.images / max(result.seconds, 1e-9), epoch_time_s=result.seconds,
+                             skipped_images=result.skipped)
     _save(session, f'epoch_{progress.epoch:04d}')
 
 
@@ -144,7 +153,8 @@ def _score_epoch(session: Session, stop: StopSignal, metrics: MetricsFile) -> bo
         raw = validate(session.model, session.val_loader, accelerator, stop)
         if raw is None:
             return False
-        line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'])
+        line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'],
+                    val_skipped_images=raw['skipped'])
         if session.ema is not None:
             ema = validate(session.ema.module, session.val_loader, accelerator, stop)
             if ema is None:
