@@ -32,8 +32,10 @@ DETERMINISTIC = {'augment.reprob': 0.0, 'augment.scale': '[1.0, 1.0]', 'augment.
                  'model.drop_path_rate': 0.0}
 
 
-def run(data_dir: str, run_dir: str, resume: str | None = None, **extra) -> dict:
-    return train(load_config(None, tiny_overrides(data_dir, **extra)), run_dir, resume=resume)
+def run(data_dir: str, run_dir: str, resume: str | None = None, trusted_callables: tuple[str, ...] = (),
+        **extra) -> dict:
+    return train(load_config(None, tiny_overrides(data_dir, **extra)), run_dir, resume=resume,
+                 trusted_callables=trusted_callables)
 
 
 @pytest.fixture(scope='module')
@@ -163,7 +165,7 @@ def test_resume_auto_on_a_finished_run_only_exports(reference_run, data_dir):
 
 def test_accumulation_precision_memory_options_and_the_lipschitz_hook(data_dir, tmp_path):
     run_dir = str(tmp_path / 'run')
-    summary = run(data_dir, run_dir, **{
+    summary = run(data_dir, run_dir, trusted_callables=('training_support:AlphaCap',), **{
         'train.grad_accum_steps': 2, 'train.mixed_precision': 'bf16', 'optimizer.clip_grad': 1.0,
         'model.channels_last': True, 'model.grad_checkpointing': True, 'lipschitz.enabled': True,
         'lipschitz.target': 'training_support:AlphaCap', 'lipschitz.kwargs': '{max_alpha: 0.2}'})

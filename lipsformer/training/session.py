@@ -9,6 +9,11 @@ The optional Lipschitz constraint (``lipschitz.*`` in the config) is built here 
 factory as ``module:callable``, called once as ``factory(model, **kwargs)`` with the unwrapped model; what it returns
 is called with no arguments after every update, and saved with the checkpoints when it has ``state_dict`` /
 ``load_state_dict`` (cached power-iteration vectors, say).
+
+A config is data: it may name only the package's own callables (:data:`REGISTERED_CALLABLES`). Any other is imported
+only when the user trusts it by name (train.py ``--trust-callable module:callable``, :func:`~.trainer.train`'s
+``trusted_callables``), so that running a config someone else wrote (``--config runs/x/config.yaml``) never runs code
+it chose.
 """
 import gc
 import importlib
@@ -48,6 +53,12 @@ from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
 
 _logger = logging.getLogger(__name__)
+
+# The callables a config may name without the user's word, by config key.
+REGISTERED_CALLABLES: dict[str, tuple[str, ...]] = {
+    'lipschitz.target': ('lipsformer.lipschitz:LipschitzConstraint',
+                         'lipsformer.lipschitz.constraint:LipschitzConstraint'),
+}
 
 
 @dataclass
@@ -130,8 +141,16 @@ def release_accelerator() -> None:
     GradientState._reset_state()
 
 
-def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Session:
-    """Build data, model, EMA, optimizer, schedule and loss for a run (no training state loaded yet)."""
+def create_session(config: Config, run_dir: str, accelerator: Accelerator,
+                   trusted_callables: tuple[str, ...] = ()) -> Session:
+    """Build data, model, EMA, optimizer, schedule and loss for a run (no training state loaded yet).
+
+    Args:
+        config: The run's config.
+        run_dir: The run folder.
+        accelerator: From :func:`create_accelerator`.
+        trusted_callables: Callables the config may name besides :data:`REGISTERED_CALLABLES`.
+    """
     # A depthwise conv's weight gradient can differ from its DDP bucket only in the stride of a size-1 dimension:
     # the same memory layout, so the warning DDP gives for it (on every backward) says nothing.
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
@@ -163,7 +182,10 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Se
                           f'accumulation steps x {world} processes is more than the {len(train_set)} training '
                           f'images; lower train.batch_size or train.grad_accum_steps')
     scheduler = create_scheduler(optimizer, config, updates_per_epoch, global_batch)
-    lipschitz = create_lipschitz_constraint(config.lipschitz, model) if config.lipschitz.enabled else None
+    lipschitz = None
+    if config.lipschitz.enabled:
+        check_config_callables(config, trusted_callables)
+        lipschitz = create_lipschitz_constraint(config.lipschitz, model)
     model, optimizer = accelerator.prepare(model, optimizer)
     mixup = create_mixup(config, num_classes)
     return Session(
@@ -224,8 +246,27 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     _logger.info('initial weights from %s', path)
 
 
+def check_config_callables(config: Config, trusted: tuple[str, ...] = ()) -> None:
+    """Refuse a config that names code to run (``lipschitz.target``) other than the package's registered callables
+    and those in ``trusted`` (the user's word), before anything is imported.
+
+    Raises:
+        ConfigError: An untrusted callable, with how to trust it.
+    """
+    named = {'lipschitz.target': config.lipschitz.target} if config.lipschitz.enabled else {}
+    for key, target in named.items():
+        if target in REGISTERED_CALLABLES[key] or target in trusted:
+            continue
+        raise ConfigError(
+            f'{key}: {target!r} is not one of the package\'s callables ({", ".join(REGISTERED_CALLABLES[key][:1])}). '
+            f'A config is data: it names no other code to import and run, since anyone may have written it. If you '
+            f'trust {target!r}, say so: train.py --trust-callable {target} (in Python, train(..., '
+            f'trusted_callables=[{target!r}]))')
+
+
 def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Module) -> Callable[[], None]:
-    """Build the constraint named by ``settings.target`` for ``model``."""
+    """Build the constraint named by ``settings.target`` for ``model`` (check the name first:
+    :func:`check_config_callables`)."""
     module_name, _, attribute = settings.target.partition(':')
     try:
         factory = getattr(importlib.import_module(module_name), attribute)

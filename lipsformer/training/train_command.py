@@ -184,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
                                          'that holds the run folder, as in timm')
     parser.add_argument('--experiment', help='run name, as in timm: the run folder is <--output or runs>/<name>')
     parser.add_argument('--resume', help='auto (newest checkpoint in --output, if any) or a checkpoint / run folder')
+    parser.add_argument('--trust-callable', action='append', default=[], metavar='MODULE:CALLABLE',
+                        help='let the config name this callable (lipschitz.target): a config is data and may name '
+                             'only the package\'s own callables unless you trust another by name (repeatable)')
     parser.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
     parser.add_argument('--print-reference', action='store_true', help='print every key, documented, and exit')
     parser.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides')
@@ -306,12 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(config_to_yaml(config), end='')
         return 0
-    return _train(config, run_folder(args), args.resume, is_main)
+    return _train(config, run_folder(args), args.resume, is_main, args)
 
 
-def _train(config: Config, output: str, resume: str | None, is_main: bool) -> int:
+def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
     try:
-        summary = train(config, output, resume=resume)
+        summary = train(config, output, resume=resume, trusted_callables=tuple(args.trust_callable))
     except (ConfigError, CheckpointError, DatasetError) as e:
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:

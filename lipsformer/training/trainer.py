@@ -24,7 +24,14 @@ from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, valid
 from .optim import best_metric_name, total_epochs
 from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
-from .session import Session, create_accelerator, create_session, end_processes, release_accelerator
+from .session import (
+    Session,
+    check_config_callables,
+    create_accelerator,
+    create_session,
+    end_processes,
+    release_accelerator,
+)
 from .signals import StopSignal
 from .trackers import start_trackers
 from .train_state import (
@@ -39,7 +46,8 @@ from .train_state import (
 _logger = logging.getLogger(__name__)
 
 
-def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, Any]:
+def train(config: Config, run_dir: str, resume: str | None = None, *,
+          trusted_callables: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train (or continue training) a model as ``config`` says, writing everything into ``run_dir``.
 
     Args:
@@ -47,20 +55,23 @@ def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, 
         run_dir: The run folder (created if needed).
         resume: None for a new run; ``'auto'`` to continue from the newest readable checkpoint in ``run_dir`` if
             there is one; or a checkpoint folder (or run folder) to continue from.
+        trusted_callables: ``module:callable`` names the config may choose besides the package's own
+            (``lipschitz.target``); a config is data and names no other code.
 
     Returns:
         The run summary (also written to ``summary.json``): ``status`` is ``'finished'`` or ``'stopped'``.
 
     Raises:
-        ConfigError: The config does not fit the data, the model or the run folder.
+        ConfigError: The config does not fit the data, the model or the run folder, or names code not trusted.
         DatasetError: A split is missing, holds no readable image, or its classes do not fit (DatasetNotFoundError:
             data not on disk).
         CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
         NonFiniteLossError: Training diverged.
     """
+    check_config_callables(config, trusted_callables)
     accelerator = create_accelerator(config, run_dir)
     try:
-        return _train(accelerator, config, run_dir, resume)
+        return _train(accelerator, config, run_dir, resume, trusted_callables)
     except BaseException as error:
         # An error raised in a loader worker holds the loader's iterator in its traceback, in a reference cycle only
         # the garbage collector breaks; the workers ignore SIGTERM (signals.ignore_stop_signals), so an interpreter
@@ -71,7 +82,8 @@ def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, 
         release_accelerator()
 
 
-def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str | None) -> dict[str, Any]:
+def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str | None,
+           trusted_callables: tuple[str, ...]) -> dict[str, Any]:
     if logging.getLogger('lipsformer').level == logging.NOTSET:  # progress from the main process only
         logging.getLogger('lipsformer').setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
     start_time = time.perf_counter()
@@ -82,7 +94,7 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
     candidates = checkpoints_to_resume(run_dir, resume)
     log_handler = attach_log_file(run_dir, accelerator.is_main_process)
     try:
-        session = create_session(config, run_dir, accelerator)
+        session = create_session(config, run_dir, accelerator, trusted_callables)
         if candidates:
             resume_session(session, candidates, explicit=resume != 'auto')
         metrics = MetricsFile(run_dir)
