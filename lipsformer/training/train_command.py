@@ -22,6 +22,7 @@ from ..utils.io import os_error_in_chain
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
+from .run_lock import RunFolderInUseError
 from .splits import DatasetError
 from .trackers import chosen_trackers
 from .trainer import train
@@ -47,7 +48,7 @@ with the key each sets); giving a flag and an override of the same key with diff
 Exit status (the last log line gives the reason):
   0    finished, or stopped by SIGTERM / SIGINT after saving a checkpoint (continue with --resume auto)
   1    an unexpected error, a bug: the traceback is printed above the reason
-  2    a config, data or checkpoint problem: the message says what to change
+  2    a config, data or checkpoint problem, or a run folder another run holds: the message says what to change
   3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
   4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
        from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
@@ -184,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
                                          'that holds the run folder, as in timm')
     parser.add_argument('--experiment', help='run name, as in timm: the run folder is <--output or runs>/<name>')
     parser.add_argument('--resume', help='auto (newest checkpoint in --output, if any) or a checkpoint / run folder')
+    parser.add_argument('--wait-for-lock', type=float, default=0.0, metavar='SECONDS',
+                        help='when another run holds the run folder, wait up to SECONDS for it to end (default 0: '
+                             'refuse at once, exit 2)')
     parser.add_argument('--trust-callable', action='append', default=[], metavar='MODULE:CALLABLE',
                         help='let the config name this callable (lipschitz.target): a config is data and may name '
                              'only the package\'s own callables unless you trust another by name (repeatable)')
@@ -314,8 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
     try:
-        summary = train(config, output, resume=resume, trusted_callables=tuple(args.trust_callable))
-    except (ConfigError, CheckpointError, DatasetError) as e:
+        summary = train(config, output, resume=resume, wait_for_lock=args.wait_for_lock,
+                        trusted_callables=tuple(args.trust_callable))
+    except (ConfigError, CheckpointError, DatasetError, RunFolderInUseError) as e:
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
         return _fail(EXIT_DIVERGED, f'training diverged: {e}')

@@ -5,6 +5,10 @@ evaluated, then the scores are recorded (in the checkpoint's ``meta.json``, ``be
 trackers). A failed or interrupted evaluation loses no training, and a stop signal during an evaluation cuts it short:
 the resumed run evaluates that epoch before it trains on. No state is saved twice, and ``config.yaml`` is written only
 once the run has started (a refused resume leaves the folder as it was).
+
+The main process holds the run folder's lock (:mod:`.run_lock`) from before it clears or reads anything there until the
+run has ended, so a second start on the same folder (a relaunch, a requeued job) is refused, or waits, and never
+touches the files of the run in progress.
 """
 import logging
 import os
@@ -14,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from ..utils.env import peak_memory_mb
 from ..utils.io import remove_stale_temporaries
@@ -24,6 +29,7 @@ from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, valid
 from .optim import best_metric_name, total_epochs
 from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
+from .run_lock import RunFolderInUseError, RunLock
 from .session import (
     Session,
     check_config_callables,
@@ -46,7 +52,7 @@ from .train_state import (
 _logger = logging.getLogger(__name__)
 
 
-def train(config: Config, run_dir: str, resume: str | None = None, *,
+def train(config: Config, run_dir: str, resume: str | None = None, *, wait_for_lock: float = 0.0,
           trusted_callables: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train (or continue training) a model as ``config`` says, writing everything into ``run_dir``.
 
@@ -55,6 +61,7 @@ def train(config: Config, run_dir: str, resume: str | None = None, *,
         run_dir: The run folder (created if needed).
         resume: None for a new run; ``'auto'`` to continue from the newest readable checkpoint in ``run_dir`` if
             there is one; or a checkpoint folder (or run folder) to continue from.
+        wait_for_lock: Seconds to wait for another run that holds ``run_dir`` to end (0: refuse at once).
         trusted_callables: ``module:callable`` names the config may choose besides the package's own
             (``lipschitz.target``); a config is data and names no other code.
 
@@ -66,12 +73,13 @@ def train(config: Config, run_dir: str, resume: str | None = None, *,
         DatasetError: A split is missing, holds no readable image, or its classes do not fit (DatasetNotFoundError:
             data not on disk).
         CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
+        RunFolderInUseError: Another process holds ``run_dir``.
         NonFiniteLossError: Training diverged.
     """
     check_config_callables(config, trusted_callables)
     accelerator = create_accelerator(config, run_dir)
     try:
-        return _train(accelerator, config, run_dir, resume, trusted_callables)
+        return _train(accelerator, config, run_dir, resume, wait_for_lock, trusted_callables)
     except BaseException as error:
         # An error raised in a loader worker holds the loader's iterator in its traceback, in a reference cycle only
         # the garbage collector breaks; the workers ignore SIGTERM (signals.ignore_stop_signals), so an interpreter
@@ -82,18 +90,19 @@ def train(config: Config, run_dir: str, resume: str | None = None, *,
         release_accelerator()
 
 
-def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str | None,
+def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str | None, wait_for_lock: float,
            trusted_callables: tuple[str, ...]) -> dict[str, Any]:
     if logging.getLogger('lipsformer').level == logging.NOTSET:  # progress from the main process only
         logging.getLogger('lipsformer').setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
     start_time = time.perf_counter()
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        _clear_interrupted_writes(run_dir)
-    check_run_folder_shared(accelerator, run_dir)
-    candidates = checkpoints_to_resume(run_dir, resume)
-    log_handler = attach_log_file(run_dir, accelerator.is_main_process)
+    lock = _lock_run_folder(accelerator, run_dir, wait_for_lock)
+    log_handler = None
     try:
+        if accelerator.is_main_process:
+            _clear_interrupted_writes(run_dir)
+        check_run_folder_shared(accelerator, run_dir)
+        candidates = checkpoints_to_resume(run_dir, resume)
+        log_handler = attach_log_file(run_dir, accelerator.is_main_process)
         session = create_session(config, run_dir, accelerator, trusted_callables)
         if candidates:
             resume_session(session, candidates, explicit=resume != 'auto')
@@ -112,6 +121,29 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         if log_handler is not None:
             logging.getLogger('lipsformer').removeHandler(log_handler)
             log_handler.close()
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_folder(accelerator: Accelerator, run_dir: str, wait_s: float) -> RunLock | None:
+    """Take the run folder's lock in the main process; every process learns whether it got it (a refusal is raised
+    on all of them, so that none waits for the others)."""
+    lock, refusal = None, None
+    if accelerator.is_main_process:
+        lock = RunLock(run_dir, wait_s)
+        try:
+            lock.acquire()
+        except RunFolderInUseError as e:
+            lock, refusal = None, str(e)
+        except BaseException as e:
+            if accelerator.num_processes > 1:
+                broadcast_object_list([f'the main process could not lock the run folder: {type(e).__name__}: {e}'])
+            raise
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise RunFolderInUseError(refusal)
+    return lock
 
 
 def _clear_interrupted_writes(run_dir: str) -> None:
