@@ -22,6 +22,7 @@ from accelerate.utils import gather_object
 
 from ..checkpoint import load_file
 from ..utils.io import atomic_open, default_file_mode, replace_dir, write_json
+from .launch import distributed_summary
 from .optim import best_metric_name
 from .session import Session
 from .train_state import best_checkpoint, is_sharded
@@ -43,7 +44,7 @@ def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any
                                    best_value=session.progress.best_value, best_epoch=session.progress.best_epoch,
                                    nonfinite_steps=session.progress.nonfinite_total, rank_weight_sha256=digests,
                                    ranks_identical=len(set(digests)) <= 1, last_checkpoint=session.last_checkpoint,
-                                   **_skipped_images(session.progress))
+                                   distributed=distributed_summary(accelerator), **_skipped_images(session.progress))
     if session.progress.history:
         summary['final_metrics'] = session.progress.history[-1]
     if accelerator.is_main_process:

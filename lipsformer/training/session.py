@@ -48,6 +48,7 @@ from .data import (
     num_classes_of,
     resolve_input_spec,
 )
+from .launch import check_process_group, wants_cpu_group
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
 from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
@@ -102,15 +103,23 @@ class Session:
 
 
 def create_accelerator(config: Config, run_dir: str) -> Accelerator:
-    """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop."""
+    """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop.
+
+    Several processes launched on a host without an accelerator form one CPU group (gloo); a launch whose processes
+    Accelerate does not see as one group is refused (:mod:`.launch`).
+
+    Raises:
+        LaunchError: The processes launched would each train alone.
+    """
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
     dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
     project = ProjectConfiguration(project_dir=run_dir, logging_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     accelerator = Accelerator(
-        mixed_precision=config.train.mixed_precision, log_with=chosen_trackers(config) or None,
+        cpu=wants_cpu_group(), mixed_precision=config.train.mixed_precision, log_with=chosen_trackers(config) or None,
         project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    check_process_group(accelerator)
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
         retain_freed_memory()
     return accelerator
@@ -186,7 +195,7 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
     if config.lipschitz.enabled:
         check_config_callables(config, trusted_callables)
         lipschitz = create_lipschitz_constraint(config.lipschitz, model)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = prepare_model(accelerator, model, optimizer)
     mixup = create_mixup(config, num_classes)
     return Session(
         config=config, run_dir=run_dir, accelerator=accelerator, model=model, optimizer=optimizer,
@@ -195,6 +204,13 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
         val_loader=create_eval_loader(val_set, config, spec, accelerator.device, world, rank), spec=spec,
         model_kwargs=model_kwargs, class_names=class_names_of(train_set), global_batch=global_batch,
         updates_per_epoch=updates_per_epoch, lipschitz=lipschitz)
+
+
+def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+    """``accelerator.prepare`` the model and its optimizer (DDP, FSDP or neither, as launched)."""
+    if is_sharded(accelerator) and not hasattr(model, '_no_split_modules'):
+        model._no_split_modules = None  # accelerate 1.6's FSDP2 wrap policy reads this transformers attribute
+    return accelerator.prepare(model, optimizer)
 
 
 def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -21,6 +21,7 @@ from ..checkpoint import CheckpointError
 from ..utils.io import os_error_in_chain
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
+from .launch import LaunchError
 from .loop import NonFiniteLossError
 from .run_lock import RunFolderInUseError
 from .splits import DatasetError
@@ -48,7 +49,8 @@ with the key each sets); giving a flag and an override of the same key with diff
 Exit status (the last log line gives the reason):
   0    finished, or stopped by SIGTERM / SIGINT after saving a checkpoint (continue with --resume auto)
   1    an unexpected error, a bug: the traceback is printed above the reason
-  2    a config, data or checkpoint problem, or a run folder another run holds: the message says what to change
+  2    a config, data or checkpoint problem, a run folder another run holds, or processes launched that would not
+       train as one group: the message says what to change
   3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
   4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
        from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
@@ -320,7 +322,7 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
     try:
         summary = train(config, output, resume=resume, wait_for_lock=args.wait_for_lock,
                         trusted_callables=tuple(args.trust_callable))
-    except (ConfigError, CheckpointError, DatasetError, RunFolderInUseError) as e:
+    except (ConfigError, CheckpointError, DatasetError, RunFolderInUseError, LaunchError) as e:
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
         return _fail(EXIT_DIVERGED, f'training diverged: {e}')

@@ -25,6 +25,7 @@ from ..utils.io import remove_stale_temporaries
 from .config import Config
 from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
+from .launch import distributed_summary
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, total_epochs
 from .resume import resume_session
@@ -74,11 +75,12 @@ def train(config: Config, run_dir: str, resume: str | None = None, *, wait_for_l
             data not on disk).
         CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
         RunFolderInUseError: Another process holds ``run_dir``.
+        LaunchError: The processes launched do not form one group.
         NonFiniteLossError: Training diverged.
     """
     check_config_callables(config, trusted_callables)
-    accelerator = create_accelerator(config, run_dir)
     try:
+        accelerator = create_accelerator(config, run_dir)
         return _train(accelerator, config, run_dir, resume, wait_for_lock, trusted_callables)
     except BaseException as error:
         # An error raised in a loader worker holds the loader's iterator in its traceback, in a reference cycle only
@@ -103,6 +105,7 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         check_run_folder_shared(accelerator, run_dir)
         candidates = checkpoints_to_resume(run_dir, resume)
         log_handler = attach_log_file(run_dir, accelerator.is_main_process)
+        _say_distribution(accelerator)
         session = create_session(config, run_dir, accelerator, trusted_callables)
         if candidates:
             resume_session(session, candidates, explicit=resume != 'auto')
@@ -123,6 +126,17 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
             log_handler.close()
         if lock is not None:
             lock.release()
+
+
+def _say_distribution(accelerator: Accelerator) -> None:
+    if not accelerator.is_main_process:
+        return
+    distribution = distributed_summary(accelerator)
+    if distribution['processes'] > 1:
+        _logger.info('%d processes train as one group (%s) on %s', distribution['processes'], distribution['type'],
+                     accelerator.device.type)
+    if distribution['note']:
+        _logger.warning('%s', distribution['note'])
 
 
 def _lock_run_folder(accelerator: Accelerator, run_dir: str, wait_s: float) -> RunLock | None:
