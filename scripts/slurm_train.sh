@@ -2,6 +2,8 @@
 # A SLURM job that trains to the end across time limits: 300 s before the limit SLURM signals this batch script
 # (USR1), which asks train.py to stop (SIGTERM: it saves a checkpoint and exits), waits for it, and requeues the job
 # (scontrol requeue), which continues from that checkpoint with --resume auto. A run that finished is not requeued.
+# A requeued job that starts while the old one still holds the run folder (a requeue from outside, a node that is slow
+# to die) waits for it to let the folder go (--wait-for-lock, LOCK_WAIT seconds, default 900), never races it.
 #
 #   sbatch scripts/slurm_train.sh CONFIG RUN_DIR [train.py options and key.sub=value overrides ...]
 #   sbatch scripts/slurm_train.sh lipsformer_cswin_base runs/cswin_base --data-dir /data/imagenet --amp --amp-dtype bfloat16
@@ -20,7 +22,7 @@ CONFIG=${1:?usage: slurm_train.sh CONFIG RUN_DIR [train.py arguments ...]}
 RUN_DIR=${2:?usage: slurm_train.sh CONFIG RUN_DIR [train.py arguments ...]}
 shift 2
 cd "${SLURM_SUBMIT_DIR:-.}" || exit 1
-TRAIN=(train.py --config "$CONFIG" --output "$RUN_DIR" --resume auto "$@")
+TRAIN=(train.py --config "$CONFIG" --output "$RUN_DIR" --resume auto --wait-for-lock "${LOCK_WAIT:-900}" "$@")
 
 if [ "${LAUNCH:-srun}" = local ]; then
     command=(python "${TRAIN[@]}")

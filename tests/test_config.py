@@ -11,6 +11,7 @@ import timm
 import lipsformer  # noqa: F401  (registers the models)
 from lipsformer.training import ConfigError, load_config, reference_yaml
 from lipsformer.training.config_io import config_from_dict, parse_override
+from lipsformer.training.session import check_config_callables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, 'configs')
@@ -160,3 +161,30 @@ def test_cli_prints_the_resolved_config_that_loads_back(tmp_path):
     assert result.returncode == 0, result.stderr
     (tmp_path / 'printed.yaml').write_text(result.stdout)
     assert load_config(tmp_path / 'printed.yaml') == _config('quickstart.yaml', 'optimizer.lr=1e-3')
+
+
+def test_a_config_runs_no_code_it_names_unless_the_user_trusts_it_by_name(data_dir, tmp_path, caplog):
+    """`lipschitz.target: timeit:timeit` with `kwargs.setup` would execute the setup string (a config someone else
+    wrote, `--config runs/x/config.yaml`): refused before anything runs, the run folder never made, unless
+    --trust-callable names it. The package's own constraint needs no trust."""
+    from training_support import tiny_overrides
+
+    from lipsformer.training.train_command import main
+    marker = tmp_path / 'code-ran'
+    config = tmp_path / 'config.yaml'
+    config.write_text(f'lipschitz:\n  enabled: true\n  target: timeit:timeit\n'
+                      f'  kwargs: {{setup: "open({str(marker)!r}, \'w\').close()", number: 1}}\n')
+    args = ['--config', str(config), *tiny_overrides(data_dir, **{'train.epochs': 1, 'checkpoint.export': False})]
+    assert main([*args, '--output', str(tmp_path / 'run')]) == 2
+    assert not marker.exists() and not (tmp_path / 'run').exists()
+    reason = caplog.records[-1].getMessage()
+    assert "lipschitz.target: 'timeit:timeit' is not one of the package's callables" in reason
+    assert 'train.py --trust-callable timeit:timeit' in reason
+    # trusted by name, it is imported and called (its setup runs; its statement, the model, fails without input)
+    assert main([*args, '--output', str(tmp_path / 'trusted'), '--trust-callable', 'timeit:timeit']) == 2
+    assert marker.exists()
+    with pytest.raises(ConfigError, match="'training_support:AlphaCap' is not one of the package's callables"):
+        check_config_callables(load_config(None, ['lipschitz.enabled=true',
+                                                  'lipschitz.target=training_support:AlphaCap']))
+    check_config_callables(load_config(None, ['lipschitz.enabled=true']))  # the default, the package's own
+    check_config_callables(load_config(None, ['lipschitz.target=timeit:timeit']))  # not enabled: never imported

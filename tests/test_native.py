@@ -1,8 +1,12 @@
 """The C kernels (lipsformer.utils.native) and the one they serve: the 7x7 depthwise weight gradient."""
+import hashlib
 import os
 import platform
+import re
+import shutil
 import stat
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -138,6 +142,13 @@ def test_a_failing_compiler_warns_with_its_message_and_leaves_no_file(tmp_path, 
         assert native.load_native(SOURCE) is None
 
 
+def _cached(cache, compiler: str = 'cc', arch: tuple[str, ...] = native._ARCH_FLAGS[0]) -> native.Path:
+    """Where load_native keeps the layers' kernel built by ``compiler`` for this CPU."""
+    compiler = shutil.which(compiler)
+    return native._library_path(native.Path(cache), native._PACKAGE / SOURCE, native._compiler_version(compiler),
+                                native._FLAGS + arch)
+
+
 def test_the_library_is_built_once_per_cpu_and_rebuilt_when_damaged(tmp_path, monkeypatch):
     monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(tmp_path / 'cache'))
     monkeypatch.setenv('CC', _fake_compiler(tmp_path, 'exec cc "$@"'))
@@ -145,21 +156,166 @@ def test_the_library_is_built_once_per_cpu_and_rebuilt_when_damaged(tmp_path, mo
     assert _kernel() is not None and builds.read_text().count('build') == 1
     native.load_native.cache_clear()
     assert _kernel() is not None and builds.read_text().count('build') == 1  # a second process: from the cache
-    [library] = (tmp_path / 'cache').iterdir()
+    library = _cached(tmp_path / 'cache', os.environ['CC'])
+    assert sorted(p.name for p in (tmp_path / 'cache').iterdir()) == [library.name, library.name + '.sha256']
     monkeypatch.setattr(native, '_cpu_identity', lambda: 'another CPU')  # a shared home folder, another machine
     native.load_native.cache_clear()
     assert _kernel() is not None and builds.read_text().count('build') == 2
-    assert len(list((tmp_path / 'cache').iterdir())) == 2
-    # A damaged library (never loaded by this process, which would reuse its loaded copy): removed, built again.
-    monkeypatch.setattr(native, '_cpu_identity', lambda: 'a third CPU')
-    library, _ = native._compile(native.Path(native.__file__).parent.parent / SOURCE, 'cc', 'fakecc 1.0')
+    assert len(list((tmp_path / 'cache').iterdir())) == 4
+    # Damaged bytes (a new file: this process keeps the loaded one mapped): not what was built, so not loaded; built
+    # again in place, and said.
+    library = _cached(tmp_path / 'cache', os.environ['CC'])
+    library.unlink()
     library.write_bytes(b'not a shared library')
+    native.load_native.cache_clear()
+    with pytest.warns(RuntimeWarning, match='does not have the SHA-256 recorded when it was built; its C kernel '
+                                            'layers/cpu_kernels.c was built again, in its place'):
+        assert _kernel() is not None
+    assert builds.read_text().count('build') == 3
+    # A library that passes every check and still does not load (damaged before its hash was recorded): removed.
+    monkeypatch.setattr(native, '_cpu_identity', lambda: 'a third CPU')
+    library = _cached(tmp_path / 'cache', os.environ['CC'])
+    library.write_bytes(b'not a shared library either')
+    (library.parent / (library.name + '.sha256')).write_text(hashlib.sha256(library.read_bytes()).hexdigest())
     native.load_native.cache_clear()
     with pytest.warns(RuntimeWarning, match='could not build or load'):
         assert native.load_native(SOURCE) is None
     assert not library.exists()
     native.load_native.cache_clear()
     assert _kernel() is not None and library.exists()
+
+
+# A library with the kernel's name that, loaded, leaves a mark (its constructor runs at load).
+_PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *mark = fopen(getenv("PLANTED_MARK"), "w");
+    if (mark) fclose(mark);
+}
+int channel_block(void) { return 8; }
+"""
+
+
+def _plant(tmp_path, library: native.Path, owner: int | None = None, mode: int = 0o755) -> None:
+    """Put a library of someone else's making where load_native looks, with the hash record it would need."""
+    (tmp_path / 'planted.c').write_text(_PLANTED)
+    subprocess.run(['cc', '-shared', '-fPIC', str(tmp_path / 'planted.c'), '-o', str(library)], check=True)
+    (library.parent / (library.name + '.sha256')).write_text(hashlib.sha256(library.read_bytes()).hexdigest())
+    os.chmod(library, mode)
+    if owner is not None:
+        os.chown(library, owner, owner)
+        os.chown(library.parent / (library.name + '.sha256'), owner, owner)
+
+
+def _nobody() -> int:
+    import pwd
+    try:
+        nobody = pwd.getpwnam('nobody').pw_uid
+    except KeyError:
+        pytest.skip('no user nobody')
+    if os.geteuid() != 0:
+        pytest.skip('giving a file to another user takes root')
+    return nobody
+
+
+@pytest.mark.parametrize('case', ['library of another user', 'library writable by its group', 'library not as built',
+                                  'folder of another user', 'folder writable by all'])
+def test_a_library_someone_else_could_have_written_is_never_loaded(case, tmp_path, monkeypatch):
+    """The kernel's cached file planted by another user (chown nobody), or open to other writers, or bytes other than
+    the build's: never loaded (its constructor would run), whatever hash record sits beside it; one warning names the
+    check and LIPSFORMER_CACHE_DIR, and the kernels still come from a build of this process's own."""
+    cache = tmp_path / 'cache'
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(cache))
+    monkeypatch.setenv('PLANTED_MARK', str(tmp_path / 'planted-code-ran'))
+    monkeypatch.setattr(native, '_ARCH_FLAGS', (native._ARCH_FLAGS[0],))
+    library = _cached(cache)
+    if case == 'library not as built':
+        _kernel()  # this user's build and its record
+        library.unlink()
+        _plant(tmp_path, library)
+        (library.parent / (library.name + '.sha256')).write_text('0' * 64)
+        native.load_native.cache_clear()
+    else:
+        cache.mkdir()
+        _plant(tmp_path, library, owner=_nobody() if case.endswith('of another user') else None,
+               mode=0o775 if case == 'library writable by its group' else 0o755)
+    if case == 'folder of another user':
+        os.chown(cache, _nobody(), _nobody())
+    elif case == 'folder writable by all':
+        os.chmod(cache, 0o777)  # the cache of a process with umask 000 before this check existed
+    expected = {
+        'library of another user': f'the cached library {library} belongs to nobody .uid {_nobody_uid()}., not to '
+                                   f'this user',
+        'library writable by its group': f'the cached library {library} can be written by its group .mode 775.; its C '
+                                         f'kernel layers/cpu_kernels.c was built again, in its place',
+        'library not as built': f'the cached library {library} does not have the SHA-256 recorded when it was built',
+        'folder of another user': f'the kernel cache folder {cache} belongs to nobody .uid {_nobody_uid()}., not to '
+                                  f'this user, .*, so nothing in it is loaded; its C kernel layers/cpu_kernels.c was '
+                                  f'built in a private temporary folder',
+        'folder writable by all': f'the kernel cache folder {cache} can be written by its group and other users .mode '
+                                  f'777., so nothing in it is loaded',
+    }[case]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        library_loaded = native.load_native(SOURCE)
+    assert not (tmp_path / 'planted-code-ran').exists(), 'the planted library was loaded: its code ran'
+    assert library_loaded is not None and library_loaded.channel_block() in (8, 16)
+    assert len(caught) == 1 and re.search(expected, str(caught[0].message)), [str(w.message) for w in caught]
+    assert 'Set LIPSFORMER_CACHE_DIR to a folder of your own' in str(caught[0].message)
+    assert 'Set CC' not in str(caught[0].message)
+
+
+def _nobody_uid() -> int:
+    import pwd
+    try:
+        return pwd.getpwnam('nobody').pw_uid
+    except KeyError:
+        return -1
+
+
+def test_the_cache_folder_and_the_parents_it_makes_are_private_whatever_the_umask(tmp_path, monkeypatch):
+    cache = tmp_path / 'home' / '.cache' / 'lipsformer'
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(cache))
+    umask = os.umask(0)  # files and folders would be made writable by everyone
+    try:
+        _kernel()
+    finally:
+        os.umask(umask)
+    for folder in (tmp_path / 'home', tmp_path / 'home' / '.cache', cache):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    for built in cache.iterdir():
+        assert not built.stat().st_mode & 0o022, built
+
+
+def test_a_cache_folder_that_cannot_be_written_builds_privately_and_says_which_variable(tmp_path, monkeypatch):
+    cache = tmp_path / 'cache'
+    cache.mkdir(mode=0o500)
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(cache))
+    read_only = os.geteuid() != 0 or subprocess.run(['chattr', '+i', str(cache)], capture_output=True).returncode == 0
+    if not read_only:
+        pytest.skip('root writes any folder; making one read-only needs chattr +i')
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            assert native.load_native(SOURCE) is not None
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(['chattr', '-i', str(cache)], check=True)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert re.search(f'the kernel cache folder {cache} cannot be written .(Permission denied|Operation not permitted|'
+                     f'Read-only file system).; its C kernel layers/cpu_kernels.c was built in a private temporary '
+                     f'folder', message), message
+    assert 'Set LIPSFORMER_CACHE_DIR' in message and 'Set CC' not in message and list(cache.iterdir()) == []
+
+
+def test_a_compiler_that_fails_without_a_word_still_gets_a_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(tmp_path / 'cache'))
+    monkeypatch.setenv('CC', '/bin/false')
+    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/cpu_kernels.c with '
+                                            r'/\S*false \(/\S*false exited with status 1 and printed nothing\)'):
+        assert native.load_native(SOURCE) is None
 
 
 def test_a_double_backward_gets_the_second_derivatives_of_the_convolution():

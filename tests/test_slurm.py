@@ -1,5 +1,6 @@
 """scripts/slurm_train.sh without SLURM: the time-limit signal stops training with a checkpoint, the job requeues
-itself through (a fake) scontrol, and the next run continues with --resume auto to the end."""
+itself through (a fake) scontrol, and the next run continues with --resume auto to the end; a requeued job that starts
+while the old one still holds the run folder waits for it."""
 import json
 import os
 import signal
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from training_support import make_image_folder, subprocess_env, tiny_overrides
+from training_support import hold_lock, make_image_folder, subprocess_env, tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'slurm_train.sh')
@@ -26,8 +27,8 @@ def _fake_scontrol(folder) -> str:
     return str(bin_dir)
 
 
-def _start(tmp_path, run_dir: str, data_dir: str, bin_dir: str) -> subprocess.Popen:
-    overrides = tiny_overrides(data_dir, **{'train.epochs': EPOCHS, 'checkpoint.export': False})
+def _start(tmp_path, run_dir: str, data_dir: str, bin_dir: str, epochs: int = EPOCHS) -> subprocess.Popen:
+    overrides = tiny_overrides(data_dir, **{'train.epochs': epochs, 'checkpoint.export': False})
     env = subprocess_env(LAUNCH='local', SLURM_JOB_ID='4242', SLURM_SUBMIT_DIR=REPO,
                          PATH=f'{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ["PATH"]}')
     return subprocess.Popen(['bash', SCRIPT, 'quickstart', run_dir, *overrides], cwd=REPO, env=env,
@@ -70,3 +71,24 @@ def test_time_limit_signal_saves_requeues_and_the_next_run_resumes(tmp_path):
     log = open(os.path.join(run_dir, 'train.log')).read()
     assert f'step {stopped_at}' in log.split('resumed from')[1].split('\n')[0]
     assert _epochs_scored(run_dir) == list(range(1, EPOCHS + 1))
+
+
+def test_a_requeued_job_waits_for_the_old_job_to_let_the_run_folder_go(tmp_path):
+    """The old job still holds the run folder when the requeued one starts (a requeue from outside, a node slow to
+    die): the new one waits, saying for whom, and trains once the old one has let go."""
+    data_dir = make_image_folder(str(tmp_path / 'data'))
+    run_dir, release = str(tmp_path / 'run'), str(tmp_path / 'old-job-ended')
+    old_job = hold_lock(run_dir, release)
+    job = _start(tmp_path, run_dir, data_dir, _fake_scontrol(tmp_path), epochs=1)
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if 'waiting up to 900 s for it to end' in line:
+            break
+    assert f'is in use by process {old_job.pid}' in seen[-1], ''.join(seen)
+    assert not os.path.exists(os.path.join(run_dir, 'checkpoints'))
+    open(release, 'w').close()
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, ''.join(seen) + output
+    assert json.load(open(os.path.join(run_dir, 'summary.json')))['status'] == 'finished'
+    assert old_job.wait(timeout=60) == 0

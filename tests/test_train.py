@@ -2,6 +2,7 @@
 validate.py reads, timm-loadable exports, and resuming (bit-exact at an epoch boundary and mid-epoch)."""
 import json
 import os
+import stat
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ from lipsformer.training import load_config, train
 from lipsformer.training.finish import write_plots
 from lipsformer.training.overhead import main as overhead_main
 from lipsformer.training.train_state import list_checkpoints
+from lipsformer.utils.io import default_file_mode
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -30,8 +32,10 @@ DETERMINISTIC = {'augment.reprob': 0.0, 'augment.scale': '[1.0, 1.0]', 'augment.
                  'model.drop_path_rate': 0.0}
 
 
-def run(data_dir: str, run_dir: str, resume: str | None = None, **extra) -> dict:
-    return train(load_config(None, tiny_overrides(data_dir, **extra)), run_dir, resume=resume)
+def run(data_dir: str, run_dir: str, resume: str | None = None, trusted_callables: tuple[str, ...] = (),
+        **extra) -> dict:
+    return train(load_config(None, tiny_overrides(data_dir, **extra)), run_dir, resume=resume,
+                 trusted_callables=trusted_callables)
 
 
 @pytest.fixture(scope='module')
@@ -80,6 +84,10 @@ def test_run_folder_holds_what_validation_reads(reference_run):
                                                              'model_ema.safetensors'))
     _assert_same(_weights(os.path.join(run_dir, 'checkpoints', best['name'])),
                  _weights(os.path.join(run_dir, 'export', 'best')))
+    modes = {os.path.relpath(path, run_dir): stat.S_IMODE(os.stat(path).st_mode)
+             for path in (os.path.join(folder, name) for folder, _, files in os.walk(run_dir) for name in files)}
+    assert any(name.endswith('.safetensors') for name in modes)
+    assert {name: f'{mode:o}' for name, mode in modes.items() if mode != default_file_mode()} == {}  # safetensors too
 
 
 def test_exports_load_with_timm(reference_run, data_dir):
@@ -157,7 +165,7 @@ def test_resume_auto_on_a_finished_run_only_exports(reference_run, data_dir):
 
 def test_accumulation_precision_memory_options_and_the_lipschitz_hook(data_dir, tmp_path):
     run_dir = str(tmp_path / 'run')
-    summary = run(data_dir, run_dir, **{
+    summary = run(data_dir, run_dir, trusted_callables=('training_support:AlphaCap',), **{
         'train.grad_accum_steps': 2, 'train.mixed_precision': 'bf16', 'optimizer.clip_grad': 1.0,
         'model.channels_last': True, 'model.grad_checkpointing': True, 'lipschitz.enabled': True,
         'lipschitz.target': 'training_support:AlphaCap', 'lipschitz.kwargs': '{max_alpha: 0.2}'})

@@ -4,10 +4,12 @@ import gzip
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from training_support import make_image_folder, tiny_overrides
+from training_support import make_image_folder, subprocess_env, tiny_overrides
 
 from lipsformer.training import DatasetError, load_config
 from lipsformer.training.data import (
@@ -26,7 +28,8 @@ from lipsformer.training.data import (
     resolve_input_spec,
 )
 
-QUICKSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'quickstart.yaml')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(REPO, 'configs', 'quickstart.yaml')
 
 
 def test_train_shards_are_disjoint_equal_and_depend_only_on_seed_and_epoch():
@@ -210,6 +213,43 @@ def test_a_class_map_file_labels_both_splits_and_must_name_every_folder(tree):
     (tree / 'classes.txt').write_text('class_0\nclass_1\nclass_2\n')
     with pytest.raises(DatasetError, match='data.train_split: .* are not among the classes of data.class_map: class_3'):
         _splits(tree, **{'data.class_map': str(tree / 'classes.txt')})
+
+
+def test_a_folder_of_loose_images_is_said_to_be_one(tree):
+    """Images straight in the dataset root (no split folder) or in a split folder (no class folders): the message says
+    what is there and the layout it needs, not that the folder holds nothing."""
+    for image in sorted((tree / 'train').glob('*/*.png')):
+        image.rename(tree / 'train' / f'{image.parent.name}-{image.name}')
+    for folder in (tree / 'train').iterdir():
+        if folder.is_dir():
+            folder.rmdir()
+    with pytest.raises(DatasetError, match=r"data.train_split: '.*train' holds 48 image\(s\) outside any class folder "
+                                           r"\(class_0-00000.png, class_0-00001.png, class_0-00002.png ... \(48 in "
+                                           r"all\)\); an image-folder split is <split>/<class>/<image>"):
+        _splits(tree)
+    with pytest.raises(DatasetNotFoundError, match=r"data.train_split: no split 'train' under '.*train' \(looked for "
+                                                   r"train, training, as a folder or a .tar\); it holds 48 image\(s\) "
+                                                   r"\(class_0-00000.png, .*\). Set data.train_split to the sub-folder "
+                                                   r"to use; an image-folder dataset is <data_dir>/<split>/<class>/"
+                                                   r"<image>: put the images into class folders inside a split folder "
+                                                   r"\(train/<class>/\)"):
+        _splits(tree / 'train')
+
+
+def test_a_split_without_one_readable_image_is_a_data_problem_and_train_py_exits(tmp_path):
+    """Every training image broken, read by a loader worker: exit 2 naming the split (not 1, "please report"), and
+    train.py ends (the worker that raised, which ignores SIGTERM, is let go rather than waited for at exit)."""
+    data_dir = make_image_folder(str(tmp_path / 'images'))
+    for image in (tmp_path / 'images' / 'train').glob('*/*.png'):
+        image.write_bytes(b'not a png')
+    result = subprocess.run([sys.executable, 'train.py', '--output', str(tmp_path / 'run'), *tiny_overrides(
+        data_dir, **{'data.num_workers': 1, 'train.epochs': 1, 'checkpoint.export': False})], cwd=REPO,
+        capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"data.train_split 'train' under '{data_dir}': none of its 48 images can be read (the last: " in last
+    assert last.endswith('check the files, or point the split at images (exit 2)')
+    assert 'please report' not in result.stderr
 
 
 def test_a_torchvision_split_must_name_its_training_or_test_set(tmp_path):

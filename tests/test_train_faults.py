@@ -54,17 +54,28 @@ def test_persistent_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data
     assert summary['status'] == 'finished' and summary['step'] == 2 * UPDATES_PER_EPOCH
 
 
-def test_unreadable_images_are_logged_and_skipped(tmp_path, caplog):
+@pytest.mark.parametrize('workers', [0, 1])
+def test_unreadable_images_are_logged_skipped_and_counted(tmp_path, caplog, workers):
+    """Each skip is logged with its file (by the process that reads it) and counted per epoch in metrics.jsonl
+    (training and evaluation) and over the run in summary.json, loader workers' skips included."""
     data_dir = make_image_folder(str(tmp_path / 'images'))
-    (tmp_path / 'images' / 'train' / 'class_0' / 'broken.png').write_bytes(os.urandom(300))
+    for name in ('broken.png', 'broken_too.png'):
+        (tmp_path / 'images' / 'train' / 'class_0' / name).write_bytes(os.urandom(300))
     good_png = (tmp_path / 'images' / 'validation' / 'class_1').iterdir().__next__().read_bytes()
     (tmp_path / 'images' / 'validation' / 'class_1' / 'truncated.png').write_bytes(good_png[:60])
-    summary = train(load_config(None, tiny_overrides(data_dir, **{'train.epochs': 1, 'checkpoint.export': False})),
-                    str(tmp_path / 'run'))
+    summary = train(load_config(None, tiny_overrides(data_dir, **{
+        'train.epochs': 2, 'train.batch_size': 10, 'data.num_workers': workers, 'checkpoint.export': False})),
+        str(tmp_path / 'run'))
     assert summary['status'] == 'finished'
     assert summary['final_metrics']['val_samples'] == VAL_IMAGES  # the truncated file is left out, not duplicated
-    assert 'broken.png' in caplog.text and 'truncated.png' in caplog.text
-    assert 'skipping unreadable image' in caplog.text
+    if not workers:  # a worker logs to its own stderr
+        assert 'broken.png' in caplog.text and 'truncated.png' in caplog.text
+        assert 'skipping unreadable image' in caplog.text
+    lines = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+    # 50 training images in 5 batches of 10: every image is asked for once an epoch, each broken one skipped
+    assert [(line['skipped_images'], line['val_skipped_images']) for line in lines] == [(2, 1), (2, 1)]
+    assert (summary['skipped_images'], summary['val_skipped_images']) == (4, 2)
+    assert json.load(open(tmp_path / 'run' / 'summary.json'))['skipped_images'] == 4
 
 
 def _start(args: list[str], **env: str) -> subprocess.Popen:

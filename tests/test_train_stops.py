@@ -7,16 +7,19 @@ continued and must end with the weights and metrics of the run that was never in
 """
 import errno
 import importlib.util
+import io
 import json
 import logging
 import os
 import signal
 
 import pytest
+from safetensors import SafetensorError
 from training_support import NAN_AT_CALLS, PROBE_CALLS, SIGNALS_AT_CALLS, assert_same_run, tiny_overrides
 
 import lipsformer.training.train_state as train_state
 import lipsformer.training.trainer as trainer
+import lipsformer.utils.io as io_module
 from lipsformer.training import load_config, train
 from lipsformer.training.train_state import list_checkpoints, read_meta
 
@@ -182,3 +185,48 @@ def test_every_way_a_run_ends_has_its_own_exit_status_and_reason(data_dir, tmp_p
         patch.setattr(trainer, 'alpha_statistics', bug)
         assert _cli(data_dir, tmp_path / 'bug') == 1
     assert 'unexpected error (please report it with the traceback above): TypeError: a bug (exit 1)' in caplog.text
+
+
+class _FillingFile(io.FileIO):
+    """A file on a disk that fills up after its first kilobyte: the write that would pass it fails with ENOSPC."""
+
+    def write(self, data) -> int:
+        if self.tell() + len(data) > 1024:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+@pytest.mark.parametrize('file', ['optimizer.pt', 'model.safetensors'])
+def test_a_full_disk_during_a_save_is_status_4_with_the_system_s_words(data_dir, tmp_path, monkeypatch, caplog,
+                                                                        uninterrupted, file):
+    """The disk fills while the first epoch's checkpoint is written: torch.save's error is its own ("enforce fail at
+    inline_container.cc"), with the OSError in its context; safetensors' names the system's error only in its text.
+    Both are exit 4 with "No space left on device" in the last line; the checkpoints saved before are whole and the
+    run continues exactly."""
+    saving = os.path.join('.tmp-epoch_0001', '')
+    if file == 'optimizer.pt':  # torch writes into the file the package opens
+        def open_on_a_full_disk(path, mode='r', **kwargs):
+            if saving + '.optimizer.pt.' in path:
+                return _FillingFile(path, 'wb')
+            return open(path, mode, **kwargs)
+        monkeypatch.setattr(io_module, 'open', open_on_a_full_disk, raising=False)
+    else:  # safetensors opens its own file; this is what it raises when the disk is full (0.5 on)
+        save_file = io_module.save_file
+
+        def save_file_on_a_full_disk(tensors, path):
+            if saving + '.model.safetensors.' in path:
+                raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+            save_file(tensors, path)
+        monkeypatch.setattr(io_module, 'save_file', save_file_on_a_full_disk)
+    run_dir = tmp_path / 'run'
+    with caplog.at_level(logging.ERROR):
+        assert _cli(data_dir, run_dir, **{'checkpoint.every_n_steps': 2}) == 4
+    last = caplog.records[-1].getMessage()
+    assert last.startswith('the operating system refused a read or write: [Errno 28] No space left on device')
+    assert ('(reported as RuntimeError: [enforce fail at inline_container.cc' if file == 'optimizer.pt' else
+            os.path.join('.tmp-epoch_0001', 'model.safetensors')) in last and last.endswith('(exit 4)')
+    assert 'please report' not in caplog.text
+    assert _names(run_dir) == ['step_00000002', 'step_00000004']
+    monkeypatch.undo()
+    assert _cli(data_dir, run_dir, '--resume', 'auto', **{'checkpoint.every_n_steps': 2}) == 0
+    assert_same_run(str(run_dir), uninterrupted, 'epoch_0002')

@@ -1,10 +1,12 @@
 """lipsformer.utils: writes that leave the old file or the new one whatever happens, JSON lines, machine facts."""
+import errno
 import logging
 import os
 import stat
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import lipsformer.utils.env as env
@@ -54,6 +56,48 @@ def test_torch_and_safetensors_files_round_trip(tmp_path):
     loaded = load_file(tmp_path / 'model.safetensors')
     assert torch.equal(loaded['a'], weight) and torch.equal(loaded['b'], weight)
     assert sorted(os.listdir(tmp_path)) == ['model.safetensors', 'state.pt']
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ('model.safetensors', 'state.pt'):  # what open() gives (safetensors from 0.5 makes its files 0600)
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o666 & ~umask == io_module.default_file_mode()
+
+
+# What safetensors says when the disk is full (measured on a full tmpfs): 0.4.x, and 0.5 on.
+SAFETENSORS_DISK_FULL = ['Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left '
+                         'on device" })', 'Error while serializing: I/O error: No space left on device (os error 28)']
+
+
+@pytest.mark.parametrize('message', SAFETENSORS_DISK_FULL, ids=['0.4', '0.5+'])
+def test_safetensors_disk_full_error_is_an_os_error(tmp_path, monkeypatch, message):
+    """safetensors reports the system's error only in its message; the write raises the OSError it names."""
+    def full_disk(tensors, path):
+        with open(path, 'wb') as f:
+            f.write(b'partial')
+        raise SafetensorError(message)
+    monkeypatch.setattr(io_module, 'save_file', full_disk)
+    with pytest.raises(OSError, match=r'\[Errno 28\] No space left on device') as caught:
+        save_safetensors({'w': torch.zeros(3)}, tmp_path / 'model.safetensors')
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / 'model.safetensors')
+    assert isinstance(caught.value.__cause__, SafetensorError) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.exists('/dev/full'), reason='needs /dev/full, where every write fails with ENOSPC')
+def test_torch_disk_full_error_holds_the_os_error_it_met(tmp_path, monkeypatch):
+    """torch.save into a file object that cannot be written (/dev/full): torch's "enforce fail" error, or the
+    OSError of the file's close, holds the system's error in its chain."""
+    monkeypatch.setattr(io_module, '_temporary_path', lambda path: _symlink_to_dev_full(path + '.tmp'))
+    with pytest.raises(Exception) as caught:
+        save_torch({'w': torch.zeros(100_000)}, tmp_path / 'optimizer.pt')
+    found = io_module.os_error_in_chain(caught.value)
+    assert found is not None and found.errno == errno.ENOSPC and found.strerror == 'No space left on device'
+    assert os.listdir(tmp_path) == []  # the link to /dev/full removed like any temporary file
+    assert io_module.os_error_in_chain(RuntimeError('a bug')) is None
+    assert io_module.os_error_in_chain(RuntimeError('a bug', OSError('no errno'))) is None
+
+
+def _symlink_to_dev_full(path: str) -> str:
+    os.symlink('/dev/full', path)
+    return path
 
 
 def test_json_lines_stop_at_a_torn_line_say_so_and_rewrite_cleans_it(tmp_path, caplog):

@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -22,9 +24,11 @@ from timm.models import register_model
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS
 from torch import nn
 
+from lipsformer.training import run_lock
 from lipsformer.training.train_state import FORMAT_VERSION, META_FILE, Progress
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+RUN_LOCK_MODULE = run_lock.__file__
 
 
 @contextlib.contextmanager
@@ -39,8 +43,33 @@ def single_thread():
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for a training subprocess: one thread, and this folder importable."""
-    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': os.path.dirname(os.path.abspath(__file__)), **extra}
+    """Environment for a training subprocess: one thread, and this folder importable (before the ``PYTHONPATH`` the
+    tests run with, which may name the checkout to test)."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get('PYTHONPATH')]))
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path, **extra}
+
+
+# Takes the lock (run_lock.py loaded on its own: no torch to import) and lets it go when the file argv[3] exists.
+_HOLDER = '''
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location('run_lock', sys.argv[1])
+run_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_lock)
+lock = run_lock.RunLock(sys.argv[2])
+lock.acquire()
+print('HELD', flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.05)
+lock.release()
+'''
+
+
+def hold_lock(run_dir: str, release: str) -> subprocess.Popen:
+    """A process that takes the run folder's lock (as a run does) and lets it go when the file ``release`` exists."""
+    holder = subprocess.Popen([sys.executable, '-c', _HOLDER, RUN_LOCK_MODULE, run_dir, release],
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert holder.stdout.readline() == 'HELD\n'
+    return holder
 
 
 def free_port() -> int:

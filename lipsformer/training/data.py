@@ -2,7 +2,8 @@
 
 - Sources: timm datasets (``create_dataset``) with their transforms; which images each split means, and the one class
   map of a run, are decided by :mod:`.splits`; Fashion-MNIST is unpacked from the Debian package when it is installed,
-  so no network is needed; unreadable images are skipped without ending a run.
+  so no network is needed; unreadable images are skipped without ending a run, and counted (a split without one readable
+  image among many is a :class:`~.splits.DatasetError`).
 - Samplers: the training order depends only on (seed, epoch), never on global RNG state, so a resumed run visits the
   same images in the same order, and resuming mid-epoch yields exactly the images this process had not yet seen.
   Evaluation covers every image once over all processes and draws from no global random stream.
@@ -41,6 +42,8 @@ from .splits import (
     check_split_classes,
     check_torchvision_split,
     class_folders_without_images,
+    listing,
+    loose_images,
     split_folder,
 )
 
@@ -128,16 +131,26 @@ def seeded_randomness(*key: int) -> Iterator[None]:
 class RobustDataset(Dataset):
     """Wraps a map-style dataset: padding indices and unreadable images never crash a run.
 
-    An unreadable image is logged with its file name and replaced by the next readable one; during evaluation the
-    replacement is labelled -1 so the metrics skip it instead of counting an image twice. :data:`PAD_INDEX` (from
-    the evaluation sampler) gives a sample labelled -1 as well. With :attr:`augment_seed` set (``(seed, epoch)``),
-    each training image is transformed with random generators seeded by it and the image's index.
+    An unreadable image is logged with its file name, counted (:meth:`skipped_images`) and replaced by the next
+    readable one; during evaluation the replacement is labelled -1 so the metrics skip it instead of counting an image
+    twice. :data:`PAD_INDEX` (from the evaluation sampler) gives a sample labelled -1 as well. With
+    :attr:`augment_seed` set (``(seed, epoch)``), each training image is transformed with random generators seeded by
+    it and the image's index.
+
+    Args:
+        dataset: The map-style dataset.
+        is_training: A training split (replacements keep their labels) or an evaluation one.
+        where: The split, for messages (``data.train_split 'train' under '/data'``).
+        loader_workers: Loader worker processes that will read it; the count of skipped images is kept in shared
+            memory, one slot per worker, so that the process that owns the dataset sees every worker's skips.
     """
 
-    def __init__(self, dataset: Dataset, is_training: bool):
+    def __init__(self, dataset: Dataset, is_training: bool, where: str = 'the dataset', loader_workers: int = 0):
         self.dataset = dataset
         self.is_training = is_training
+        self.where = where
         self.augment_seed: tuple[int, int] | None = None
+        self.skipped = torch.zeros(loader_workers + 1, dtype=torch.int64).share_memory_()
         if hasattr(dataset, '_max_retries'):
             dataset._max_retries = 1  # report each bad image here, with its file name, instead of inside timm
 
@@ -146,13 +159,18 @@ class RobustDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         if index == PAD_INDEX:
-            image, _ = self._first_readable(0)
+            image, _ = self._first_readable(0, counted=False)
             return image, -1
         image, target = self._first_readable(index)
         return image, target
 
-    def _first_readable(self, index: int) -> tuple[Any, int]:
-        for attempt in range(_MAX_CONSECUTIVE_BAD_IMAGES):
+    def skipped_images(self) -> int:
+        """Unreadable images skipped so far (by this process and its loader workers)."""
+        return int(self.skipped.sum())
+
+    def _first_readable(self, index: int, counted: bool = True) -> tuple[Any, int]:
+        attempts, last_error = min(_MAX_CONSECUTIVE_BAD_IMAGES, len(self.dataset)), ''
+        for attempt in range(attempts):
             candidate = (index + attempt) % len(self.dataset)
             try:
                 if self.augment_seed is None:
@@ -163,18 +181,31 @@ class RobustDataset(Dataset):
             except Exception as error:  # any decode / IO / transform failure of one file must not end the run
                 _logger.warning('skipping unreadable image %s (index %d): %s', self._describe(candidate),
                                 candidate, error)
+                if counted and not attempt:  # each image once, when it is asked for (not as a stand-in)
+                    worker = get_worker_info()
+                    self.skipped[(0 if worker is None else worker.id + 1) % len(self.skipped)] += 1
+                last_error = f'{self._describe(candidate)}: {error}'
                 continue
             if attempt and not self.is_training:
                 target = -1
             return image, target
-        raise RuntimeError(f'{_MAX_CONSECUTIVE_BAD_IMAGES} consecutive images from index {index} are unreadable; '
-                           f'check the dataset files')
+        if attempts == len(self.dataset):
+            raise DatasetError(f'{self.where}: none of its {attempts} images can be read (the last: {last_error}); '
+                               f'check the files, or point the split at images')
+        raise DatasetError(f'{self.where}: {attempts} consecutive images from index {index} cannot be read (the last: '
+                           f'{last_error}); check the dataset files (a truncated copy?) or remove the broken ones')
 
     def _describe(self, index: int) -> str:
         try:
             return repr(self.dataset.filename(index))
         except Exception:
             return '(file name unknown)'
+
+
+def skipped_images(dataset: Any) -> int:
+    """Unreadable images a :class:`RobustDataset` has skipped so far (0 for any other dataset: a stream's reader
+    skips them itself)."""
+    return dataset.skipped_images() if isinstance(dataset, RobustDataset) else 0
 
 
 def class_map_of(dataset: Dataset) -> dict[str, int] | None:
@@ -288,10 +319,10 @@ def create_split(config: Config, spec: InputSpec, is_training: bool,
     if isinstance(dataset, IterableDataset):
         dataset.set_loader_cfg(num_workers=data.num_workers)
         return dataset
+    where = f'data.{key} {getattr(data, key)!r} under {data.data_dir!r}'
     if len(dataset) == 0:
-        raise DatasetNotFoundError(f'data.{key}: the {getattr(data, key)!r} split under {data.data_dir!r} holds no '
-                                   f'images')
-    return RobustDataset(dataset, is_training=is_training)
+        raise DatasetNotFoundError(f'{where} holds no images')
+    return RobustDataset(dataset, is_training=is_training, where=where, loader_workers=data.num_workers)
 
 
 def _image_mode(config: Config) -> str:
@@ -323,6 +354,12 @@ def _open_folder_split(config: Config, key: str, is_training: bool, class_map: M
     """An image-folder split, labelled with the run's one class map (see :mod:`.splits`)."""
     data = config.data
     root = split_folder(data.data_dir, getattr(data, key), f'data.{key}')
+    loose = loose_images(root)
+    if loose:
+        raise DatasetError(
+            f'data.{key}: {root!r} holds {len(loose)} image(s) outside any class folder ({listing(loose, 3)}); an '
+            f'image-folder split is <split>/<class>/<image>, its classes being its sub-folders. Move each image into '
+            f'the folder of its class')
     dataset = _open_split(config, key, is_training, root)
     found = class_map_of(dataset) or {}
     reference, source = class_map, 'the training split\'s classes'

@@ -23,7 +23,8 @@ from accelerate.utils import gather_object
 
 from ..checkpoint import load_file
 from ..hub.model_folder import save_model_folder
-from ..utils.io import atomic_open, replace_dir, write_json
+from ..utils.io import atomic_open, default_file_mode, replace_dir, write_json
+from .launch import distributed_summary
 from .optim import best_metric_name
 from .session import Session
 from .train_state import best_checkpoint, is_sharded
@@ -44,7 +45,8 @@ def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any
                                    wall_time_s=wall_time, best_metric=best_metric_name(config),
                                    best_value=session.progress.best_value, best_epoch=session.progress.best_epoch,
                                    nonfinite_steps=session.progress.nonfinite_total, rank_weight_sha256=digests,
-                                   ranks_identical=len(set(digests)) <= 1, last_checkpoint=session.last_checkpoint)
+                                   ranks_identical=len(set(digests)) <= 1, last_checkpoint=session.last_checkpoint,
+                                   distributed=distributed_summary(accelerator), **_skipped_images(session.progress))
     if session.progress.history:
         summary['final_metrics'] = session.progress.history[-1]
     if accelerator.is_main_process:
@@ -57,6 +59,16 @@ def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any
         _logger.error('processes ended with different weights (sha256 %s); DDP synchronisation failed', digests)
     accelerator.wait_for_everyone()
     return summary
+
+
+def _skipped_images(progress: Any) -> dict[str, int]:
+    """Unreadable images skipped over the run: in training (the scored epochs, the one awaiting its evaluation and
+    the part of an epoch a stop cut short) and in the evaluations."""
+    lines = [*progress.history, *([progress.unscored] if progress.unscored else [])]
+    train = sum(line.get('skipped_images', 0) for line in lines)
+    if progress.batch_in_epoch and progress.epoch_totals and len(progress.epoch_totals) > 4:
+        train += int(progress.epoch_totals[4])
+    return dict(skipped_images=train, val_skipped_images=sum(line.get('val_skipped_images', 0) for line in lines))
 
 
 def _export(session: Session) -> dict[str, str]:
@@ -106,6 +118,8 @@ def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name:
     ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
     if os.path.isfile(ema_path):
         shutil.copyfile(ema_path, os.path.join(tmp_dir, 'model_ema.safetensors'))
+    for name in os.listdir(tmp_dir):  # safetensors from 0.5 writes 0600: the export is as readable as the rest
+        os.chmod(os.path.join(tmp_dir, name), default_file_mode())
     replace_dir(tmp_dir, final_dir)
     return final_dir
 

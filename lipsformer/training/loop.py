@@ -21,6 +21,7 @@ from timm.utils import accuracy
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .data import skipped_images
 from .optim import scheduled_lr
 from .session import Session
 from .signals import StopSignal
@@ -35,12 +36,13 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclass
 class EpochResult:
-    """What one call of :func:`train_epoch` did: the epoch's mean loss, images and seconds (a resumed epoch's
-    included), and whether it ran to its end (a stop on its last update still completes it)."""
+    """What one call of :func:`train_epoch` did: the epoch's mean loss, images, seconds and unreadable images skipped
+    (a resumed epoch's included), and whether it ran to its end (a stop on its last update still completes it)."""
     loss: float
     images: int
     seconds: float
     completed: bool
+    skipped: int = 0
 
 
 @dataclass
@@ -57,17 +59,22 @@ class EpochTally:
     images: int = 0
     consecutive_bad: int = 0
     earlier_seconds: float = 0.0
+    skipped_so_far: Callable[[], int] = lambda: 0  # this process's count of unreadable images skipped
+    skipped_at_start: int = 0
+    earlier_skipped: int = 0
 
     @classmethod
-    def start(cls, device: torch.device, progress: Progress, is_main: bool) -> 'EpochTally':
+    def start(cls, device: torch.device, progress: Progress, is_main: bool,
+              skipped_so_far: Callable[[], int] = lambda: 0) -> 'EpochTally':
         zero = torch.zeros((), device=device)
         tally = cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), zero.clone(),
-                    time.perf_counter())
+                    time.perf_counter(), skipped_so_far=skipped_so_far, skipped_at_start=skipped_so_far())
         if progress.batch_in_epoch and progress.epoch_totals:
-            loss_sum, loss_count, images, seconds = progress.epoch_totals
+            loss_sum, loss_count, images, seconds, *skipped = progress.epoch_totals  # older checkpoints: 4 values
             if is_main:  # the saved sums are over all processes
                 tally.loss_sum += loss_sum
                 tally.loss_count += loss_count
+                tally.earlier_skipped = int(skipped[0]) if skipped else 0
             tally.images, tally.earlier_seconds = int(images), seconds
         return tally
 
@@ -75,12 +82,15 @@ class EpochTally:
         return self.loss_sum / self.loss_count.clamp(min=1)
 
     def totals(self, accelerator) -> list[float]:
-        """Loss sum and count over all processes, images and seconds of the epoch so far (call on every process)."""
-        sums = torch.stack([self.loss_sum, self.loss_count])
+        """Loss sum and count over all processes, images, seconds and unreadable images skipped (over all processes)
+        of the epoch so far (call on every process)."""
+        skipped = self.skipped_so_far() - self.skipped_at_start + self.earlier_skipped
+        sums = torch.stack([self.loss_sum, self.loss_count, torch.tensor(float(skipped), device=self.loss_sum.device)])
         if accelerator.num_processes > 1:
             sums = accelerator.reduce(sums, reduction='sum')
-        loss_sum, loss_count = sums.tolist()
-        return [loss_sum, loss_count, self.images, self.earlier_seconds + time.perf_counter() - self.start_time]
+        loss_sum, loss_count, skipped = sums.tolist()
+        return [loss_sum, loss_count, self.images, self.earlier_seconds + time.perf_counter() - self.start_time,
+                int(skipped)]
 
 
 def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool]) -> EpochResult:
@@ -96,16 +106,19 @@ def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool
         NonFiniteLossError: ``train.max_nonfinite_steps`` consecutive updates had a non-finite loss.
     """
     accelerator = session.accelerator
-    tally = session.tally = EpochTally.start(accelerator.device, session.progress, accelerator.is_main_process)
+    dataset = session.train_batches.dataset  # not the session: a closure over it would keep it alive in a cycle
+    tally = session.tally = EpochTally.start(accelerator.device, session.progress, accelerator.is_main_process,
+                                             lambda: skipped_images(dataset))
     session.model.train()
     bar = _progress_bar(session)
     with logging_redirect_tqdm(loggers=[logging.getLogger('lipsformer')]) if bar is not None else nullcontext():
         _train_batches(session, stop, on_update, tally, bar)
     if bar is not None:
         bar.close()
-    loss_sum, loss_count, images, seconds = tally.totals(accelerator)
+    loss_sum, loss_count, images, seconds, skipped = tally.totals(accelerator)
     completed = session.progress.batch_in_epoch == session.updates_per_epoch * session.config.train.grad_accum_steps
-    return EpochResult(loss=loss_sum / max(loss_count, 1), images=int(images), seconds=seconds, completed=completed)
+    return EpochResult(loss=loss_sum / max(loss_count, 1), images=int(images), seconds=seconds, completed=completed,
+                       skipped=skipped)
 
 
 def stop_agreed(accelerator, stop: StopSignal) -> bool:
@@ -254,12 +267,15 @@ def _report(session: Session, bar: tqdm | None, tally: EpochTally, lr: float, gr
 def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | None = None) -> dict[str, float] | None:
     """Top-1 / top-5 accuracy (percent) and mean loss over the whole validation set, all processes together.
 
-    Targets of -1 (padding, unreadable images) are left out; ``samples`` is the number of images counted. Returns
-    None, without finishing, when a stop is requested (checked before every batch, agreed across processes).
+    Targets of -1 (padding, unreadable images) are left out; ``samples`` is the number of images counted, ``skipped``
+    the number of unreadable images left out. Returns None, without finishing, when a stop is requested (checked
+    before every batch, agreed across processes).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device  # an EMA kept on the CPU (ema.cpu) is evaluated there
+    dataset = getattr(getattr(loader, 'loader', loader), 'dataset', None)  # through timm's PrefetchLoader
+    skipped_before = skipped_images(dataset)
     sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # top-1 hits, top-5 hits, loss, count
     for images, targets in loader:
         if stop is not None and stop_agreed(accelerator, stop):
@@ -276,12 +292,14 @@ def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | Non
         loss = torch.nn.functional.cross_entropy(logits, targets, reduction='sum')
         sums += torch.stack([top1 * count / 100, top5 * count / 100, loss, torch.tensor(count, device=sums.device)]
                             ).to(sums)
+    sums = torch.cat([sums, torch.tensor([skipped_images(dataset) - skipped_before], dtype=sums.dtype,
+                                         device=sums.device)])
     sums = accelerator.reduce(sums, reduction='sum') if accelerator.num_processes > 1 else sums
-    top1_hits, top5_hits, loss_sum, count = sums.tolist()
+    top1_hits, top5_hits, loss_sum, count, skipped = sums.tolist()
     model.train(was_training)
     denominator = max(count, 1)
     return dict(top1=100 * top1_hits / denominator, top5=100 * top5_hits / denominator, loss=loss_sum / denominator,
-                samples=int(count))
+                samples=int(count), skipped=int(skipped))
 
 
 # The weighted-residual scales: alpha1 / alpha2 of attention and MLP, conv_shortcuts.N.alpha of the conv branches.

@@ -4,12 +4,12 @@ run (on every node) sees the same run folder."""
 import logging
 import os
 import secrets
+import socket
 import time
 from typing import Any
 
-import torch
 import yaml
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from ..utils.io import JsonLines, write_text
 from .config import Config, ConfigError
@@ -26,14 +26,17 @@ def check_run_folder_shared(accelerator: Any, run_dir: str) -> None:
 
     Only the main process writes checkpoints, metrics and exports, and every process writes its RNG state into the
     checkpoint folder and reads the checkpoints back, so all of them need the same folder. The main process writes a
-    random token there; every process reads it back. Call it on every process.
+    random token there; every process reads it back. Call it on every process. Every process refuses with the same
+    message, which names the folder as the main process sees it and the hosts whose processes do not.
 
     Raises:
         ConfigError: A process does not find the token.
     """
     if accelerator.num_processes == 1:
         return
-    token = broadcast_object_list([secrets.token_hex(8) if accelerator.is_main_process else None])[0]
+    token, main_dir, main_host = broadcast_object_list(
+        [secrets.token_hex(8), os.path.abspath(run_dir), socket.gethostname()] if accelerator.is_main_process
+        else [None, None, None])
     path = os.path.join(run_dir, _SHARED_CHECK_FILE)
     if accelerator.is_main_process:
         write_text(path, token)
@@ -43,14 +46,17 @@ def check_run_folder_shared(accelerator: Any, run_dir: str) -> None:
             sees = f.read() == token
     except OSError:
         sees = False
-    blind = accelerator.reduce(torch.tensor(float(not sees), device=accelerator.device), reduction='sum').item()
+    blind = [entry for entry in gather_object([None if sees else (accelerator.process_index, socket.gethostname())])
+             if entry is not None]
     if accelerator.is_main_process:
         os.remove(path)
     if blind:
+        where = ', '.join(f'{index} on {host}' for index, host in blind)
         raise ConfigError(
-            f'the run folder {os.path.abspath(run_dir)!r} is not shared: {int(blind)} of the '
-            f'{accelerator.num_processes} processes do not see what the main process writes there. Give --output a '
-            f'folder on a file system every node mounts (checkpoints are written by the main process and read by all)')
+            f'the run folder {main_dir!r} (the main process\'s, on {main_host}) is not shared: {len(blind)} of the '
+            f'{accelerator.num_processes} processes do not see what the main process writes there (process {where}). '
+            f'Give --output a folder on a file system every node mounts (checkpoints are written by the main process '
+            f'and read by all)')
 
 
 def write_config(config: Config, run_dir: str) -> None:

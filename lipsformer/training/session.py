@@ -9,6 +9,11 @@ The optional Lipschitz constraint (``lipschitz.*`` in the config) is built here 
 factory as ``module:callable``, called once as ``factory(model, **kwargs)`` with the unwrapped model; what it returns
 is called with no arguments after every update, and saved with the checkpoints when it has ``state_dict`` /
 ``load_state_dict`` (cached power-iteration vectors, say).
+
+A config is data: it may name only the package's own callables (:data:`REGISTERED_CALLABLES`). Any other is imported
+only when the user trusts it by name (train.py ``--trust-callable module:callable``, :func:`~.trainer.train`'s
+``trusted_callables``), so that running a config someone else wrote (``--config runs/x/config.yaml``) never runs code
+it chose.
 """
 import gc
 import importlib
@@ -44,11 +49,18 @@ from .data import (
     num_classes_of,
     resolve_input_spec,
 )
+from .launch import check_process_group, wants_cpu_group
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
 from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
 
 _logger = logging.getLogger(__name__)
+
+# The callables a config may name without the user's word, by config key.
+REGISTERED_CALLABLES: dict[str, tuple[str, ...]] = {
+    'lipschitz.target': ('lipsformer.lipschitz:LipschitzConstraint',
+                         'lipsformer.lipschitz.constraint:LipschitzConstraint'),
+}
 
 
 @dataclass
@@ -92,7 +104,14 @@ class Session:
 
 
 def create_accelerator(config: Config, run_dir: str) -> Accelerator:
-    """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop."""
+    """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop.
+
+    Several processes launched on a host without an accelerator form one CPU group (gloo); a launch whose processes
+    Accelerate does not see as one group is refused (:mod:`.launch`).
+
+    Raises:
+        LaunchError: The processes launched would each train alone.
+    """
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
     dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
@@ -102,9 +121,11 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     accelerator = Accelerator(
-        cpu=cpu, mixed_precision=config.train.mixed_precision, log_with=chosen_trackers(config) or None,
+        cpu=cpu or wants_cpu_group(), mixed_precision=config.train.mixed_precision,
+        log_with=chosen_trackers(config) or None,
         project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    check_process_group(accelerator)
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
         retain_freed_memory()
     return accelerator
@@ -135,8 +156,16 @@ def release_accelerator() -> None:
     GradientState._reset_state()
 
 
-def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Session:
-    """Build data, model, EMA, optimizer, schedule and loss for a run (no training state loaded yet)."""
+def create_session(config: Config, run_dir: str, accelerator: Accelerator,
+                   trusted_callables: tuple[str, ...] = ()) -> Session:
+    """Build data, model, EMA, optimizer, schedule and loss for a run (no training state loaded yet).
+
+    Args:
+        config: The run's config.
+        run_dir: The run folder.
+        accelerator: From :func:`create_accelerator`.
+        trusted_callables: Callables the config may name besides :data:`REGISTERED_CALLABLES`.
+    """
     # A depthwise conv's weight gradient can differ from its DDP bucket only in the stride of a size-1 dimension:
     # the same memory layout, so the warning DDP gives for it (on every backward) says nothing.
     warnings.filterwarnings('ignore', message='Grad strides do not match bucket view strides')
@@ -168,8 +197,11 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Se
                           f'accumulation steps x {world} processes is more than the {len(train_set)} training '
                           f'images; lower train.batch_size or train.grad_accum_steps')
     scheduler = create_scheduler(optimizer, config, updates_per_epoch, global_batch)
-    lipschitz = create_lipschitz_constraint(config.lipschitz, model) if config.lipschitz.enabled else None
-    model, optimizer = accelerator.prepare(model, optimizer)
+    lipschitz = None
+    if config.lipschitz.enabled:
+        check_config_callables(config, trusted_callables)
+        lipschitz = create_lipschitz_constraint(config.lipschitz, model)
+    model, optimizer = prepare_model(accelerator, model, optimizer)
     mixup = create_mixup(config, num_classes)
     return Session(
         config=config, run_dir=run_dir, accelerator=accelerator, model=model, optimizer=optimizer,
@@ -178,6 +210,13 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator) -> Se
         val_loader=create_eval_loader(val_set, config, spec, accelerator.device, world, rank), spec=spec,
         model_kwargs=model_kwargs, class_names=class_names_of(train_set), global_batch=global_batch,
         updates_per_epoch=updates_per_epoch, lipschitz=lipschitz)
+
+
+def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:
+    """``accelerator.prepare`` the model and its optimizer (DDP, FSDP or neither, as launched)."""
+    if is_sharded(accelerator) and not hasattr(model, '_no_split_modules'):
+        model._no_split_modules = None  # accelerate 1.6's FSDP2 wrap policy reads this transformers attribute
+    return accelerator.prepare(model, optimizer)
 
 
 def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -229,8 +268,27 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     _logger.info('initial weights from %s', path)
 
 
+def check_config_callables(config: Config, trusted: tuple[str, ...] = ()) -> None:
+    """Refuse a config that names code to run (``lipschitz.target``) other than the package's registered callables
+    and those in ``trusted`` (the user's word), before anything is imported.
+
+    Raises:
+        ConfigError: An untrusted callable, with how to trust it.
+    """
+    named = {'lipschitz.target': config.lipschitz.target} if config.lipschitz.enabled else {}
+    for key, target in named.items():
+        if target in REGISTERED_CALLABLES[key] or target in trusted:
+            continue
+        raise ConfigError(
+            f'{key}: {target!r} is not one of the package\'s callables ({", ".join(REGISTERED_CALLABLES[key][:1])}). '
+            f'A config is data: it names no other code to import and run, since anyone may have written it. If you '
+            f'trust {target!r}, say so: train.py --trust-callable {target} (in Python, train(..., '
+            f'trusted_callables=[{target!r}]))')
+
+
 def create_lipschitz_constraint(settings: LipschitzConfig, model: torch.nn.Module) -> Callable[[], None]:
-    """Build the constraint named by ``settings.target`` for ``model``."""
+    """Build the constraint named by ``settings.target`` for ``model`` (check the name first:
+    :func:`check_config_callables`)."""
     module_name, _, attribute = settings.target.partition(':')
     try:
         factory = getattr(importlib.import_module(module_name), attribute)

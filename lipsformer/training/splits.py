@@ -21,7 +21,7 @@ from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
 __all__ = ['DatasetError', 'DatasetNotFoundError', 'check_split_classes', 'check_torchvision_split',
-           'class_folders_without_images', 'split_folder']
+           'class_folders_without_images', 'listing', 'loose_images', 'split_folder']
 
 _logger = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ class DatasetNotFoundError(DatasetError, FileNotFoundError):
     """The dataset or one of its splits is not on disk and cannot be fetched; the message says how to get it."""
 
 
-def _listing(names: list[str], limit: int = 8) -> str:
+def listing(names: list[str], limit: int = 8) -> str:
+    """Names in natural order, the first ``limit`` of them and how many in all; 'nothing' for none."""
     names = sorted(names, key=natural_key)
     return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '') or 'nothing'
 
@@ -74,9 +75,25 @@ def split_folder(root: str, split: str, key: str, root_key: str = 'data.data_dir
         entry.is_dir() or entry.name.endswith('.tar'))]
     hint = (f'; if {root!r} itself holds the class folders of one split, point {root_key} at the folder above it '
             f'and name the split' if present and not set(present) & set(TRAIN_NAMES + EVAL_NAMES) else '')
+    images = loose_images(root)
+    if images:
+        holds = f'{len(images)} image(s) ({listing(images, 3)})' + (f' and {listing(present)}' if present else '')
+        hint = (f'; an image-folder dataset is <data_dir>/<split>/<class>/<image>: put the images into class folders '
+                f'inside a split folder ({split}/<class>/)')
+    else:
+        holds = listing(present)
     raise DatasetNotFoundError(
         f'{key}: no split {split!r} under {root!r} (looked for {", ".join(tried)}, as a folder or a .tar); it '
-        f'holds {_listing(present)}. Set {key} to the sub-folder to use{hint}')
+        f'holds {holds}. Set {key} to the sub-folder to use{hint}')
+
+
+def loose_images(folder: str) -> list[str]:
+    """The image files directly in ``folder`` (not in a sub-folder), which an image-folder split has none of."""
+    if not os.path.isdir(folder):
+        return []
+    extensions = get_img_extensions(as_set=True)
+    return [entry.name for entry in os.scandir(folder) if entry.is_file() and not entry.name.startswith('.')
+            and os.path.splitext(entry.name)[1].lower() in extensions]
 
 
 def check_torchvision_split(dataset: str, split: str, key: str) -> None:
@@ -119,10 +136,10 @@ def check_split_classes(found: Iterable[str], reference: Iterable[str], where: s
     found, reference = list(found), list(reference)
     unknown = [name for name in found if name not in reference]
     if unknown:
-        raise error(f'{where} has class folders that are not among {source}: {_listing(unknown)} ({source}: '
-                    f'{_listing(reference)}). Their images could only be scored against the wrong labels; rename '
+        raise error(f'{where} has class folders that are not among {source}: {listing(unknown)} ({source}: '
+                    f'{listing(reference)}). Their images could only be scored against the wrong labels; rename '
                     f'those folders to the class they hold, or remove them')
     missing = [name for name in reference if name not in found]
     if missing:
         _logger.info('%s has no images of %d of %d classes (%s); the others are scored by their names among %s',
-                     where, len(missing), len(reference), _listing(missing), source)
+                     where, len(missing), len(reference), listing(missing), source)

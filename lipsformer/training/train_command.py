@@ -20,9 +20,12 @@ from timm.utils import ParseKwargs
 
 from ..checkpoint import CheckpointError
 from ..utils.cli import command_name
+from ..utils.io import os_error_in_chain
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
+from .launch import LaunchError
 from .loop import NonFiniteLossError
+from .run_lock import RunFolderInUseError
 from .splits import DatasetError
 from .trackers import chosen_trackers
 from .trainer import train
@@ -48,9 +51,11 @@ with the key each sets); giving a flag and an override of the same key with diff
 Exit status (the last log line gives the reason):
   0    finished, or stopped by SIGTERM / SIGINT after saving a checkpoint (continue with --resume auto)
   1    an unexpected error, a bug: the traceback is printed above the reason
-  2    a config, data or checkpoint problem: the message says what to change
+  2    a config, data or checkpoint problem, a run folder another run holds, or processes launched that would not
+       train as one group: the message says what to change
   3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
-  4    the operating system refused a read or write (disk full, permissions, I/O error); saved checkpoints are whole
+  4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
+       from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
   130  a second Ctrl-C aborted without saving; the checkpoints saved before are whole
 """
 
@@ -194,6 +199,12 @@ def _parser() -> argparse.ArgumentParser:
                                          'that holds the run folder, as in timm')
     parser.add_argument('--experiment', help='run name, as in timm: the run folder is <--output or runs>/<name>')
     parser.add_argument('--resume', help='auto (newest checkpoint in --output, if any) or a checkpoint / run folder')
+    parser.add_argument('--wait-for-lock', type=float, default=0.0, metavar='SECONDS',
+                        help='when another run holds the run folder, wait up to SECONDS for it to end (default 0: '
+                             'refuse at once, exit 2)')
+    parser.add_argument('--trust-callable', action='append', default=[], metavar='MODULE:CALLABLE',
+                        help='let the config name this callable (lipschitz.target): a config is data and may name '
+                             'only the package\'s own callables unless you trust another by name (repeatable)')
     parser.add_argument('--print-config', action='store_true', help='print the resolved config and exit')
     parser.add_argument('--print-reference', action='store_true', help='print every key, documented, and exit')
     parser.add_argument('overrides', nargs='*', metavar='key.sub=value', help='config overrides')
@@ -342,24 +353,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(config_to_yaml(config), end='')
         return 0
-    return _train(config, run_folder(args), args.resume, is_main)
+    return _train(config, run_folder(args), args.resume, is_main, args)
 
 
-def _train(config: Config, output: str, resume: str | None, is_main: bool) -> int:
+def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
     try:
-        summary = train(config, output, resume=resume)
-    except (ConfigError, CheckpointError, DatasetError) as e:
+        summary = train(config, output, resume=resume, wait_for_lock=args.wait_for_lock,
+                        trusted_callables=tuple(args.trust_callable))
+    except (ConfigError, CheckpointError, DatasetError, RunFolderInUseError, LaunchError) as e:
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
         return _fail(EXIT_DIVERGED, f'training diverged: {e}')
-    except OSError as e:
-        return _fail(EXIT_OS_ERROR, f'the operating system refused a read or write: {e}; free space or fix the '
-                                    f'permissions, then continue with --resume auto')
     except KeyboardInterrupt:
         return _fail(EXIT_ABORTED, 'aborted by a second Ctrl-C without saving; --resume auto continues from the last '
                                    'checkpoint saved')
-    except Exception as e:  # a bug: the traceback first, for a report, then the one-line reason
-        traceback.print_exc()
+    except Exception as e:
+        system_error = os_error_in_chain(e)
+        if system_error is not None:
+            return _fail(EXIT_OS_ERROR, _os_error_reason(e, system_error))
+        traceback.print_exc()  # a bug: the traceback first, for a report, then the one-line reason
         return _fail(EXIT_UNEXPECTED, f'unexpected error (please report it with the traceback above): '
                                       f'{type(e).__name__}: {e}')
     if is_main:
@@ -370,8 +382,19 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool) -> in
     return 0
 
 
+def _os_error_reason(error: Exception, system_error: OSError) -> str:
+    """The reason of exit status 4: the operating system's words (and the file, when known), the library error that
+    carried them when there is one, and what to do."""
+    carried = ''
+    if error is not system_error:
+        lines = str(error).strip().splitlines()
+        carried = f' (reported as {type(error).__name__}: {lines[0][:200] if lines else ""})'
+    return (f'the operating system refused a read or write: {system_error}{carried}; free space or fix the '
+            f'permissions, then continue with --resume auto')
+
+
 def _fail(code: int, reason: str) -> int:
-    _logger.error('%s (exit %d)', reason, code)
+    _logger.error('%s (exit %d)', reason.rstrip(), code)  # a loader worker's error text ends in a newline
     return code
 
 

@@ -69,8 +69,9 @@ class Progress:
         history: The metrics line of every finished and scored epoch.
         unscored: The training part of the metrics line of the last finished epoch while its evaluation is pending
             (between its checkpoint and its scores), else None.
-        epoch_totals: In a mid-epoch checkpoint, the epoch's running loss sum and count over all processes, images
-            and seconds so far (so that the resumed epoch reports what an uninterrupted one would), else None.
+        epoch_totals: In a mid-epoch checkpoint, the epoch's running loss sum and count over all processes, images,
+            seconds and unreadable images skipped so far (so that the resumed epoch reports what an uninterrupted one
+            would), else None.
     """
     epoch: int = 0
     batch_in_epoch: int = 0

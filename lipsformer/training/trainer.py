@@ -5,25 +5,40 @@ evaluated, then the scores are recorded (in the checkpoint's ``meta.json``, ``be
 trackers). A failed or interrupted evaluation loses no training, and a stop signal during an evaluation cuts it short:
 the resumed run evaluates that epoch before it trains on. No state is saved twice, and ``config.yaml`` is written only
 once the run has started (a refused resume leaves the folder as it was).
+
+The main process holds the run folder's lock (:mod:`.run_lock`) from before it clears or reads anything there until the
+run has ended, so a second start on the same folder (a relaunch, a requeued job) is refused, or waits, and never
+touches the files of the run in progress.
 """
 import logging
 import os
 import time
+import traceback
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from ..utils.env import peak_memory_mb
 from ..utils.io import remove_stale_temporaries
 from .config import Config
 from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
+from .launch import distributed_summary
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, scheduled_lr, total_epochs
 from .resume import resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
-from .session import Session, create_accelerator, create_session, end_processes, release_accelerator
+from .run_lock import RunFolderInUseError, RunLock
+from .session import (
+    Session,
+    check_config_callables,
+    create_accelerator,
+    create_session,
+    end_processes,
+    release_accelerator,
+)
 from .signals import StopSignal
 from .trackers import start_trackers
 from .train_state import (
@@ -38,7 +53,8 @@ from .train_state import (
 _logger = logging.getLogger(__name__)
 
 
-def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, Any]:
+def train(config: Config, run_dir: str, resume: str | None = None, *, wait_for_lock: float = 0.0,
+          trusted_callables: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train (or continue training) a model as ``config`` says, writing everything into ``run_dir``.
 
     Args:
@@ -46,35 +62,51 @@ def train(config: Config, run_dir: str, resume: str | None = None) -> dict[str, 
         run_dir: The run folder (created if needed).
         resume: None for a new run; ``'auto'`` to continue from the newest readable checkpoint in ``run_dir`` if
             there is one; or a checkpoint folder (or run folder) to continue from.
+        wait_for_lock: Seconds to wait for another run that holds ``run_dir`` to end (0: refuse at once).
+        trusted_callables: ``module:callable`` names the config may choose besides the package's own
+            (``lipschitz.target``); a config is data and names no other code.
 
     Returns:
         The run summary (also written to ``summary.json``): ``status`` is ``'finished'`` or ``'stopped'``.
 
     Raises:
-        ConfigError: The config does not fit the data, the model or the run folder.
-        DatasetError: A split is missing or its classes do not fit (DatasetNotFoundError: data not on disk).
+        ConfigError: The config does not fit the data, the model or the run folder, or names code not trusted.
+        DatasetError: A split is missing, holds no readable image, or its classes do not fit (DatasetNotFoundError:
+            data not on disk).
         CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
+        RunFolderInUseError: Another process holds ``run_dir``.
+        LaunchError: The processes launched do not form one group.
         NonFiniteLossError: Training diverged.
     """
-    accelerator = create_accelerator(config, run_dir)
+    check_config_callables(config, trusted_callables)
     try:
-        return _train(accelerator, config, run_dir, resume)
+        accelerator = create_accelerator(config, run_dir)
+        return _train(accelerator, config, run_dir, resume, wait_for_lock, trusted_callables)
+    except BaseException as error:
+        # An error raised in a loader worker holds the loader's iterator in its traceback, in a reference cycle only
+        # the garbage collector breaks; the workers ignore SIGTERM (signals.ignore_stop_signals), so an interpreter
+        # that exits while they live waits for them forever. Clearing the finished frames lets them go now.
+        traceback.clear_frames(error.__traceback__)
+        raise
     finally:
         release_accelerator()
 
 
-def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str | None) -> dict[str, Any]:
+def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str | None, wait_for_lock: float,
+           trusted_callables: tuple[str, ...]) -> dict[str, Any]:
     if logging.getLogger('lipsformer').level == logging.NOTSET:  # progress from the main process only
         logging.getLogger('lipsformer').setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
     start_time = time.perf_counter()
-    if accelerator.is_main_process:
-        os.makedirs(run_dir, exist_ok=True)
-        _clear_interrupted_writes(run_dir)
-    check_run_folder_shared(accelerator, run_dir)
-    candidates = checkpoints_to_resume(run_dir, resume)
-    log_handler = attach_log_file(run_dir, accelerator.is_main_process)
+    lock = _lock_run_folder(accelerator, run_dir, wait_for_lock)
+    log_handler = None
     try:
-        session = create_session(config, run_dir, accelerator)
+        if accelerator.is_main_process:
+            _clear_interrupted_writes(run_dir)
+        check_run_folder_shared(accelerator, run_dir)
+        candidates = checkpoints_to_resume(run_dir, resume)
+        log_handler = attach_log_file(run_dir, accelerator.is_main_process)
+        _say_distribution(accelerator)
+        session = create_session(config, run_dir, accelerator, trusted_callables)
         if candidates:
             resume_session(session, candidates, explicit=resume != 'auto')
         metrics = MetricsFile(run_dir)
@@ -92,6 +124,40 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         if log_handler is not None:
             logging.getLogger('lipsformer').removeHandler(log_handler)
             log_handler.close()
+        if lock is not None:
+            lock.release()
+
+
+def _say_distribution(accelerator: Accelerator) -> None:
+    if not accelerator.is_main_process:
+        return
+    distribution = distributed_summary(accelerator)
+    if distribution['processes'] > 1:
+        _logger.info('%d processes train as one group (%s) on %s', distribution['processes'], distribution['type'],
+                     accelerator.device.type)
+    if distribution['note']:
+        _logger.warning('%s', distribution['note'])
+
+
+def _lock_run_folder(accelerator: Accelerator, run_dir: str, wait_s: float) -> RunLock | None:
+    """Take the run folder's lock in the main process; every process learns whether it got it (a refusal is raised
+    on all of them, so that none waits for the others)."""
+    lock, refusal = None, None
+    if accelerator.is_main_process:
+        lock = RunLock(run_dir, wait_s)
+        try:
+            lock.acquire()
+        except RunFolderInUseError as e:
+            lock, refusal = None, str(e)
+        except BaseException as e:
+            if accelerator.num_processes > 1:
+                broadcast_object_list([f'the main process could not lock the run folder: {type(e).__name__}: {e}'])
+            raise
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal is not None:
+        raise RunFolderInUseError(refusal)
+    return lock
 
 
 def _clear_interrupted_writes(run_dir: str) -> None:
@@ -132,7 +198,8 @@ def _close_epoch(session: Session, result: EpochResult) -> None:
     progress.epoch_totals = None
     progress.unscored = dict(epoch=progress.epoch, step=progress.step, train_loss=result.loss,
                              lr=scheduled_lr(session.optimizer),
-                             images_per_s=result.images / max(result.seconds, 1e-9), epoch_time_s=result.seconds)
+                             images_per_s=result.images / max(result.seconds, 1e-9), epoch_time_s=result.seconds,
+                             skipped_images=result.skipped)
     _save(session, f'epoch_{progress.epoch:04d}')
 
 
@@ -144,7 +211,8 @@ def _score_epoch(session: Session, stop: StopSignal, metrics: MetricsFile) -> bo
         raw = validate(session.model, session.val_loader, accelerator, stop)
         if raw is None:
             return False
-        line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'])
+        line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'],
+                    val_skipped_images=raw['skipped'])
         if session.ema is not None:
             ema = validate(session.ema.module, session.val_loader, accelerator, stop)
             if ema is None:

@@ -5,6 +5,10 @@ writers never share one; created with the permissions a plain ``open`` gives), f
 target, and the folder's entry is flushed as well. A process killed at any instant leaves the old file or the new one,
 never a torn one; a write that raises removes its temporary file. Whole folders are written under ``.tmp-<name>`` and
 swapped in (:func:`replace_dir`); :func:`remove_stale_temporaries` clears what a killed writer left.
+
+A failed write is an :class:`OSError` wherever the failure came from: safetensors' errors that carry the operating
+system's error code become one, and :func:`os_error_in_chain` finds the one behind another library's error (torch's
+``inline_container`` "enforce fail" holds the ``OSError`` of the write in its context).
 """
 import contextlib
 import ctypes
@@ -21,8 +25,9 @@ from typing import IO, Any
 import torch
 from safetensors.torch import save_file
 
-__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'fsync_dir', 'read_json', 'remove_stale_temporaries',
-           'replace_dir', 'save_safetensors', 'save_torch', 'write_json', 'write_text']
+__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'fsync_dir', 'os_error_in_chain',
+           'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json',
+           'write_text']
 
 _logger = logging.getLogger(__name__)
 
@@ -31,13 +36,22 @@ _OLD_DIR_PREFIX = '.old-'
 _TMP_FILE = re.compile(r'^\..+\.tmp-\d+-[0-9a-f]+$')  # what atomic_path names its temporary files
 _RENAME_EXCHANGE = 2  # renameat2 flag (linux/fs.h): swap two existing paths in one step
 _AT_FDCWD = -100
+# How Rust's std::io::Error shows an operating-system error (safetensors' messages): "Os { code: 28, ..." or
+# "... (os error 28)".
+_RUST_OS_ERROR = re.compile(r'Os \{ code: (\d+)|\(os error (\d+)\)')
+
+
+def _temporary_path(path: str) -> str:
+    """The hidden name beside ``path`` that :func:`atomic_path` writes to (unique per process and call)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f'.{name}.tmp-{os.getpid()}-{secrets.token_hex(3)}')
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """A temporary path to write ``path``'s new content to; on success it is flushed and renamed over ``path``."""
-    folder, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(folder, f'.{name}.tmp-{os.getpid()}-{secrets.token_hex(3)}')
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = _temporary_path(os.path.abspath(path))
     try:
         yield temporary
         _fsync_file(temporary)
@@ -82,7 +96,12 @@ def save_torch(obj: Any, path: str | os.PathLike) -> None:
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """Save tensors as safetensors atomically (CPU copies; tensors sharing storage are cloned)."""
+    """Save tensors as safetensors atomically (CPU copies; tensors sharing storage are cloned), with the permissions
+    of every other file written here (safetensors from 0.5 creates its files 0600).
+
+    Raises:
+        OSError: The write failed (disk full, permissions): safetensors' own error, with the operating system's code.
+    """
     seen: set[int] = set()
     tensors = {}
     for key, tensor in state_dict.items():
@@ -91,7 +110,50 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], path: str | os.PathLik
         tensors[key] = tensor.clone() if pointer in seen else tensor  # safetensors refuses shared storage
         seen.add(pointer)
     with atomic_path(path) as temporary:
-        save_file(tensors, temporary)
+        try:
+            save_file(tensors, temporary)
+        except Exception as error:
+            found = os_error_in_chain(error)
+            if found is None:
+                raise
+            raise OSError(found.errno, found.strerror, os.fspath(path)) from error
+        os.chmod(temporary, default_file_mode())
+
+
+def default_file_mode() -> int:
+    """The permissions ``open(path, 'w')`` gives a new file: 0o666 less the process's umask."""
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    try:
+        with open('/proc/self/status') as f:  # Linux 4.7+: read without changing it
+            for line in f:
+                if line.startswith('Umask:'):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back at once
+    os.umask(mask)
+    return mask
+
+
+def os_error_in_chain(error: BaseException) -> OSError | None:
+    """The operating system's error behind ``error``: ``error`` itself, one in its cause / context chain, or one that
+    a library reports only in its message (safetensors: ``IoError(Os { code: 28, ... })``); None when there is none.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        match = _RUST_OS_ERROR.search(str(current))
+        if match:
+            code = int(match.group(1) or match.group(2))
+            return OSError(code, os.strerror(code))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def replace_dir(source: str, target: str) -> None:

@@ -9,6 +9,14 @@ hash of the source, the compiler and the CPU, so that a home folder shared betwe
 build to another. The library is written under a temporary name and renamed into place (``utils.io``): a kill at any
 instant, or two processes compiling at once, leave a whole library or none.
 
+Loading a library runs its code, so only this user's own builds are loaded: the cache folder is created 0700, and a
+library is loaded only when the folder and the library belong to the current user, neither can be written by group or
+others, and the library's bytes have the SHA-256 recorded beside it (``<library>.sha256``) when it was built; it is
+checked through one open file, in a folder no one else can write. A cached library that fails a check is
+not loaded but built again; a cache folder that fails one (another user's, writable by others, read-only) is not used:
+the kernel is built in a private temporary folder instead. Either way one warning names the check and
+``LIPSFORMER_CACHE_DIR``.
+
 The kernels run their threads on PyTorch's own OpenMP team where they find its runtime, so that they do not contend
 for the cores with PyTorch's threads. Where a kernel cannot be built (no compiler, a failing one) a warning says so,
 once per source, and the callers keep their PyTorch path, which gives the same values more slowly;
@@ -19,16 +27,19 @@ import functools
 import hashlib
 import os
 import platform
+import pwd
 import re
 import shutil
+import stat
 import subprocess
+import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from .env import cpu_name, cpuinfo
-from .io import atomic_path
+from .io import atomic_path, write_text
 
 __all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
 
@@ -36,6 +47,9 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 CPU_KERNELS = 'fastpath/cpu_kernels.c'  # the fast paths' kernels, as load_native takes it
 _FLAGS = ('-O3', '-shared', '-fPIC', '-pthread', '-fno-strict-aliasing')
 _ARCH_FLAGS = (('-march=native',), ())  # the second where the compiler does not know -march=native
+_DIGEST_SUFFIX = '.sha256'
+_TRUST_HINT = ('Set LIPSFORMER_CACHE_DIR to a folder of your own that you can write and no one else can '
+               '(or LIPSFORMER_NATIVE=0 for the PyTorch path).')
 
 
 def native_cache_dir() -> Path:
@@ -60,38 +74,179 @@ class _CompileError(Exception):
     """A failed compiler run (raised inside atomic_path, so that the partial output is discarded)."""
 
 
-def _compile(source: Path, compiler: str, version: str) -> tuple[Path | None, str]:
-    """The cached library for ``source`` (compiled if missing), or None and the compiler's complaint."""
-    complaint = ''
-    for arch in _ARCH_FLAGS:
-        flags = _FLAGS + arch
-        key = hashlib.sha256('\0'.join([source.read_text(), version, ' '.join(flags), _cpu_identity()]).encode())
-        library = native_cache_dir() / f'{source.stem}-{key.hexdigest()[:16]}.so'
-        if library.is_file():
-            return library, ''
-        library.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with atomic_path(library) as temporary:
-                result = subprocess.run([compiler, *flags, str(source), '-o', temporary], capture_output=True,
-                                        text=True, timeout=300)
-                if result.returncode != 0:
-                    raise _CompileError(result.stderr.strip()[-2000:])
-        except _CompileError as error:
-            complaint = str(error)
-            continue
-        return library, ''
-    return None, complaint
+class _Refused(Exception):
+    """A cache folder or library that fails a check; the message names the check."""
 
 
-def _load(library: Path) -> ctypes.CDLL:
+def _library_path(folder: Path, source: Path, version: str, flags: tuple[str, ...]) -> Path:
+    """The library built from ``source`` with this compiler and these flags for this CPU, in ``folder``."""
+    key = hashlib.sha256('\0'.join([source.read_text(), version, ' '.join(flags), _cpu_identity()]).encode())
+    return folder / f'{source.stem}-{key.hexdigest()[:16]}.so'
+
+
+def _user(uid: int) -> str:
     try:
-        loaded = ctypes.CDLL(str(library))
+        return f'{pwd.getpwuid(uid).pw_name} (uid {uid})'
+    except KeyError:
+        return f'uid {uid}'
+
+
+def ownership_problem(status: os.stat_result, what: str) -> str:
+    """Why a file or folder's :func:`os.stat` makes it unfit to hold code this process loads ('' when fit): it must
+    belong to the current user and be writable by no group and no other user."""
+    uid = os.geteuid()
+    if status.st_uid != uid:
+        return f'{what} belongs to {_user(status.st_uid)}, not to this user, {_user(uid)}'
+    writers = [who for who, bit in (('its group', stat.S_IWGRP), ('other users', stat.S_IWOTH)) if status.st_mode & bit]
+    if writers:
+        return f'{what} can be written by {" and ".join(writers)} (mode {stat.S_IMODE(status.st_mode):o})'
+    return ''
+
+
+def _private_folder(folder: Path) -> None:
+    """Create ``folder`` and any missing parent with mode 0700 (whatever the umask); check the folder is fit.
+
+    Raises:
+        _Refused: It cannot be created, or it belongs to another user or can be written by others.
+    """
+    missing = []
+    current = folder
+    while not os.path.lexists(current) and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass  # made meanwhile by another process
+        except OSError as error:
+            raise _Refused(f'the kernel cache folder {folder} cannot be created ({error.strerror})') from error
+    try:
+        problem = ownership_problem(os.stat(folder), f'the kernel cache folder {folder}')
+    except OSError as error:
+        raise _Refused(f'the kernel cache folder {folder} cannot be read ({error.strerror})') from error
+    if problem:
+        raise _Refused(f'{problem}, so nothing in it is loaded')
+
+
+def _digest(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _recorded_digest(library: Path) -> str | None:
+    try:
+        return library.with_name(library.name + _DIGEST_SUFFIX).read_text().strip()
     except OSError:
-        library.unlink(missing_ok=True)  # a library that does not load (a damaged cache) is built again next time
-        raise
+        return None
+
+
+def _load_checked(library: Path, expected: str | None = None) -> ctypes.CDLL | None:
+    """Load ``library`` if it passes the checks (made on the file opened, not on its name); None when it has no recorded
+    hash (a build of an earlier version: built again without a word).
+
+    Raises:
+        _Refused: It is not a plain file of this user's that only this user can write, or its bytes are not the ones
+            recorded when it was built.
+        OSError: It passes the checks but does not load (a damaged build: removed, so that it is built again).
+    """
+    try:
+        fd = os.open(library, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        raise _Refused(f'the cached library {library} cannot be opened as a plain file ({error.strerror})') from error
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise _Refused(f'the cached library {library} is not a plain file')
+        problem = ownership_problem(status, f'the cached library {library}')
+        if problem:
+            raise _Refused(problem)
+        expected = expected or _recorded_digest(library)
+        if expected is None:
+            return None
+        if _digest(fd) != expected:
+            raise _Refused(f'the cached library {library} does not have the SHA-256 recorded when it was built')
+        try:  # the file checked: only this user can write the folder, so no one else can swap it meanwhile
+            loaded = ctypes.CDLL(str(library))
+        except OSError:
+            library.unlink(missing_ok=True)  # a library that does not load (a damaged cache) is built again next time
+            raise
+    finally:
+        os.close(fd)
     if hasattr(loaded, 'use_openmp'):
         _hand_over_openmp(loaded)
     return loaded
+
+
+def _build(source: Path, compiler: str, version: str, folder: Path) -> tuple[ctypes.CDLL | None, str, str]:
+    """The kernel from ``folder`` (a checked cache or a private folder), built there if needed.
+
+    Returns:
+        The loaded library or None; the compiler's complaint when it is None; and the check a cached library failed
+        ('' when none did), which was then built again.
+
+    Raises:
+        _Refused: ``folder`` cannot be written.
+    """
+    complaint, refused = '', ''
+    for arch in _ARCH_FLAGS:
+        flags = _FLAGS + arch
+        library = _library_path(folder, source, version, flags)
+        if os.path.lexists(library):
+            try:
+                loaded = _load_checked(library)
+            except _Refused as error:
+                refused, loaded = str(error), None
+            if loaded is not None:
+                return loaded, '', refused
+        try:
+            with atomic_path(library) as temporary:
+                try:
+                    open(temporary, 'wb').close()  # the compiler's output file: can this folder be written?
+                except OSError as error:
+                    raise _Refused(f'the kernel cache folder {folder} cannot be written ({error.strerror})') from error
+                result = subprocess.run([compiler, *flags, str(source), '-o', temporary], capture_output=True,
+                                        text=True, timeout=300)
+                if result.returncode != 0:
+                    raise _CompileError(result.stderr.strip()[-2000:] or f'{compiler} exited with status '
+                                                                         f'{result.returncode} and printed nothing')
+                os.chmod(temporary, 0o755)  # the linker's mode follows the umask: writable by no one else
+                with open(temporary, 'rb') as f:
+                    digest = _digest(f.fileno())
+                loaded = _load_checked(Path(temporary), digest)  # what this process built, whoever renames last
+        except _CompileError as error:
+            complaint = str(error)
+            continue
+        record = library.with_name(library.name + _DIGEST_SUFFIX)
+        write_text(record, digest)
+        os.chmod(record, 0o644)  # like the library, whatever the umask
+        return loaded, '', refused
+    return None, complaint, refused
+
+
+def _load_or_build(source: Path, compiler: str, version: str) -> tuple[ctypes.CDLL | None, str, str, bool]:
+    """The kernel, from the cache when it can be trusted, else built in a private temporary folder.
+
+    Returns:
+        The loaded library or None; the compiler's complaint when None; the check that failed ('' if none); and
+        whether the kernel was built in a private folder because the cache folder failed it.
+    """
+    folder = native_cache_dir()
+    try:
+        _private_folder(folder)
+        return (*_build(source, compiler, version, folder), False)
+    except _Refused as error:
+        problem = str(error)
+    private = Path(tempfile.mkdtemp(prefix='lipsformer-kernels-'))  # 0700, this user's
+    try:
+        loaded, complaint, _ = _build(source, compiler, version, private)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)  # a loaded library stays mapped
+    return loaded, complaint, problem, True
 
 
 def _torch_openmp() -> ctypes.CDLL | None:
@@ -129,18 +284,25 @@ def load_native(source_name: str) -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get('CC') or 'cc'
     source = _PACKAGE / source_name
+    problem = ''
     try:
         if shutil.which(compiler) is None:
             raise FileNotFoundError(f'{compiler}: no such command')
         compiler = shutil.which(compiler)
-        library, complaint = _compile(source, compiler, _compiler_version(compiler))
-        if library is not None:
-            return _load(library)
+        library, complaint, problem, private = _load_or_build(source, compiler, _compiler_version(compiler))
     except (OSError, subprocess.SubprocessError) as error:
-        complaint = str(error)
-    warnings.warn(f'lipsformer: could not build or load its C kernel {source_name} with {compiler} ({complaint}); '
-                  'using the slower PyTorch path, which gives the same values. Set CC to a working C compiler, or '
-                  'LIPSFORMER_NATIVE=0 to use the PyTorch path without this warning.', RuntimeWarning, stacklevel=2)
+        library, complaint = None, str(error) or type(error).__name__
+    if library is not None:
+        if problem:
+            where = 'in a private temporary folder (again in every process)' if private else 'again, in its place'
+            warnings.warn(f'lipsformer: {problem}; its C kernel {source_name} was built {where}. {_TRUST_HINT}',
+                          RuntimeWarning, stacklevel=2)
+        return library
+    also = f' ({problem})' if problem else ''
+    warnings.warn(f'lipsformer: could not build or load its C kernel {source_name} with {compiler} ({complaint})'
+                  f'{also}; using the slower PyTorch path, which gives the same values. Set CC to a working C '
+                  'compiler, or LIPSFORMER_NATIVE=0 to use the PyTorch path without this warning.', RuntimeWarning,
+                  stacklevel=2)
     return None
 
 

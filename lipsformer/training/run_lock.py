@@ -1,0 +1,180 @@
+"""One run per run folder: the main process holds ``<run>/.lock`` from before it cleans or reads anything there until
+the run has ended.
+
+The lock is an advisory ``flock`` on that file, which the kernel releases when its holder ends however it ends (a kill
+-9, a node that reboots): a later start takes it over and says whose it was. The file also names its holder (host,
+pid, start time) for the message that refuses a second start. Where the file system has no ``flock`` (some network and
+FUSE file systems), a warning says so and the file's contents decide: a holder that still runs on this host keeps the
+folder; a dead one's is taken over; one on another host keeps it until the file is removed.
+
+The file is never replaced or removed (a lock on a replaced file would lock nothing): a holder rewrites its contents.
+"""
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+__all__ = ['LOCK_FILE', 'RunFolderInUseError', 'RunLock']
+
+_logger = logging.getLogger(__name__)
+
+LOCK_FILE = '.lock'
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # the file system cannot flock
+_POLL_S = 1.0
+
+
+class RunFolderInUseError(RuntimeError):
+    """Another process holds the run folder; the message names it (host, pid, since when) and what to do."""
+
+
+class RunLock:
+    """The run folder's lock (a context manager): :meth:`acquire` it before touching the folder.
+
+    Args:
+        run_dir: The run folder (created if needed).
+        wait_s: How long to wait for another holder to end before refusing (0: refuse at once).
+    """
+
+    def __init__(self, run_dir: str, wait_s: float = 0.0):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.wait_s = wait_s
+        self._fd: int | None = None
+
+    def __enter__(self) -> 'RunLock':
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the lock, waiting up to ``wait_s`` for another holder to end.
+
+        Raises:
+            RunFolderInUseError: Another process holds it (still, after ``wait_s``).
+        """
+        os.makedirs(self.run_dir, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # as open() makes any file
+        try:
+            previous = self._take(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        if previous and not _is_us(previous):
+            _logger.info('%s: taking over the lock of %s, which has ended', self.path, _describe(previous))
+        _write_holder(fd, _holder())
+
+    def release(self) -> None:
+        """Clear the holder's details and let the lock go (the file stays)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        os.close(self._fd)  # closing the only descriptor of the open file releases the flock
+        self._fd = None
+
+    def _take(self, fd: int) -> dict[str, Any] | None:
+        """Lock ``fd``; returns the holder the file named before (None if nobody)."""
+        deadline = time.monotonic() + self.wait_s
+        said_waiting = pid_check_only = False
+        while True:
+            holder = _read_holder(fd)
+            if not pid_check_only:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return holder
+                except BlockingIOError:
+                    holder = _read_holder(fd, settle=True)
+                except OSError as e:
+                    if e.errno not in _NO_FLOCK:
+                        raise
+                    _logger.warning('%s: the file system does not support flock (%s); the run folder is guarded '
+                                    'only by the process id written in the lock file', self.path, e.strerror)
+                    pid_check_only = True
+            if pid_check_only and (holder is None or _is_us(holder) or not _alive(holder)):
+                return holder
+            if time.monotonic() >= deadline:
+                raise RunFolderInUseError(self._refusal(holder, pid_check_only))
+            if not said_waiting:
+                _logger.info('%s is in use by %s; waiting up to %.0f s for it to end', self.run_dir,
+                             _describe(holder), self.wait_s)
+                said_waiting = True
+            time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+    def _refusal(self, holder: dict[str, Any] | None, pid_check_only: bool) -> str:
+        stale = (f' If that process no longer runs (this file system has no flock, so its lock outlives it), remove '
+                 f'{self.path}.' if pid_check_only else '')
+        return (f'the run folder {os.path.abspath(self.run_dir)!r} is in use by {_describe(holder)}: one run writes '
+                f'a folder at a time. Wait for that run to end (or stop it: SIGTERM saves a checkpoint), then continue '
+                f'it with --resume auto, or give another --output; --wait-for-lock SECONDS waits for the folder.'
+                f'{stale}')
+
+
+def _holder() -> dict[str, Any]:
+    return dict(host=socket.gethostname(), pid=os.getpid(), process_start=_process_start(os.getpid()),
+                since=time.strftime('%Y-%m-%d %H:%M:%S %z'))
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return 'another process (it has not written its details yet)'
+    return f'process {holder.get("pid")} on host {holder.get("host")} (since {holder.get("since")})'
+
+
+def _is_us(holder: dict[str, Any]) -> bool:
+    return holder.get('host') == socket.gethostname() and holder.get('pid') == os.getpid()
+
+
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux), to tell it from a later one with its pid."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return int(f.read().rsplit(')', 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the holder still runs, as far as this host can tell (one on another host is assumed to)."""
+    if holder.get('host') != socket.gethostname():
+        return True
+    pid = holder.get('pid')
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    started = holder.get('process_start')
+    return started is None or _process_start(pid) in (None, started)
+
+
+def _read_holder(fd: int, settle: bool = False) -> dict[str, Any] | None:
+    """The details in the lock file; with ``settle``, give a holder that has just taken it a moment to write them."""
+    for attempt in range(20 if settle else 1):
+        text = os.pread(fd, 4096, 0).decode('utf-8', errors='replace').strip()
+        if text:
+            try:
+                holder = json.loads(text)
+                return holder if isinstance(holder, dict) else None
+            except json.JSONDecodeError:
+                pass
+        if attempt < 19 and settle:
+            time.sleep(0.05)
+    return None
+
+
+def _write_holder(fd: int, holder: dict[str, Any]) -> None:
+    data = (json.dumps(holder) + '\n').encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
