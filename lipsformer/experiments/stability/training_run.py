@@ -212,6 +212,7 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
         if 'cuda_rng' in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state['cuda_rng'])
         start_step, seconds, machines = state['step'], state['seconds'], state.get('machines', [])
+        _logger.info('%s lr %g seed %d: resuming from the checkpoint of step %d', arm.name, lr, seed, start_step)
     # The CPU time this process spends on the run (what other processes on the core cannot inflate, unlike the wall
     # times), carried over a resumption.
     cpu_offset = seconds.pop('cpu', 0.0) - time.process_time()
