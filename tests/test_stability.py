@@ -335,6 +335,7 @@ def test_the_report_adds_a_section_for_a_new_data_set(tmp_path):
     write_report(results, tmp_path)
     text = (tmp_path / 'stability.md').read_text()
     assert text.startswith('# Title\n\nkept\n\n## The sweep on other\n') and markers('other')[0] in text
+    assert '| lipsformer | 0.001 | - (no runs yet) |' in text  # the warmup arm has not run yet
 
 
 def test_steps_to_loss_uses_the_smoothed_loss():

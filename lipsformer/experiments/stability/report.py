@@ -162,14 +162,16 @@ def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, An
 
 
 def _warmup_table(cells: Cells, kinds: dict[int, tuple]) -> list[str]:
+    def highest(arm: str) -> str:
+        if not any(a == arm for a, _ in cells):
+            return '- (no runs yet)'
+        rate, _ = stable_rates(cells, arm, kinds)
+        return 'none' if rate is None else f'{rate:g}'
+
     lines = ['| architecture | highest stable lr without warmup | with warmup |', '|---|---|---|']
     for arm, warm in WARMUP_ARM.items():
-        if not any(a in (arm, warm) for a, _ in cells):
-            continue
-        without, _ = stable_rates(cells, arm, kinds)
-        with_, _ = stable_rates(cells, warm, kinds)
-        lines.append(f'| {arm} | {"none" if without is None else f"{without:g}"} | '
-                     f'{"none" if with_ is None else f"{with_:g}"} |')
+        if any(a in (arm, warm) for a, _ in cells):
+            lines.append(f'| {arm} | {highest(arm)} | {highest(warm)} |')
     return lines
 
 
