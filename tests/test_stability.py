@@ -304,6 +304,7 @@ def test_the_report_is_rebuilt_from_the_results_file_alone(tmp_path):
             records.append(_record('post_norm_transformer_warmup', lr, seed, 0.78))
             if lr == 0.004:
                 records.append(_record('alpha_fixed_1', lr, seed, None, diverged_step=100 + seed))
+    records[-3]['final_train_loss'] = 1.5e5  # post_norm_transformer 0.004 seed 2: blown up, yet finite
     # The claim cells again under the lowest torch: side by side in their own table.
     records += [_record('post_norm_transformer', 0.004, 0, 0.77, torch_version='2.6.0'),
                 _record('lipsformer', 0.004, 0, 0.8, torch_version='2.6.0')]
@@ -321,6 +322,7 @@ def test_the_report_is_rebuilt_from_the_results_file_alone(tmp_path):
     assert '- [1 seed]; 1 diverged (steps 100)' not in text and '3 diverged (steps 100, 101, 102)' in text
     assert ('| post_norm_transformer | none | 0.001: 78.0 ± 0.0 | 0.002 | 0: 0.004, stuck at chance (never above '
             'it); ') in text
+    assert '2: 0.004, stuck at chance (never above it), training loss 1.5e+05 |' in text
     assert '| post_norm_transformer | 0.004 | 0 | 10.0, stuck at chance (never above it) | 77.0 |' in text
     assert 'Test CPU (family 6, model 85), 1 thread(s)' in text
     assert (docs / 'stability_toy.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

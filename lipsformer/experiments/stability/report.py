@@ -118,11 +118,15 @@ def _mean_sd(values: list[float]) -> str:
     return f'{_pct(statistics.mean(values))} ± {_pct(statistics.stdev(values))}'
 
 
-def _failure(kind: str, step: int | None) -> str:
+def _failure(kind: str, step: int | None, record: dict[str, Any], settings: dict[str, Any]) -> str:
     if kind == 'diverged':
         return f'diverged at step {step}'
     if kind == 'stuck':
-        return 'stuck at chance' + (f' from step {step}' if step is not None else ' (never above it)')
+        text = 'stuck at chance' + (f' from step {step}' if step is not None else ' (never above it)')
+        loss = record.get('final_train_loss')
+        if loss is not None and loss > 2 * math.log(settings['shape']['num_classes']):
+            text += f', training loss {loss:.3g}'  # blown up yet finite, unlike a model that predicts uniformly
+        return text
     return kind
 
 
@@ -154,7 +158,9 @@ def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, An
         best_lr = max(lrs, key=lambda lr: means[lr])
         best_cell = _mean_sd([r['final_accuracy'] for r in cells[arm, best_lr] if r['final_accuracy'] is not None])
         highest, failures = stable_rates(cells, arm, kinds)
-        failure_text = '; '.join(f'{seed}: {lr:g}, {_failure(kind, step)}' for seed, lr, kind, step in failures)
+        by_seed = {(r['lr'], r['seed']): r for lr in lrs for r in cells[arm, lr]}
+        failure_text = '; '.join(f'{seed}: {lr:g}, {_failure(kind, step, by_seed[lr, seed], settings)}'
+                                 for seed, lr, kind, step in failures)
         warmup = f'{ARMS[arm].warmup_epochs} epochs' if ARMS[arm].warmup_epochs else 'none'
         lines.append(f'| {arm} | {warmup} | {best_lr:g}: {best_cell} | {"none" if highest is None else f"{highest:g}"} '
                      f'| {failure_text or "none"} |')
@@ -229,7 +235,8 @@ def _torch_table(results: Results, kinds: dict[int, tuple]) -> list[str]:
                 continue
             kind, step = kinds[id(record)]
             accuracy = '-' if record['final_accuracy'] is None else _pct(record['final_accuracy'])
-            cells.append(accuracy if kind == 'trains' else f'{accuracy}, {_failure(kind, step)}')
+            failure = _failure(kind, step, record, results.settings)
+            cells.append(accuracy if kind == 'trains' else f'{accuracy}, {failure}')
         lines.append(f'| {arm} | {lr:g} | {seed} | ' + ' | '.join(cells) + ' |')
     return lines
 
