@@ -108,6 +108,16 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_matches_an_uninterru
     assert 0 < resumed['seconds']['cpu'] and set(resumed['seconds']) == {'train', 'bound', 'eval', 'total', 'cpu'}
 
 
+def test_by_default_the_bound_is_measured_at_the_first_step_and_at_the_end_only(tmp_path, subsets):
+    settings = RunSettings(**{**TINY.__dict__, 'steps': 3, 'bound_every': RunSettings().bound_every})
+    result, files = _train(tmp_path, subsets, settings=settings)
+    assert [('log10_bounded_parts' in r) for r in files.read_steps()] == [True, False, False]
+    assert math.isfinite(result['final_lipschitz']['log10_bounded_parts'])
+    every_2 = RunSettings(**{**TINY.__dict__, 'steps': 3, 'bound_every': 2})
+    _, files = _train(tmp_path / 'every_2', subsets, settings=every_2)
+    assert [('log10_bounded_parts' in r) for r in files.read_steps()] == [True, False, True]
+
+
 def test_resuming_with_other_settings_is_refused(tmp_path, subsets):
     _train(tmp_path, subsets)
     with pytest.raises(ValueError, match='other settings'):

@@ -23,10 +23,10 @@ Sized so that the whole grid runs on a small CPU, one thread per run (docs/stabi
   20% of the run (the paper: 5 of 100 epochs, 5%).
 
 Records per run (``OUT/torch-<version>/<arm>/lr<lr>/seed<seed>/``, see :mod:`.training_run`): per step the loss,
-gradient norm, largest per-token activation norm over block outputs and learning rate; every 50 steps the log10 of
-Theorem 2's product bound over the parts of the network that have a bound (with the authors' SCSA, whose values are
-not normalised, and with LayerNorm or dot-product attention, the full product is infinite) and the test accuracy, and
-both at the end. A non-finite loss stops the run, recorded as diverged at that step.
+gradient norm, largest per-token activation norm over block outputs and learning rate; every 50 steps the test
+accuracy; at the first step the log10 of Theorem 2's product bound over the parts of the network that have a bound
+(with the authors' SCSA, whose values are not normalised, and with LayerNorm or dot-product attention, the full
+product is infinite); both at the end. A non-finite loss stops the run, recorded as diverged at that step.
 
     python -m lipsformer.experiments.stability --out runs/stability/fashion_mnist             # run or resume the sweep
     python -m lipsformer.experiments.stability --out runs/stability/fashion_mnist --collect   # -> results/stability/

@@ -27,6 +27,13 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(',') if v]
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'expected 0 or a positive integer, got {value}')
+    return value
+
+
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(',') if v]
 
@@ -63,8 +70,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--test-size', type=int, default=defaults.test_size, help='class-balanced test subset')
     parser.add_argument('--embed-dim', type=int, default=shape.embed_dim)
     parser.add_argument('--depths', type=_ints, default=list(shape.depths), help='blocks per stage')
-    parser.add_argument('--bound-every', type=int, default=defaults.bound_every,
-                        help='steps between Lipschitz-bound measurements')
+    parser.add_argument('--bound-every', type=_non_negative, default=defaults.bound_every,
+                        help='steps between Lipschitz-bound measurements after the first step (0: only at the first '
+                             'step and at the end)')
     parser.add_argument('--eval-every', type=int, default=defaults.eval_every,
                         help='steps between test-accuracy measurements (the best accuracy is taken over them)')
     parser.add_argument('--checkpoint-every', type=int, default=defaults.checkpoint_every)

@@ -7,10 +7,11 @@ RNG and step, replaced atomically; deleted when the run finishes) and ``result.j
 presence means the run is done).
 
 Per step: training loss, total gradient norm (L2 over all parameters, before the update; no clipping), the largest
-per-token L2 norm over all block outputs, and the learning rate. Every ``bound_every`` steps (from the first): the
-log10 of the Lipschitz product bound (Theorem 2) over the parts of the network that have a bound; every
-``eval_every`` steps (from the first): the test accuracy and loss. Both are of the weights the step starts from, so
-step 1's are those of the initialisation. A non-finite loss ends the run as diverged at that step.
+per-token L2 norm over all block outputs, and the learning rate. At the first step and every ``bound_every`` steps
+after it (only at the first with the default 0): the log10 of the Lipschitz product bound (Theorem 2) over the parts
+of the network that have a bound; every ``eval_every`` steps (from the first): the test accuracy and loss. Both are of
+the weights the step starts from, so step 1's are those of the initialisation; both are measured again at the end of
+a run that did not diverge. A non-finite loss ends the run as diverged at that step.
 """
 import itertools
 import logging
@@ -48,7 +49,7 @@ class RunSettings:
     weight_decay: float = 0.05
     min_lr_ratio: float = 0.01  # the cosine decays to lr * this
     warmup_lr_ratio: float = 0.001  # warmup starts at lr * this
-    bound_every: int = 50
+    bound_every: int = 0  # 0: the bound at the first step and at the end only
     eval_every: int = 50
     checkpoint_every: int = 50
     log_every: int = 10
@@ -248,6 +249,11 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _measures_bound(step: int, every: int) -> bool:
+    """Whether step ``step`` measures the bound: the first step, and every ``every`` steps after it unless 0."""
+    return step == 1 or (every > 0 and (step - 1) % every == 0)
+
+
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler, batches: Batches,
            settings: RunSettings, subsets: Subsets, files: RunFiles, monitor: ActivationMonitor, start_step: int,
            seconds: dict[str, float], machines: list[dict[str, Any]], cpu_offset: float) -> int | None:
@@ -257,7 +263,7 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Cosine
     pending: list[dict[str, Any]] = []
     for step in range(start_step + 1, settings.steps + 1):
         record: dict[str, Any] = {'step': step}
-        if (step - 1) % settings.bound_every == 0:  # the bound of the weights this step starts from
+        if _measures_bound(step, settings.bound_every):  # the bound of the weights this step starts from
             start = time.perf_counter()
             record.update(lipschitz_log10(model, settings.shape.img_size))
             seconds['bound'] += time.perf_counter() - start
