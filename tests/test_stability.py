@@ -11,11 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from lipsformer.experiments.stability import experiment_command
+from lipsformer.experiments.stability import experiment_command, grid
 from lipsformer.experiments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
 from lipsformer.experiments.stability.grid import claim, queue, release, run_dir, run_grid
-from lipsformer.experiments.stability.report import classify, markers, stable_rates, write_report
-from lipsformer.experiments.stability.results import collect, read_results, steps_to_loss
+from lipsformer.experiments.stability.report import classify, markers, outright_failure, stable_rates, write_report
+from lipsformer.experiments.stability.results import Results, collect, compact_record, read_results, steps_to_loss
 from lipsformer.experiments.stability.subsets import (
     Batches,
     balanced_indices,
@@ -24,6 +24,7 @@ from lipsformer.experiments.stability.subsets import (
     synthetic_subsets,
 )
 from lipsformer.experiments.stability.training_run import RunFiles, RunSettings, train_run
+from lipsformer.utils.io import write_json
 
 TINY = RunSettings(steps=2, batch_size=8, train_size=40, test_size=20, bound_every=1, eval_every=1,
                    checkpoint_every=1, log_every=1, synthetic=True, dataset='tiny',
@@ -153,6 +154,8 @@ def test_the_queue_runs_one_seed_of_every_cell_before_the_next_seed():
     order = queue(['a', 'b'], [1e-3, 2e-3], [0, 1, 2])
     assert order[:4] == [('a', 1e-3, 0), ('b', 1e-3, 0), ('a', 2e-3, 0), ('b', 2e-3, 0)]
     assert [seed for _, _, seed in order] == [0] * 4 + [1] * 4 + [2] * 4
+    # Each arm's rates in ascending order whatever order they were given in, so that pruning can act.
+    assert queue(['a'], [4e-3, 1e-3, 2e-3], [0]) == [('a', 1e-3, 0), ('a', 2e-3, 0), ('a', 4e-3, 0)]
 
 
 def test_runs_of_another_torch_version_have_folders_of_their_own(tmp_path):
@@ -257,6 +260,85 @@ def test_collect_merges_finished_runs_into_the_results_file_by_key(tmp_path, sub
     assert len(read_results(results).records) == 2
 
 
+def _fake_result(arm, lr, seed, settings, final=None, diverged_step=None):
+    """A run's result.json as train_run writes it, with the given outcome."""
+    curve = [[0, 0.1], *([[settings.steps, final]] if final is not None else [])]
+    machine = {'cpu': {'name': 'Test CPU', 'family': '6', 'model': '85'}, 'threads': 1, 'torch': torch.__version__}
+    result = dict(arm=arm, lr=lr, seed=seed, settings=settings.as_dict(), model_options=ARMS[arm].model_options,
+                  warmup_epochs=ARMS[arm].warmup_epochs, torch=torch.__version__, diverged=diverged_step is not None,
+                  diverged_step=diverged_step, test_curve=curve, seconds={'total': 1.0, 'cpu': 1.0}, finished_at=0.0,
+                  machine=machine, machines=[machine])
+    if final is not None:
+        result['test_accuracy'] = final
+    return result
+
+
+# Outcomes by (lr, seed): a final accuracy, or a divergence step. Seed 0 diverges at 0.002 and is stuck at chance at
+# 0.004: its higher rates are left out. Seed 1 fails at two rates that are not consecutive; seed 2 is degraded
+# (relative to the arm's best, unknown in advance) at two rates: both are run everywhere.
+OUTCOMES = {(0.001, 0): 0.8, (0.002, 0): 'diverged', (0.004, 0): 0.1, (0.001, 1): 'diverged', (0.002, 1): 0.8,
+            (0.004, 1): 0.1, (0.008, 1): 0.8, (0.002, 2): 0.5, (0.004, 2): 0.5}
+PRUNE_LRS = [0.016, 0.001, 0.008, 0.002, 0.004]  # the queue sorts them
+
+
+def _fake_training(trained, outcomes=OUTCOMES):
+    def train(arm, lr, seed, settings, subsets, files, device):
+        trained.append((lr, seed))
+        outcome = outcomes.get((lr, seed), 0.8)
+        result = _fake_result(arm.name, lr, seed, settings, *((None, 7) if outcome == 'diverged' else (outcome,)))
+        write_json(files.result, result)
+        return result
+    return train
+
+
+def test_a_seed_that_failed_at_two_consecutive_rates_is_not_run_at_higher_ones(tmp_path, subsets, monkeypatch):
+    trained = []
+    monkeypatch.setattr(grid, 'train_run', _fake_training(trained))
+    # A run another live runner has already started is left to it, pruned or not.
+    busy = run_dir(tmp_path, 'lipsformer', 0.016, 0)
+    busy.mkdir(parents=True)
+    (busy / 'lock').write_text(str(os.getppid()))
+    assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0, 1, 2], TINY, subsets, CPU, stop_after_failures=2) == 13
+    assert trained == [(0.001, 0), (0.002, 0), (0.004, 0)] + [(lr, seed) for seed in (1, 2) for lr in sorted(PRUNE_LRS)]
+    marker = json.loads(RunFiles(run_dir(tmp_path, 'lipsformer', 0.008, 0)).not_run.read_text())
+    assert marker['not_run'] == {'stop_after_failures': 2, 'failed_at': [0.002, 0.004]}
+    assert marker['settings'] == TINY.as_dict()
+    assert (marker['arm'], marker['lr'], marker['seed'], marker['torch']) == ('lipsformer', 0.008, 0, torch.__version__)
+    assert not RunFiles(busy).not_run.exists() and not RunFiles(busy).done()
+    (busy / 'lock').unlink()
+    # Once that runner is gone the run is left out too; nothing else changes.
+    assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0, 1, 2], TINY, subsets, CPU, stop_after_failures=2) == 0
+    assert RunFiles(busy).not_run.exists() and len(trained) == 13
+    # Three failures in a row are needed with 3; 0 runs the full grid, and a run no longer left out loses its marker.
+    assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0], TINY, subsets, CPU, stop_after_failures=3) == 2
+    assert trained[-2:] == [(0.008, 0), (0.016, 0)] and not RunFiles(busy).not_run.exists()
+    assert not list(tmp_path.rglob('not_run.json')) and not list(tmp_path.rglob('lock'))
+
+
+def test_runs_left_out_are_collected_apart_and_a_measurement_wins(tmp_path, subsets, monkeypatch):
+    out, path = tmp_path / 'runs', tmp_path / 'tiny.jsonl'
+    monkeypatch.setattr(grid, 'train_run', _fake_training([]))
+    run_grid(out, ['lipsformer'], PRUNE_LRS, [0, 1], TINY, subsets, CPU, stop_after_failures=2)
+    assert collect(out, path) == (10, 0)
+    found = read_results(path)
+    assert [(r['lr'], r['seed']) for r in found.not_run] == [(0.008, 0), (0.016, 0)]
+    assert found.not_run[0] == dict(arm='lipsformer', lr=0.008, seed=0, warmup_epochs=0, torch=torch.__version__,
+                                    not_run={'stop_after_failures': 2, 'failed_at': [0.002, 0.004]})
+    assert len(found.records) == 8 and all('not_run' not in r for r in found.records)
+    # The runs the pruning left out, run later (the full grid): their measurements replace the not-run lines.
+    run_grid(out, ['lipsformer'], [0.008], [0], TINY, subsets, CPU, stop_after_failures=0)
+    assert collect(out, path) == (0, 1)
+    found = read_results(path)
+    assert [(r['lr'], r['seed']) for r in found.not_run] == [(0.016, 0)] and len(found.records) == 9
+    # A measurement merged from elsewhere is never replaced by a not-run line.
+    measured = compact_record(_fake_result('lipsformer', 0.016, 0, TINY, 0.7), [])
+    found.records.append(measured)
+    Results(found.settings, found.records, []).write(path)
+    assert collect(out, path) == (0, 0)
+    found = read_results(path)
+    assert not found.not_run and measured in found.records
+
+
 def _record(arm, lr, seed, final, curve=None, diverged_step=None, torch_version='2.14.1', **extra):
     curve = curve or [[0, 0.1], [250, final or 0.1], *([[500, final]] if final is not None else [])]
     best_step, best = max(curve, key=lambda p: p[1])
@@ -297,6 +379,49 @@ def test_the_highest_stable_rate_and_each_seeds_first_failure():
     highest, failures = stable_rates(cells, 'layernorm', kinds)
     assert highest == 0.001
     assert failures == [(0, 0.008, 'stuck', None), (1, 0.002, 'degraded', None), (2, 0.004, 'diverged', 9)]
+
+
+def _not_run(arm, lr, seed, failed_at):
+    return dict(arm=arm, lr=lr, seed=seed, warmup_epochs=ARMS[arm].warmup_epochs, torch='2.14.1',
+                not_run={'stop_after_failures': 2, 'failed_at': failed_at})
+
+
+def test_outright_failures_are_those_known_without_the_arms_best():
+    assert outright_failure(_record('lipsformer', 0.064, 0, None, diverged_step=77), SETTINGS) == 'diverged'
+    assert outright_failure(_record('lipsformer', 0.064, 0, 0.1449), SETTINGS) == 'stuck'
+    assert outright_failure(_record('lipsformer', 0.064, 0, 0.146), SETTINGS) is None  # degraded at most
+
+
+def test_runs_left_out_count_as_failures_and_are_reported_apart(tmp_path):
+    # layernorm seed 0: stuck at 0.002, diverged at 0.004, left out at 0.008 where seeds 1 and 2 train.
+    records = [_record('layernorm', lr, seed, 0.8) for lr in (0.001, 0.002, 0.004, 0.008) for seed in (1, 2)]
+    records += [_record('layernorm', 0.001, 0, 0.8), _record('layernorm', 0.002, 0, 0.1),
+                _record('layernorm', 0.004, 0, None, diverged_step=12)]
+    # alpha_fixed_1: every seed diverges at 0.002 and 0.004; none runs at 0.008.
+    records += [_record('alpha_fixed_1', 0.001, seed, 0.8) for seed in range(3)]
+    records += [_record('alpha_fixed_1', lr, seed, None, diverged_step=5) for lr in (0.002, 0.004) for seed in range(3)]
+    left_out = [_not_run('layernorm', 0.008, 0, [0.002, 0.004])]
+    left_out += [_not_run('alpha_fixed_1', 0.008, seed, [0.002, 0.004]) for seed in range(3)]
+    cells, not_run = {}, {}
+    for run in records:
+        cells.setdefault((run['arm'], run['lr']), []).append(run)
+    for run in left_out:
+        not_run.setdefault((run['arm'], run['lr']), []).append(run)
+    kinds = {id(r): classify(r, 0.8, SETTINGS) for r in records}
+    highest, failures = stable_rates(cells, 'layernorm', kinds, not_run)
+    assert highest == 0.001  # 0.008 has a seed left out: not stable, though every seed that ran trains
+    assert failures == [(0, 0.002, 'stuck', None)]  # the first failure is a measured one
+    assert stable_rates(cells, 'layernorm', kinds)[0] == 0.008
+    results, docs = tmp_path / 'toy.jsonl', tmp_path / 'docs'
+    _results_file(results, records + left_out)
+    write_report(results, docs)
+    text = (docs / 'stability.md').read_text()
+    assert '| layernorm | 80.0 | 10.0 [1 seed]; 1 stuck' not in text
+    assert '| 80.0 ± 0.0 [2 seeds]; 1 not run |' in text  # layernorm at 0.008
+    assert text.count('| not run: failed at two lower rates in a row |') == 1  # alpha_fixed_1 at 0.008
+    assert '4 runs not run (`--stop-after-failures 2`)' in text
+    assert '| layernorm | none | 0.001: 80.0 ± 0.0 | 0.001 | 0: 0.002, stuck at chance' in text
+    assert (docs / 'stability_toy.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 def _results_file(path, records, settings=SETTINGS):
@@ -368,6 +493,9 @@ def test_the_command_line_runs_collects_and_reports(tmp_path, monkeypatch):
     assert '| pre_norm_transformer | 0.001 | 1 |' in (tmp_path / 'docs' / 'stability.md').read_text()
     with pytest.raises(SystemExit):
         experiment_command.main(['--out', str(tmp_path), '--arms', 'resnet'])
+    assert experiment_command.parse_args(['--out', 'runs']).stop_after_failures == 2  # pruning is on by default
+    with pytest.raises(SystemExit):
+        experiment_command.parse_args(['--out', 'runs', '--stop-after-failures', '-1'])
 
 
 def _image_folder(root, classes, sizes, mode):

@@ -4,10 +4,12 @@ A small but deep LipsFormer-CSwin trained on real Fashion-MNIST (or any image fo
 warmup and no gradient clipping, swept over seven learning rates 1e-3 ... 6.4e-2 spaced 2x, in eleven arms
 (:mod:`.arms`): the full model, each Lipschitz component swapped alone for its standard counterpart, all swapped at
 once (a post-norm and a pre-norm Transformer of the same shape), and the full model and both Transformers with 5
-epochs of warmup; three seeds each, 231 runs.
+epochs of warmup; three seeds each, 231 runs, fewer where a seed that has failed at two consecutive rates is left out
+of its arm's higher ones (:mod:`.pruning`).
 
 - :mod:`.arms`: the arms and the model shape they share; :mod:`.subsets`: the data as in-memory tensors, and batches;
 - :mod:`.training_run`: one run, resumable; :mod:`.grid`: the queue of runs, shared by several processes with locks;
+  :mod:`.pruning`: which runs the queue leaves out after a seed's consecutive failures;
 - :mod:`.results`: the committed results file (one line per run), collected from the run folders;
 - :mod:`.report`: failures classified, the doc's tables and its figure, from the results file alone.
 

@@ -20,6 +20,7 @@ __all__ = ['main']
 
 DEFAULT_LRS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064)  # spaced 2x, written as typed on a command line
 DEFAULT_SEEDS = (0, 1, 2)
+DEFAULT_STOP_AFTER_FAILURES = 2
 FASHION_MNIST = 'fashion_mnist'
 
 
@@ -76,6 +77,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--eval-every', type=int, default=defaults.eval_every,
                         help='steps between test-accuracy measurements (the best accuracy is taken over them)')
     parser.add_argument('--checkpoint-every', type=int, default=defaults.checkpoint_every)
+    parser.add_argument('--stop-after-failures', type=_non_negative, default=DEFAULT_STOP_AFTER_FAILURES, metavar='N',
+                        help='leave a seed out of an arm\'s higher learning rates once it has diverged or ended '
+                             'stuck at chance at N consecutive rates (the runs are marked not run in the results and '
+                             'the report); 0 runs the full grid')
     parser.add_argument('--data-dir', type=Path, metavar='ROOT',
                         help='an image folder (ROOT/train/<class>/*, ROOT/val/<class>/*) instead of Fashion-MNIST; '
                              'images are resized to the model input, channels (1 or 3) and classes come from the data')
@@ -131,4 +136,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         subsets = load_subsets(args.fashion_mnist_dir, args.train_size, args.test_size)
     settings = settings_from_args(args, subsets)
-    run_grid(args.out, args.arms, args.lrs, args.seeds, settings, subsets, torch.device(args.device))
+    run_grid(args.out, args.arms, args.lrs, args.seeds, settings, subsets, torch.device(args.device),
+             args.stop_after_failures)

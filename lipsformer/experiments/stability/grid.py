@@ -8,7 +8,9 @@ A lock of another host (a grid folder shared between machines) is never taken ov
 runner is known to be gone.
 
 The queue runs seed 0 of every (learning rate, arm) first, then seed 1, and so on, so that a grid stopped part-way
-has one seed of every cell before it has three of any.
+has one seed of every cell before it has three of any; within a seed it takes the rates in ascending order (every arm
+at one rate, then every arm at the next), so that a seed's lower rates of an arm have finished when its higher ones
+come up and a seed that has failed at several consecutive rates can be left out of the higher ones (:mod:`.pruning`).
 """
 import logging
 import os
@@ -19,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from ...utils.io import read_json, write_json
 from .arms import ARMS
+from .pruning import failed_lower_rates, not_run_marker
 from .subsets import Subsets
 from .training_run import RunFiles, RunSettings, train_run
 
@@ -34,8 +38,9 @@ def run_dir(out: Path, arm: str, lr: float, seed: int, torch_version: str | None
 
 
 def queue(arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int]) -> list[tuple[str, float, int]]:
-    """The runs in the order they are taken: seed by seed, and within a seed every arm at each learning rate."""
-    return [(arm, lr, seed) for seed in seeds for lr in lrs for arm in arms]
+    """The runs in the order they are taken: seed by seed, and within a seed every arm at each learning rate, the
+    rates in ascending order."""
+    return [(arm, lr, seed) for seed in seeds for lr in sorted(lrs) for arm in arms]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -117,11 +122,13 @@ def release(directory: Path) -> None:
 
 
 def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int], settings: RunSettings,
-             subsets: Subsets, device: torch.device) -> int:
+             subsets: Subsets, device: torch.device, stop_after_failures: int = 0) -> int:
     """Run every unfinished, unclaimed run of the grid; return how many this process finished.
 
     Runs already done (result.json) are skipped, runs claimed by a live process are left to it, interrupted ones
-    resume from their checkpoint. Several processes may work on the same ``out`` at once.
+    resume from their checkpoint. Several processes may work on the same ``out`` at once. With
+    ``stop_after_failures`` n > 0, a run whose seed has failed outright at n consecutive lower rates of its arm is left
+    out instead (:mod:`.pruning`): its folder gets ``not_run.json``, and a later grid with a larger n (or 0) runs it.
     """
     shape = settings.shape
     if (subsets.in_chans, subsets.num_classes, subsets.img_size) != (shape.in_chans, shape.num_classes,
@@ -129,16 +136,32 @@ def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequen
         raise ValueError(f'the data has {subsets.in_chans} channel(s), {subsets.num_classes} classes and '
                          f'{subsets.img_size}x{subsets.img_size} images; the model shape expects {shape.in_chans}, '
                          f'{shape.num_classes} and {shape.img_size}x{shape.img_size}')
+    if stop_after_failures < 0:
+        raise ValueError(f'stop_after_failures must be 0 (run the full grid) or more, got {stop_after_failures}')
     subsets = subsets.to(device)
     finished = 0
     for arm, lr, seed in queue(arms, lrs, seeds):
         directory = run_dir(out, arm, lr, seed)
         files = RunFiles(directory)
-        if files.done() or not claim(directory):
+        if files.done():
+            continue
+        failed_at = failed_lower_rates([(rate, run_dir(out, arm, rate, seed)) for rate in lrs], lr, settings,
+                                       stop_after_failures)
+        marker = None if failed_at is None else not_run_marker(ARMS[arm], lr, seed, settings, stop_after_failures,
+                                                               failed_at)
+        if marker is not None and files.not_run.exists() and read_json(files.not_run) == marker:
+            continue
+        if not claim(directory):
             continue
         try:
             if files.done():  # finished by another runner between the check and the claim
                 continue
+            if marker is not None:
+                write_json(files.not_run, marker)
+                _logger.info('%s lr %g seed %d: not run, that seed failed at lr %s', arm, lr, seed,
+                             ' and '.join(f'{rate:g}' for rate in failed_at))
+                continue
+            files.not_run.unlink(missing_ok=True)
             start = time.perf_counter()
             result = train_run(ARMS[arm], lr, seed, settings, subsets, files, device)
             finished += 1

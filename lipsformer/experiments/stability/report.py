@@ -10,7 +10,12 @@ fills in):
 - ``degraded``: it finished above chance but more than :data:`DEGRADED_POINTS` below its arm's best, the highest mean
   final accuracy over seeds of any of the arm's learning rates (over every torch version's runs).
 
-An arm's highest stable rate is the highest learning rate at which every seed trains (none of the three).
+Diverged and stuck are outright failures, known as soon as the run ends (:func:`outright_failure`); the runner may
+leave a seed out of an arm's higher rates once it has failed outright at consecutive lower ones (:mod:`.pruning`).
+Such a run is shown as not run, apart from the measured failures, and counts as a failure of its seed.
+
+An arm's highest stable rate is the highest learning rate at which every seed trains (none of the three, none left
+out).
 
 The tables go between two marker comments of ``stability.md`` named after the data set, so the hand-written analysis
 around them survives regeneration; where the markers are missing, a section with them is added at the end.
@@ -24,7 +29,8 @@ from ...utils.io import atomic_open, write_text
 from .arms import ARMS, WARMUP_ARM
 from .results import LOSS_THRESHOLD, Results, read_results
 
-__all__ = ['DEGRADED_POINTS', 'STUCK_MARGIN', 'classify', 'figure_name', 'markers', 'stable_rates', 'write_report']
+__all__ = ['DEGRADED_POINTS', 'STUCK_MARGIN', 'classify', 'figure_name', 'markers', 'outright_failure', 'stable_rates',
+           'write_report']
 
 STUCK_MARGIN = 0.05
 DEGRADED_POINTS = 0.02
@@ -33,6 +39,8 @@ CLAIM_ARMS = ('lipsformer', 'lipsformer_warmup', 'post_norm_transformer', 'post_
               'pre_norm_transformer', 'pre_norm_transformer_warmup')
 COMPONENT_ARMS = ('lipsformer', 'layernorm', 'dot_product', 'trunc_normal_init', 'alpha_fixed_1', 'no_conv_shortcuts')
 KIND_MARKERS = {'trains': 'o', 'degraded': 's', 'stuck': 'v', 'diverged': 'X'}
+NOT_RUN_MARKER = '+'
+_COUNTS = {1: 'one', 2: 'two', 3: 'three'}
 
 Cells = dict[tuple[str, float], list[dict[str, Any]]]  # (arm, lr) -> runs of one torch version, seeds in order
 
@@ -77,12 +85,22 @@ def arm_bests(results: Results) -> dict[str, float]:
     return bests
 
 
+def outright_failure(record: dict[str, Any], settings: dict[str, Any]) -> str | None:
+    """'diverged' or 'stuck' for a run that failed whatever its arm's best is, else None (it may still be degraded)."""
+    if record['diverged_step'] is not None:
+        return 'diverged'
+    if record['final_accuracy'] < stuck_below(settings):
+        return 'stuck'
+    return None
+
+
 def classify(record: dict[str, Any], best: float, settings: dict[str, Any]) -> tuple[str, int | None]:
     """The run's kind (trains, degraded, stuck, diverged) and its failure step (None where it has none)."""
-    if record['diverged_step'] is not None:
+    failure = outright_failure(record, settings)
+    if failure == 'diverged':
         return 'diverged', record['diverged_step']
     threshold = stuck_below(settings)
-    if record['final_accuracy'] < threshold:
+    if failure == 'stuck':
         learned = [i for i, (step, accuracy) in enumerate(record['curve']) if step > 0 and accuracy >= threshold]
         return 'stuck', record['curve'][learned[-1] + 1][0] if learned else None
     if record['final_accuracy'] < best - DEGRADED_POINTS:
@@ -90,13 +108,17 @@ def classify(record: dict[str, Any], best: float, settings: dict[str, Any]) -> t
     return 'trains', None
 
 
-def stable_rates(cells: Cells, arm: str, kinds: dict[int, tuple[str, int | None]]) -> tuple[float | None, list]:
+def stable_rates(cells: Cells, arm: str, kinds: dict[int, tuple[str, int | None]],
+                 not_run: Cells | None = None) -> tuple[float | None, list]:
     """The highest rate at which every seed of ``arm`` trains, and each seed's first failure (seed, lr, kind, step).
 
-    ``kinds`` maps ``id(record)`` to its :func:`classify` result.
+    ``kinds`` maps ``id(record)`` to its :func:`classify` result; ``not_run`` holds the runs left out (a cell with one
+    is not stable: that seed counts as failed, after the measured failures that pruned it).
     """
+    not_run = not_run or {}
     lrs = sorted(lr for a, lr in cells if a == arm)
-    stable = [lr for lr in lrs if all(kinds[id(r)][0] == 'trains' for r in cells[arm, lr])]
+    stable = [lr for lr in lrs
+              if all(kinds[id(r)][0] == 'trains' for r in cells[arm, lr]) and not not_run.get((arm, lr))]
     failures: dict[int, tuple] = {}
     for lr in lrs:
         for record in cells[arm, lr]:
@@ -130,7 +152,17 @@ def _failure(kind: str, step: int | None, record: dict[str, Any], settings: dict
     return kind
 
 
-def _cell_text(runs: list[dict[str, Any]], kinds: dict[int, tuple[str, int | None]]) -> str:
+def _in_a_row(left_out: list[dict[str, Any]]) -> str:
+    """'two lower rates in a row' for runs left out after two consecutive failures (see :mod:`.pruning`)."""
+    counts = sorted({r['not_run']['stop_after_failures'] for r in left_out})
+    n = ' or '.join(_COUNTS.get(count, str(count)) for count in counts)
+    return 'the lower rate' if counts == [1] else f'{n} lower rates in a row'
+
+
+def _cell_text(runs: list[dict[str, Any]], kinds: dict[int, tuple[str, int | None]],
+               left_out: list[dict[str, Any]]) -> str:
+    if not runs:
+        return f'not run: failed at {_in_a_row(left_out)}' if left_out else ''
     finished = [r['final_accuracy'] for r in runs if r['final_accuracy'] is not None]
     counts: dict[str, list[str]] = {}
     for record in runs:
@@ -142,12 +174,14 @@ def _cell_text(runs: list[dict[str, Any]], kinds: dict[int, tuple[str, int | Non
         detail = f' (steps {", ".join(steps)})' if kind == 'diverged' else ''
         marks.append(f'{len(steps)} {kind}{detail}')
     text = _mean_sd(finished)
+    if left_out:
+        marks.append(f'{len(left_out)} not run')
     if len(runs) < 3:
         text += f' [{len(runs)} seed{"s" if len(runs) > 1 else ""}]'
     return text + (f'; {", ".join(marks)}' if marks else '')
 
 
-def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, Any]) -> list[str]:
+def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, Any], not_run: Cells) -> list[str]:
     lines = ['| arm | warmup | best cell: lr, final accuracy % | highest lr where every seed trains | each seed\'s '
              'first failure (seed: lr, kind) |', '|---|---|---|---|---|']
     for arm in ARMS:
@@ -157,7 +191,7 @@ def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, An
         means = {lr: statistics.mean(_as_accuracy(r, settings) for r in cells[arm, lr]) for lr in lrs}
         best_lr = max(lrs, key=lambda lr: means[lr])
         best_cell = _mean_sd([r['final_accuracy'] for r in cells[arm, best_lr] if r['final_accuracy'] is not None])
-        highest, failures = stable_rates(cells, arm, kinds)
+        highest, failures = stable_rates(cells, arm, kinds, not_run)
         by_seed = {(r['lr'], r['seed']): r for lr in lrs for r in cells[arm, lr]}
         failure_text = '; '.join(f'{seed}: {lr:g}, {_failure(kind, step, by_seed[lr, seed], settings)}'
                                  for seed, lr, kind, step in failures)
@@ -167,11 +201,11 @@ def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, An
     return lines
 
 
-def _warmup_table(cells: Cells, kinds: dict[int, tuple]) -> list[str]:
+def _warmup_table(cells: Cells, kinds: dict[int, tuple], not_run: Cells) -> list[str]:
     def highest(arm: str) -> str:
         if not any(a == arm for a, _ in cells):
             return '- (no runs yet)'
-        rate, _ = stable_rates(cells, arm, kinds)
+        rate, _ = stable_rates(cells, arm, kinds, not_run)
         return 'none' if rate is None else f'{rate:g}'
 
     lines = ['| architecture | highest stable lr without warmup | with warmup |', '|---|---|---|']
@@ -181,13 +215,13 @@ def _warmup_table(cells: Cells, kinds: dict[int, tuple]) -> list[str]:
     return lines
 
 
-def _grid_table(cells: Cells, kinds: dict[int, tuple]) -> list[str]:
-    lrs = sorted({lr for _, lr in cells})
+def _grid_table(cells: Cells, kinds: dict[int, tuple], not_run: Cells) -> list[str]:
+    lrs = sorted({lr for _, lr in [*cells, *not_run]})
     lines = ['| arm | ' + ' | '.join(f'{lr:g}' for lr in lrs) + ' |', '|---|' + '---|' * len(lrs)]
     for arm in ARMS:
         if any(a == arm for a, _ in cells):
-            lines.append(f'| {arm} | ' + ' | '.join(_cell_text(cells[arm, lr], kinds) if (arm, lr) in cells else ''
-                                                    for lr in lrs) + ' |')
+            lines.append(f'| {arm} | ' + ' | '.join(_cell_text(cells.get((arm, lr), []), kinds,
+                                                               not_run.get((arm, lr), [])) for lr in lrs) + ' |')
     return lines
 
 
@@ -241,6 +275,18 @@ def _torch_table(results: Results, kinds: dict[int, tuple]) -> list[str]:
     return lines
 
 
+def _not_run_lines(not_run: list[dict[str, Any]]) -> list[str]:
+    """What the runs left out are, in one sentence (none where every run of the grid was run)."""
+    if not not_run:
+        return []
+    counts = ' or '.join(str(n) for n in sorted({r['not_run']['stop_after_failures'] for r in not_run}))
+    return [f'{len(not_run)} run{"s" if len(not_run) > 1 else ""} not run (`--stop-after-failures {counts}`): once a '
+            f'seed of an arm had failed outright (diverged or stuck at chance) at {_in_a_row(not_run)}, the runner '
+            f'left it out of the arm\'s higher rates. The tables mark such seeds "not run", the figure with '
+            f'"{NOT_RUN_MARKER}" at chance; each counts as a failure of its seed (a cell with one is not stable), not '
+            f'as a measurement (means are over the seeds that ran).']
+
+
 def _setup_lines(results: Results, version: str) -> list[str]:
     settings, records = results.settings, [r for r in results.records if r['torch'] == version]
     shape = settings['shape']
@@ -260,6 +306,7 @@ def _setup_lines(results: Results, version: str) -> list[str]:
         f'Kinds of failure: diverged (non-finite training loss); stuck (final accuracy below '
         f'{_pct(stuck_below(settings))}%, chance + {STUCK_MARGIN:.0%} of the way to 100%); degraded (final accuracy '
         f'more than {100 * DEGRADED_POINTS:.0f} points below the arm\'s best cell). A stable rate: every seed trains.',
+        *_not_run_lines([r for r in results.not_run if r['torch'] == version]),
     ]
 
 
@@ -272,12 +319,13 @@ def generated_section(results: Results, figure: str | None) -> str:
     bests = arm_bests(results)
     kinds = {id(r): classify(r, bests[r['arm']], results.settings) for r in results.records}
     cells = _cells([r for r in results.records if r['torch'] == version])
+    not_run = _cells([r for r in results.not_run if r['torch'] == version])
     parts = [start, '\n'.join(_setup_lines(results, version)),
              'What warmup buys (highest learning rate at which every seed trains):',
-             '\n'.join(_warmup_table(cells, kinds)),
-             'Per arm:', '\n'.join(_summary_table(cells, kinds, results.settings)),
+             '\n'.join(_warmup_table(cells, kinds, not_run)),
+             'Per arm:', '\n'.join(_summary_table(cells, kinds, results.settings, not_run)),
              'Final test accuracy % (mean ± sd over the seeds that finished) and failures, per learning rate:',
-             '\n'.join(_grid_table(cells, kinds))]
+             '\n'.join(_grid_table(cells, kinds, not_run))]
     if figure:
         parts.append(f'![test accuracy against learning rate]({figure})')
     parts += ['<details><summary>Every cell in detail</summary>\n', '\n'.join(_detail_table(cells)), '</details>']
@@ -290,8 +338,8 @@ def generated_section(results: Results, figure: str | None) -> str:
 
 def plot(results: Results, path: Path) -> None:
     """Final test accuracy against learning rate (log axis) at the main torch version: one line per arm (mean over
-    seeds, a diverged seed counted at chance), each seed a point shaped by its kind; two panels, the claim and the
-    single components."""
+    the seeds that ran, a diverged seed counted at chance), each seed a point shaped by its kind, a seed left out a
+    "+" at chance; two panels, the claim and the single components."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -300,6 +348,8 @@ def plot(results: Results, path: Path) -> None:
     settings = results.settings
     version = results.torch_versions()[0]
     records = [r for r in results.records if r['torch'] == version]
+    not_run = [r for r in results.not_run if r['torch'] == version]
+    rates = sorted({r['lr'] for r in [*records, *not_run]})
     bests = arm_bests(results)
     colors = dict(zip([a for a in ARMS if not ARMS[a].without_warmup], plt.get_cmap('tab10').colors))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
@@ -319,19 +369,25 @@ def plot(results: Results, path: Path) -> None:
                 kind, _ = classify(r, bests[arm], settings)
                 ax.plot(r['lr'] * shift, 100 * _as_accuracy(r, settings), KIND_MARKERS[kind], color=color, ms=5,
                         mfc='none' if kind == 'degraded' else color, alpha=0.8)
+            for r in not_run:
+                if r['arm'] == arm:
+                    ax.plot(r['lr'] * shift, 100 * chance(settings), NOT_RUN_MARKER, color=color, ms=6, alpha=0.8)
         ax.axhline(100 * chance(settings), color='grey', lw=0.8, ls=':')
         ax.set_xscale('log', base=2)
-        ax.set_xticks(sorted({r['lr'] for r in records}), [f'{lr:g}' for lr in sorted({r['lr'] for r in records})])
+        ax.set_xticks(rates, [f'{lr:g}' for lr in rates])
         ax.set_xlabel('peak learning rate (AdamW, cosine)')
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
         kinds = [Line2D([], [], color='black', marker=m, ls='', mfc='none' if k == 'degraded' else 'black', label=k)
                  for k, m in KIND_MARKERS.items()]
+        if not_run:
+            kinds.append(Line2D([], [], color='black', marker=NOT_RUN_MARKER, ls='',
+                                label=f'not run: failed at {_in_a_row(not_run)}'))
         ax.legend(handles=handles + kinds, fontsize=7, loc='lower left')
     axes[0].set_ylabel('final test accuracy % (dotted: chance)')
     fig.suptitle(f'{settings["dataset"]}, torch {version}: each point a seed (a diverged one at chance), lines the '
-                 f'mean over seeds', fontsize=10)
+                 f'mean over the seeds that ran', fontsize=10)
     fig.tight_layout()
     with atomic_open(path, 'wb') as f:
         fig.savefig(f, format='png', dpi=110)

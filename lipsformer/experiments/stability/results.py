@@ -5,8 +5,12 @@ The file (``results/stability/<dataset>.jsonl``) starts with one line holding th
 what the report needs and nothing else: final and best test accuracy and the accuracy curve, the divergence step,
 steps to a smoothed training loss of 0.6, the peak gradient norm, the final bound, the CPU, threads, and seconds (wall
 and the process's CPU time).
+A run the runner left out because its seed had already failed at consecutive lower rates (its folder holds
+``not_run.json``, see :mod:`.pruning`) has a line of its own with the same key and ``not_run`` (why) instead of the
+measurements.
 Collecting merges: a run folder's record replaces the line of the same key and every other line is kept, so results
-of other machines and other torch versions (each collected from its own run folders) are merged into one file.
+of other machines and other torch versions (each collected from its own run folders) are merged into one file; a
+measured run is never replaced by a not-run line.
 """
 import math
 import statistics
@@ -19,7 +23,7 @@ from .arms import ARMS
 from .training_run import RunFiles
 
 __all__ = ['LOSS_THRESHOLD', 'SMOOTHING_STEPS', 'Results', 'collect', 'compact_record', 'key', 'moving_average',
-           'read_results', 'steps_to_loss']
+           'not_run_record', 'read_results', 'steps_to_loss']
 
 LOSS_THRESHOLD = 0.6
 SMOOTHING_STEPS = 20  # the moving average of the training loss that must fall below LOSS_THRESHOLD
@@ -80,12 +84,19 @@ def compact_record(result: dict[str, Any], steps: list[dict[str, Any]]) -> dict[
     return record
 
 
-class Results:
-    """The settings line and the run records of a results file."""
+def not_run_record(marker: dict[str, Any]) -> dict[str, Any]:
+    """The results-file line of a run left out (from its ``not_run.json``): its key and why."""
+    return {name: marker[name] for name in ('arm', 'lr', 'seed', 'warmup_epochs', 'torch', 'not_run')}
 
-    def __init__(self, settings: dict[str, Any] | None, records: Iterable[dict[str, Any]]) -> None:
+
+class Results:
+    """The settings line, the run records and the lines of runs left out (``not_run``) of a results file."""
+
+    def __init__(self, settings: dict[str, Any] | None, records: Iterable[dict[str, Any]],
+                 not_run: Iterable[dict[str, Any]] = ()) -> None:
         self.settings = settings
         self.records = sorted(records, key=_order)
+        self.not_run = sorted(not_run, key=_order)
 
     @property
     def dataset(self) -> str:
@@ -99,7 +110,7 @@ class Results:
         return sorted(counts, key=lambda version: (-counts[version], version))
 
     def write(self, path: Path) -> None:
-        JsonLines(path).rewrite([{'settings': self.settings}, *self.records])
+        JsonLines(path).rewrite([{'settings': self.settings}, *self.records, *self.not_run])
 
 
 def _order(record: dict[str, Any]) -> tuple:
@@ -119,14 +130,15 @@ def read_results(path: Path) -> Results:
         return Results(None, [])
     if 'settings' not in lines[0]:
         raise ValueError(f'{path}: the first line must be the settings ({{"settings": ...}}); found {lines[0]}')
-    return Results(lines[0]['settings'], lines[1:])
+    return Results(lines[0]['settings'], [line for line in lines[1:] if 'not_run' not in line],
+                   [line for line in lines[1:] if 'not_run' in line])
 
 
 def collect(out: Path, path: Path) -> tuple[int, int]:
-    """Merge the finished runs under the grid folder ``out`` into the results file at ``path``.
+    """Merge the finished runs, and the runs left out, under the grid folder ``out`` into the results file at ``path``.
 
     Returns:
-        How many records were added and how many replaced a record of the same key.
+        How many lines were added and how many replaced a line of the same key.
 
     Raises:
         ValueError: The runs were trained with other settings than the file's (or than each other): a results file
@@ -134,23 +146,34 @@ def collect(out: Path, path: Path) -> tuple[int, int]:
     """
     results = read_results(path)
     settings = results.settings
-    by_key = {key(record): record for record in results.records}
+    by_key = {key(record): record for record in [*results.records, *results.not_run]}
     added = replaced = 0
-    for result_path in sorted(Path(out).glob('torch-*/*/lr*/seed*/result.json')):
-        result = read_json(result_path)
-        if settings is None:
-            settings = result['settings']
-        elif result['settings'] != settings:
-            raise ValueError(f'{result_path} was trained with settings {result["settings"]}, {path} holds runs with '
-                             f'{settings}: collect it into another results file')
-        record = compact_record(result, RunFiles(result_path.parent).read_steps())
-        if key(record) in by_key:
-            replaced += by_key[key(record)] != record
+    for folder in sorted(p for p in Path(out).glob('torch-*/*/lr*/seed*') if p.is_dir()):
+        files = RunFiles(folder)
+        if files.done():
+            found = read_json(files.result)
+        elif files.not_run.exists():
+            found = read_json(files.not_run)
         else:
+            continue
+        if settings is None:
+            settings = found['settings']
+        elif found['settings'] != settings:
+            source = files.result if files.done() else files.not_run
+            raise ValueError(f'{source} is of a run with settings {found["settings"]}, {path} holds runs with '
+                             f'{settings}: collect it into another results file')
+        record = compact_record(found, files.read_steps()) if files.done() else not_run_record(found)
+        previous = by_key.get(key(record))
+        if previous is None:
             added += 1
+        elif 'not_run' in record and 'not_run' not in previous:
+            continue  # measured elsewhere (another machine's runs merged into the file): the measurement stays
+        else:
+            replaced += previous != record
         by_key[key(record)] = record
     if settings is None:
         raise ValueError(f'no finished runs under {out} and no results in {path}')
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Results(settings, by_key.values()).write(path)
+    Results(settings, [r for r in by_key.values() if 'not_run' not in r],
+            [r for r in by_key.values() if 'not_run' in r]).write(path)
     return added, replaced

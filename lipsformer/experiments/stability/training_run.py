@@ -4,7 +4,8 @@ Its folder holds ``config.json`` (the run's settings and torch version; resuming
 ``steps.jsonl``
 (one JSON record per optimizer step, appended every log interval), ``checkpoint.pt`` (model, optimizer, scheduler,
 RNG and step, replaced atomically; deleted when the run finishes) and ``result.json`` (written atomically last; its
-presence means the run is done).
+presence means the run is done). A run the grid leaves out (:mod:`.pruning`) has ``not_run.json`` instead, which
+training the run later removes.
 
 Per step: training loss, total gradient norm (L2 over all parameters, before the update; no clipping), the largest
 per-token L2 norm over all block outputs, and the learning rate. At the first step and every ``bound_every`` steps
@@ -72,6 +73,7 @@ class RunFiles:
         self.steps = self.directory / 'steps.jsonl'
         self.checkpoint = self.directory / 'checkpoint.pt'
         self.result = self.directory / 'result.json'
+        self.not_run = self.directory / 'not_run.json'
 
     def done(self) -> bool:
         return self.result.exists()
