@@ -1,22 +1,36 @@
-"""The stability experiment: every arm end to end on a tiny config, resumption, locking, divergence, the report."""
+"""The stability experiment: every arm end to end on a tiny config, resumption, locking, divergence, the queue, the
+results file, the report from it, and an image folder as the data."""
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from PIL import Image
 
-from lipsformer.experiments.stability import experiment_command
-from lipsformer.experiments.stability.arms import ARMS, ModelShape, build_model
-from lipsformer.experiments.stability.grid import claim, release, run_dir, run_grid
-from lipsformer.experiments.stability.report import END, START, steps_to_loss, write_report
-from lipsformer.experiments.stability.subsets import Batches, balanced_indices, load_subsets, synthetic_subsets
+from lipsformer.experiments.stability import experiment_command, grid
+from lipsformer.experiments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
+from lipsformer.experiments.stability.grid import claim, queue, release, run_dir, run_grid
+from lipsformer.experiments.stability.report import classify, markers, outright_failure, stable_rates, write_report
+from lipsformer.experiments.stability.results import Results, collect, compact_record, read_results, steps_to_loss
+from lipsformer.experiments.stability.subsets import (
+    Batches,
+    balanced_indices,
+    load_image_folder,
+    load_subsets,
+    synthetic_subsets,
+)
 from lipsformer.experiments.stability.training_run import RunFiles, RunSettings, train_run
+from lipsformer.utils.io import write_json
 
-TINY = RunSettings(steps=2, batch_size=8, train_size=40, test_size=20, bound_every=1, checkpoint_every=1,
-                   log_every=1, synthetic=True, shape=ModelShape(embed_dim=8, depths=(1, 1, 1, 1)))
+TINY = RunSettings(steps=2, batch_size=8, train_size=40, test_size=20, bound_every=1, eval_every=1,
+                   checkpoint_every=1, log_every=1, synthetic=True, dataset='tiny',
+                   shape=ModelShape(embed_dim=8, depths=(1, 1, 1, 1)))
+TINY_ARGS = ['--steps', '2', '--batch-size', '8', '--train-size', '40', '--test-size', '20', '--embed-dim', '8',
+             '--depths', '1,1,1,1', '--bound-every', '1', '--eval-every', '1']
 CPU = torch.device('cpu')
 
 
@@ -42,6 +56,12 @@ def test_the_arms_swap_one_component_each_or_all():
                                                        'alpha_learnable', 'conv_config'}
     assert {k for k in post if post[k] != pre[k]} == {'norm_position'}
     assert ARMS['lipsformer_warmup'].model_options == full and ARMS['lipsformer_warmup'].warmup_epochs == 5
+    # The standard Transformers with the same warmup as LipsFormer's warmup arm, the models otherwise unchanged.
+    assert WARMUP_ARM == {'lipsformer': 'lipsformer_warmup', 'post_norm_transformer': 'post_norm_transformer_warmup',
+                          'pre_norm_transformer': 'pre_norm_transformer_warmup'}
+    for arm, warm in WARMUP_ARM.items():
+        assert ARMS[warm].model_options == ARMS[arm].model_options and ARMS[arm].warmup_epochs == 0
+        assert ARMS[warm].warmup_epochs == ARMS['lipsformer_warmup'].warmup_epochs
     assert sum(ModelShape().depths) >= 24
 
 
@@ -55,7 +75,12 @@ def test_every_arm_runs_two_steps_and_records_everything(tmp_path, subsets, arm)
     for record in steps:
         assert all(math.isfinite(record[k]) for k in ('loss', 'grad_norm', 'max_activation_norm', 'lr'))
         assert math.isfinite(record['log10_bounded_parts'])  # bound_every=1
-    assert result['warmup_steps'] == (1 if arm == 'lipsformer_warmup' else 0)  # 5 epochs cut to fit 2 steps
+    assert result['warmup_steps'] == (1 if ARMS[arm].warmup_epochs else 0)  # 5 epochs cut to fit 2 steps
+    # The test accuracy of the weights each step starts from (eval_every=1), then of the final weights.
+    assert result['test_curve'] == [[0, steps[0]['test_accuracy']], [1, steps[1]['test_accuracy']],
+                                    [2, result['test_accuracy']]]
+    assert result['torch'] == torch.__version__ and result['machine']['threads'] == torch.get_num_threads()
+    assert {'name', 'family', 'model'} <= set(result['machine']['cpu'])
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_one(tmp_path, subsets,
@@ -80,6 +105,18 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_matches_an_uninterru
     resumed, _ = _train(tmp_path / 'resumed', subsets, settings=settings)
     assert [r['loss'] for r in files.read_steps()] == [r['loss'] for r in reference_files.read_steps()]
     assert resumed['test_accuracy'] == reference['test_accuracy']
+    assert resumed['test_curve'] == reference['test_curve'] and len(resumed['test_curve']) == 5
+    assert 0 < resumed['seconds']['cpu'] and set(resumed['seconds']) == {'train', 'bound', 'eval', 'total', 'cpu'}
+
+
+def test_by_default_the_bound_is_measured_at_the_first_step_and_at_the_end_only(tmp_path, subsets):
+    settings = RunSettings(**{**TINY.__dict__, 'steps': 3, 'bound_every': RunSettings().bound_every})
+    result, files = _train(tmp_path, subsets, settings=settings)
+    assert [('log10_bounded_parts' in r) for r in files.read_steps()] == [True, False, False]
+    assert math.isfinite(result['final_lipschitz']['log10_bounded_parts'])
+    every_2 = RunSettings(**{**TINY.__dict__, 'steps': 3, 'bound_every': 2})
+    _, files = _train(tmp_path / 'every_2', subsets, settings=every_2)
+    assert [('log10_bounded_parts' in r) for r in files.read_steps()] == [True, False, True]
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path, subsets):
@@ -102,8 +139,29 @@ def test_a_lock_prevents_a_second_claim_and_a_stale_lock_is_taken_over(tmp_path)
     assert not (directory / 'lock').exists()
     (directory / 'lock').write_text(str(_dead_pid()))
     assert claim(directory)
-    assert (directory / 'lock').read_text() == str(os.getpid())
+    assert (directory / 'lock').read_text() == f'{os.getpid()} {socket.gethostname()}'
     assert list(directory.iterdir()) == [directory / 'lock']
+    release(directory)
+    (directory / 'lock').write_text(f'{_dead_pid()} {socket.gethostname()}')
+    assert claim(directory)
+    release(directory)
+    # A grid folder shared by several machines: a pid of another host says nothing about that host's process.
+    (directory / 'lock').write_text(f'{_dead_pid()} another-host')
+    assert not claim(directory)
+
+
+def test_the_queue_runs_one_seed_of_every_cell_before_the_next_seed():
+    order = queue(['a', 'b'], [1e-3, 2e-3], [0, 1, 2])
+    assert order[:4] == [('a', 1e-3, 0), ('b', 1e-3, 0), ('a', 2e-3, 0), ('b', 2e-3, 0)]
+    assert [seed for _, _, seed in order] == [0] * 4 + [1] * 4 + [2] * 4
+    # Each arm's rates in ascending order whatever order they were given in, so that pruning can act.
+    assert queue(['a'], [4e-3, 1e-3, 2e-3], [0]) == [('a', 1e-3, 0), ('a', 2e-3, 0), ('a', 4e-3, 0)]
+
+
+def test_runs_of_another_torch_version_have_folders_of_their_own(tmp_path):
+    assert run_dir(tmp_path, 'lipsformer', 2e-3, 0) == (tmp_path / f'torch-{torch.__version__}' / 'lipsformer' /
+                                                         'lr0.002' / 'seed0')
+    assert run_dir(tmp_path, 'lipsformer', 2e-3, 0, '2.6.0') != run_dir(tmp_path, 'lipsformer', 2e-3, 0)
 
 
 def test_the_grid_skips_runs_locked_by_a_live_process_and_finished_runs(tmp_path, subsets):
@@ -150,8 +208,13 @@ def test_balanced_subset():
     chosen = balanced_indices(labels, 50)
     assert torch.bincount(labels[chosen]).tolist() == [5] * 10 and len(set(chosen.tolist())) == 50
     torch.testing.assert_close(chosen, balanced_indices(labels, 50))
-    with pytest.raises(ValueError, match='multiple of 10'):
-        balanced_indices(labels, 55)
+    assert len(balanced_indices(labels, 55)) == 50  # an equal share per class (a warning says so)
+    thirds = labels % 3
+    assert torch.bincount(thirds[balanced_indices(thirds, 7, num_classes=3)]).tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match='--train-size 5 is less than one image'):
+        balanced_indices(labels, 5, option='--train-size')
+    with pytest.raises(ValueError, match=r'class\(es\) \[9\] have only 1: use --test-size 10 or less'):
+        balanced_indices(torch.tensor([*range(10)] * 1 + [*range(9)] * 3), 30, option='--test-size')
 
 
 @pytest.mark.skipif(not os.path.isdir('/usr/share/datasets/fashion-mnist'), reason='Debian Fashion-MNIST absent')
@@ -170,38 +233,246 @@ def test_the_model_shape_has_the_documented_size():
     assert len([b for s in model.stages for b in s.blocks]) == 25
 
 
-def _fake_run(out, arm, lr, seed, losses, diverged_step=None):
-    files = RunFiles(run_dir(out, arm, lr, seed))
-    files.directory.mkdir(parents=True)
-    files.append_steps([{'step': i + 1, 'loss': loss, 'grad_norm': 1.0 + i, 'max_activation_norm': 3.0,
-                         'lr': lr, **({'log10_bounded_parts': 2.0 + i} if i % 2 == 0 else {})}
-                        for i, loss in enumerate(losses)])
-    result = {'arm': arm, 'lr': lr, 'seed': seed, 'diverged': diverged_step is not None,
-              'diverged_step': diverged_step, 'settings': TINY.as_dict(), 'steps_per_epoch': 5,
-              'seconds': {'train': 10.0, 'bound': 1.0, 'eval': 1.0, 'total': 12.0}, 'finished_at': 1000.0 + seed,
-              'machine': {'device': 'test cpu', 'threads': 1, 'torch': torch.__version__}}
-    if diverged_step is None:
-        result.update(test_accuracy=0.8 + seed / 100, final_lipschitz={'log10_bounded_parts': 5.0})
-    files.result.write_text(json.dumps(result))
+def test_collect_merges_finished_runs_into_the_results_file_by_key(tmp_path, subsets):
+    out, results = tmp_path / 'runs', tmp_path / 'results' / 'tiny.jsonl'
+    _train(out, subsets, seed=0)
+    _train(out, subsets, arm='post_norm_transformer', lr=1e30, settings=RunSettings(**{**TINY.__dict__,
+                                                                                       'steps': 6}))
+    with pytest.raises(ValueError, match='other settings|collect it into another'):
+        collect(out, results)  # the 6-step run is another sweep
+    for path in (out / f'torch-{torch.__version__}' / 'post_norm_transformer').rglob('*'):
+        if path.is_file():
+            path.unlink()
+    # A run of another torch version, merged from another machine's file, is kept beside this one's.
+    other = dict(arm='lipsformer', lr=1e-3, seed=0, warmup_epochs=0, torch='2.6.0+cpu', final_accuracy=0.5)
+    results.parent.mkdir()
+    results.write_text(json.dumps({'settings': TINY.as_dict()}) + '\n' + json.dumps(other) + '\n')
+    assert collect(out, results) == (1, 0)
+    found = read_results(results)
+    assert found.settings == TINY.as_dict() and len(found.records) == 2
+    mine = next(r for r in found.records if r['torch'] == torch.__version__)
+    run = json.loads(RunFiles(run_dir(out, 'lipsformer', 1e-3, 0)).result.read_text())
+    assert mine['final_accuracy'] == round(run['test_accuracy'], 4) and mine['diverged_step'] is None
+    assert mine['best_accuracy'] == max(a for _, a in mine['curve']) and len(mine['curve']) == 3
+    assert mine['cpu'] == run['machine']['cpu'] and mine['threads'] == run['machine']['threads']
+    assert results.read_text().count('\n') == 3  # one line of settings, one line per run
+    assert collect(out, results) == (0, 0)  # collecting again changes nothing
+    assert len(read_results(results).records) == 2
 
 
-def test_the_report_writes_the_table_between_markers_and_the_plots(tmp_path):
-    out, docs = tmp_path / 'runs', tmp_path / 'docs'
-    for seed in (0, 1):
-        _fake_run(out, 'lipsformer', 2e-3, seed, [2.0, 1.0, 0.5, 0.4] * 10)
-        _fake_run(out, 'post_norm_transformer', 1e-2, seed, [2.0, 3.0], diverged_step=3 if seed else None)
+def _fake_result(arm, lr, seed, settings, final=None, diverged_step=None):
+    """A run's result.json as train_run writes it, with the given outcome."""
+    curve = [[0, 0.1], *([[settings.steps, final]] if final is not None else [])]
+    machine = {'cpu': {'name': 'Test CPU', 'family': '6', 'model': '85'}, 'threads': 1, 'torch': torch.__version__}
+    result = dict(arm=arm, lr=lr, seed=seed, settings=settings.as_dict(), model_options=ARMS[arm].model_options,
+                  warmup_epochs=ARMS[arm].warmup_epochs, torch=torch.__version__, diverged=diverged_step is not None,
+                  diverged_step=diverged_step, test_curve=curve, seconds={'total': 1.0, 'cpu': 1.0}, finished_at=0.0,
+                  machine=machine, machines=[machine])
+    if final is not None:
+        result['test_accuracy'] = final
+    return result
+
+
+# Outcomes by (lr, seed): a final accuracy, or a divergence step. Seed 0 diverges at 0.002 and is stuck at chance at
+# 0.004: its higher rates are left out. Seed 1 fails at two rates that are not consecutive; seed 2 is degraded
+# (relative to the arm's best, unknown in advance) at two rates: both are run everywhere.
+OUTCOMES = {(0.001, 0): 0.8, (0.002, 0): 'diverged', (0.004, 0): 0.1, (0.001, 1): 'diverged', (0.002, 1): 0.8,
+            (0.004, 1): 0.1, (0.008, 1): 0.8, (0.002, 2): 0.5, (0.004, 2): 0.5}
+PRUNE_LRS = [0.016, 0.001, 0.008, 0.002, 0.004]  # the queue sorts them
+
+
+def _fake_training(trained, outcomes=OUTCOMES):
+    def train(arm, lr, seed, settings, subsets, files, device):
+        trained.append((lr, seed))
+        outcome = outcomes.get((lr, seed), 0.8)
+        result = _fake_result(arm.name, lr, seed, settings, *((None, 7) if outcome == 'diverged' else (outcome,)))
+        write_json(files.result, result)
+        return result
+    return train
+
+
+def test_a_seed_that_failed_at_two_consecutive_rates_is_not_run_at_higher_ones(tmp_path, subsets, monkeypatch):
+    trained = []
+    monkeypatch.setattr(grid, 'train_run', _fake_training(trained))
+    # A run another live runner has already started is left to it, pruned or not.
+    busy = run_dir(tmp_path, 'lipsformer', 0.016, 0)
+    busy.mkdir(parents=True)
+    (busy / 'lock').write_text(str(os.getppid()))
+    assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0, 1, 2], TINY, subsets, CPU, stop_after_failures=2) == 13
+    assert trained == [(0.001, 0), (0.002, 0), (0.004, 0)] + [(lr, seed) for seed in (1, 2) for lr in sorted(PRUNE_LRS)]
+    marker = json.loads(RunFiles(run_dir(tmp_path, 'lipsformer', 0.008, 0)).not_run.read_text())
+    assert marker['not_run'] == {'stop_after_failures': 2, 'failed_at': [0.002, 0.004]}
+    assert marker['settings'] == TINY.as_dict()
+    assert (marker['arm'], marker['lr'], marker['seed'], marker['torch']) == ('lipsformer', 0.008, 0, torch.__version__)
+    assert not RunFiles(busy).not_run.exists() and not RunFiles(busy).done()
+    (busy / 'lock').unlink()
+    # Once that runner is gone the run is left out too; nothing else changes.
+    assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0, 1, 2], TINY, subsets, CPU, stop_after_failures=2) == 0
+    assert RunFiles(busy).not_run.exists() and len(trained) == 13
+    # Three failures in a row are needed with 3; 0 runs the full grid, and a run no longer left out loses its marker.
+    assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0], TINY, subsets, CPU, stop_after_failures=3) == 2
+    assert trained[-2:] == [(0.008, 0), (0.016, 0)] and not RunFiles(busy).not_run.exists()
+    assert not list(tmp_path.rglob('not_run.json')) and not list(tmp_path.rglob('lock'))
+
+
+def test_runs_left_out_are_collected_apart_and_a_measurement_wins(tmp_path, subsets, monkeypatch):
+    out, path = tmp_path / 'runs', tmp_path / 'tiny.jsonl'
+    monkeypatch.setattr(grid, 'train_run', _fake_training([]))
+    run_grid(out, ['lipsformer'], PRUNE_LRS, [0, 1], TINY, subsets, CPU, stop_after_failures=2)
+    assert collect(out, path) == (10, 0)
+    found = read_results(path)
+    assert [(r['lr'], r['seed']) for r in found.not_run] == [(0.008, 0), (0.016, 0)]
+    assert found.not_run[0] == dict(arm='lipsformer', lr=0.008, seed=0, warmup_epochs=0, torch=torch.__version__,
+                                    not_run={'stop_after_failures': 2, 'failed_at': [0.002, 0.004]})
+    assert len(found.records) == 8 and all('not_run' not in r for r in found.records)
+    # The runs the pruning left out, run later (the full grid): their measurements replace the not-run lines.
+    run_grid(out, ['lipsformer'], [0.008], [0], TINY, subsets, CPU, stop_after_failures=0)
+    assert collect(out, path) == (0, 1)
+    found = read_results(path)
+    assert [(r['lr'], r['seed']) for r in found.not_run] == [(0.016, 0)] and len(found.records) == 9
+    # A measurement merged from elsewhere is never replaced by a not-run line.
+    measured = compact_record(_fake_result('lipsformer', 0.016, 0, TINY, 0.7), [])
+    found.records.append(measured)
+    Results(found.settings, found.records, []).write(path)
+    assert collect(out, path) == (0, 0)
+    found = read_results(path)
+    assert not found.not_run and measured in found.records
+
+
+def _record(arm, lr, seed, final, curve=None, diverged_step=None, torch_version='2.14.1', **extra):
+    curve = curve or [[0, 0.1], [250, final or 0.1], *([[500, final]] if final is not None else [])]
+    best_step, best = max(curve, key=lambda p: p[1])
+    return dict(arm=arm, lr=lr, seed=seed, warmup_epochs=ARMS[arm].warmup_epochs, torch=torch_version,
+                final_accuracy=final, best_accuracy=best, best_step=best_step, diverged_step=diverged_step,
+                curve=curve, final_train_loss=0.5, steps_to_loss=100 if final and final > 0.5 else None,
+                peak_grad_norm=3.0, final_log10_bound=None if final is None else 5.0,
+                cpu={'name': 'Test CPU', 'family': '6', 'model': '85'}, threads=1, seconds=100.0, cpu_seconds=90.0,
+                **extra)
+
+
+SETTINGS = {**RunSettings(dataset='toy').as_dict()}
+
+
+def test_failures_are_classified_from_all_seeds_and_rates():
+    diverged = _record('lipsformer', 0.064, 0, None, curve=[[0, 0.1], [50, 0.4]], diverged_step=77)
+    assert classify(diverged, 0.8, SETTINGS) == ('diverged', 77)
+    # Chance is 10%; a final accuracy below 14.5% is at chance.
+    never = _record('lipsformer', 0.032, 0, 0.14, curve=[[0, 0.1], [50, 0.12], [100, 0.1], [500, 0.14]])
+    assert classify(never, 0.8, SETTINGS) == ('stuck', None)
+    collapsed = _record('lipsformer', 0.032, 1, 0.1, curve=[[0, 0.1], [50, 0.6], [100, 0.7], [150, 0.1], [500, 0.1]])
+    assert classify(collapsed, 0.8, SETTINGS) == ('stuck', 150)
+    assert classify(_record('lipsformer', 0.016, 0, 0.779), 0.8, SETTINGS) == ('degraded', None)
+    assert classify(_record('lipsformer', 0.016, 0, 0.781), 0.8, SETTINGS) == ('trains', None)
+
+
+def test_the_highest_stable_rate_and_each_seeds_first_failure():
+    runs = [_record('layernorm', 0.001, s, 0.8) for s in range(3)]
+    runs += [_record('layernorm', 0.002, 0, 0.81), _record('layernorm', 0.002, 1, 0.7), _record('layernorm', 0.002, 2,
+                                                                                                0.8)]
+    runs += [_record('layernorm', 0.004, s, 0.8) for s in range(2)]
+    runs += [_record('layernorm', 0.004, 2, None, diverged_step=9)]
+    runs += [_record('layernorm', 0.008, s, 0.1) for s in range(3)]
+    cells = {}
+    for run in runs:
+        cells.setdefault((run['arm'], run['lr']), []).append(run)
+    kinds = {id(r): classify(r, 0.8, SETTINGS) for r in runs}
+    highest, failures = stable_rates(cells, 'layernorm', kinds)
+    assert highest == 0.001
+    assert failures == [(0, 0.008, 'stuck', None), (1, 0.002, 'degraded', None), (2, 0.004, 'diverged', 9)]
+
+
+def _not_run(arm, lr, seed, failed_at):
+    return dict(arm=arm, lr=lr, seed=seed, warmup_epochs=ARMS[arm].warmup_epochs, torch='2.14.1',
+                not_run={'stop_after_failures': 2, 'failed_at': failed_at})
+
+
+def test_outright_failures_are_those_known_without_the_arms_best():
+    assert outright_failure(_record('lipsformer', 0.064, 0, None, diverged_step=77), SETTINGS) == 'diverged'
+    assert outright_failure(_record('lipsformer', 0.064, 0, 0.1449), SETTINGS) == 'stuck'
+    assert outright_failure(_record('lipsformer', 0.064, 0, 0.146), SETTINGS) is None  # degraded at most
+
+
+def test_runs_left_out_count_as_failures_and_are_reported_apart(tmp_path):
+    # layernorm seed 0: stuck at 0.002, diverged at 0.004, left out at 0.008 where seeds 1 and 2 train.
+    records = [_record('layernorm', lr, seed, 0.8) for lr in (0.001, 0.002, 0.004, 0.008) for seed in (1, 2)]
+    records += [_record('layernorm', 0.001, 0, 0.8), _record('layernorm', 0.002, 0, 0.1),
+                _record('layernorm', 0.004, 0, None, diverged_step=12)]
+    # alpha_fixed_1: every seed diverges at 0.002 and 0.004; none runs at 0.008.
+    records += [_record('alpha_fixed_1', 0.001, seed, 0.8) for seed in range(3)]
+    records += [_record('alpha_fixed_1', lr, seed, None, diverged_step=5) for lr in (0.002, 0.004) for seed in range(3)]
+    left_out = [_not_run('layernorm', 0.008, 0, [0.002, 0.004])]
+    left_out += [_not_run('alpha_fixed_1', 0.008, seed, [0.002, 0.004]) for seed in range(3)]
+    cells, not_run = {}, {}
+    for run in records:
+        cells.setdefault((run['arm'], run['lr']), []).append(run)
+    for run in left_out:
+        not_run.setdefault((run['arm'], run['lr']), []).append(run)
+    kinds = {id(r): classify(r, 0.8, SETTINGS) for r in records}
+    highest, failures = stable_rates(cells, 'layernorm', kinds, not_run)
+    assert highest == 0.001  # 0.008 has a seed left out: not stable, though every seed that ran trains
+    assert failures == [(0, 0.002, 'stuck', None)]  # the first failure is a measured one
+    assert stable_rates(cells, 'layernorm', kinds)[0] == 0.008
+    results, docs = tmp_path / 'toy.jsonl', tmp_path / 'docs'
+    _results_file(results, records + left_out)
+    write_report(results, docs)
+    text = (docs / 'stability.md').read_text()
+    assert '| layernorm | 80.0 | 10.0 [1 seed]; 1 stuck' not in text
+    assert '| 80.0 ± 0.0 [2 seeds]; 1 not run |' in text  # layernorm at 0.008
+    assert text.count('| not run: failed at two lower rates in a row |') == 1  # alpha_fixed_1 at 0.008
+    assert '4 runs not run (`--stop-after-failures 2`)' in text
+    assert '| layernorm | none | 0.001: 80.0 ± 0.0 | 0.001 | 0: 0.002, stuck at chance' in text
+    assert (docs / 'stability_toy.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def _results_file(path, records, settings=SETTINGS):
+    path.write_text(''.join(json.dumps(r) + '\n' for r in [{'settings': settings}, *records]))
+
+
+def test_the_report_is_rebuilt_from_the_results_file_alone(tmp_path):
+    records = []
+    for lr in (0.001, 0.002, 0.004):
+        for seed in range(3):
+            records.append(_record('lipsformer', lr, seed, 0.8 + seed / 1000))
+            records.append(_record('lipsformer_warmup', lr, seed, 0.79))
+            post = 0.1 if lr == 0.004 else 0.78
+            records.append(_record('post_norm_transformer', lr, seed, post))
+            records.append(_record('post_norm_transformer_warmup', lr, seed, 0.78))
+            if lr == 0.004:
+                records.append(_record('alpha_fixed_1', lr, seed, None, diverged_step=100 + seed))
+    records[-3]['final_train_loss'] = 1.5e5  # post_norm_transformer 0.004 seed 2: blown up, yet finite
+    # The claim cells again under the lowest torch: side by side in their own table.
+    records += [_record('post_norm_transformer', 0.004, 0, 0.77, torch_version='2.6.0'),
+                _record('lipsformer', 0.004, 0, 0.8, torch_version='2.6.0')]
+    results, docs = tmp_path / 'toy.jsonl', tmp_path / 'docs'
+    _results_file(results, records)
     docs.mkdir()
-    (docs / 'stability.md').write_text(f'# Title\n\nintro kept\n\n{START}\nold table\n{END}\n\nanalysis kept\n')
-    write_report(out, docs)
+    start, end = markers('toy')
+    (docs / 'stability.md').write_text(f'# Title\n\nintro kept\n\n{start}\nold table\n{end}\n\nanalysis kept\n')
+    write_report(results, docs)
     text = (docs / 'stability.md').read_text()
     assert 'intro kept' in text and 'analysis kept' in text and 'old table' not in text
-    assert '| lipsformer | 0.002 | 0/2 | 80.5 ± 0.7 |' in text
-    assert '| post_norm_transformer | 0.01 | 1/2 (seed 1 at step 3) | 80.0 | never (0/2) |' in text
-    assert 'test cpu, 1 thread(s)' in text
-    for name in ('stability_loss.png', 'stability_grad_norm.png', 'stability_lipschitz.png'):
-        assert (docs / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    write_report(out, docs)  # regenerating keeps the page's shape
-    assert (docs / 'stability.md').read_text().count(START) == 1
+    assert '| post_norm_transformer | 0.002 | 0.004 |' in text  # what warmup buys
+    assert '| lipsformer | 0.004 | 0.004 |' in text
+    assert '| alpha_fixed_1 | 0.004 | 3 | - |' in text  # every seed diverged: no final accuracy
+    assert '- [1 seed]; 1 diverged (steps 100)' not in text and '3 diverged (steps 100, 101, 102)' in text
+    assert ('| post_norm_transformer | none | 0.001: 78.0 ± 0.0 | 0.002 | 0: 0.004, stuck at chance (never above '
+            'it); ') in text
+    assert '2: 0.004, stuck at chance (never above it), training loss 1.5e+05 |' in text
+    assert '| post_norm_transformer | 0.004 | 0 | 10.0, stuck at chance (never above it) | 77.0 |' in text
+    assert 'Test CPU (family 6, model 85), 1 thread(s)' in text
+    assert (docs / 'stability_toy.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    write_report(results, docs)  # regenerating keeps the page's shape
+    assert (docs / 'stability.md').read_text().count(start) == 1
+
+
+def test_the_report_adds_a_section_for_a_new_data_set(tmp_path):
+    results = tmp_path / 'other.jsonl'
+    _results_file(results, [_record('lipsformer', 0.001, 0, 0.5)], {**SETTINGS, 'dataset': 'other'})
+    (tmp_path / 'stability.md').write_text('# Title\n\nkept\n')
+    write_report(results, tmp_path)
+    text = (tmp_path / 'stability.md').read_text()
+    assert text.startswith('# Title\n\nkept\n\n## The sweep on other\n') and markers('other')[0] in text
+    assert '| lipsformer | 0.001 | - (no runs yet) |' in text  # the warmup arm has not run yet
 
 
 def test_steps_to_loss_uses_the_smoothed_loss():
@@ -211,13 +482,56 @@ def test_steps_to_loss_uses_the_smoothed_loss():
     assert steps_to_loss(records[:5], threshold=0.5, window=4) is None
 
 
-def test_the_command_line_runs_the_grid_and_the_report(tmp_path):
-    tiny = ['--steps', '2', '--batch-size', '8', '--train-size', '40', '--test-size', '20', '--embed-dim', '8',
-            '--depths', '1,1,1,1', '--synthetic', '--bound-every', '1']
-    experiment_command.main(['--out', str(tmp_path / 'runs'), '--arms', 'pre_norm_transformer', '--lrs', '1e-3',
-                             '--seeds', '0', *tiny])
+def test_the_command_line_runs_collects_and_reports(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    experiment_command.main(['--out', 'runs', '--arms', 'pre_norm_transformer', '--lrs', '1e-3', '--seeds', '0',
+                             '--synthetic', *TINY_ARGS])
     assert RunFiles(run_dir(tmp_path / 'runs', 'pre_norm_transformer', 1e-3, 0)).done()
-    experiment_command.main(['--out', str(tmp_path / 'runs'), '--report', str(tmp_path / 'docs')])
-    assert '| pre_norm_transformer | 0.001 | 0/1 |' in (tmp_path / 'docs' / 'stability.md').read_text()
+    experiment_command.main(['--out', 'runs', '--synthetic', '--collect'])
+    assert len(read_results(tmp_path / 'results/stability/fashion_mnist_synthetic.jsonl').records) == 1
+    experiment_command.main(['--synthetic', '--report', 'docs'])
+    assert '| pre_norm_transformer | 0.001 | 1 |' in (tmp_path / 'docs' / 'stability.md').read_text()
     with pytest.raises(SystemExit):
         experiment_command.main(['--out', str(tmp_path), '--arms', 'resnet'])
+    assert experiment_command.parse_args(['--out', 'runs']).stop_after_failures == 2  # pruning is on by default
+    with pytest.raises(SystemExit):
+        experiment_command.parse_args(['--out', 'runs', '--stop-after-failures', '-1'])
+
+
+def _image_folder(root, classes, sizes, mode):
+    """``root/train`` and ``root/val`` with one folder per class; each class a colour (or grey level) of its own."""
+    for split, count in (('train', 4), ('val', 2)):
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                size = sizes[i % len(sizes)]
+                value = 40 + 80 * c
+                colour = value if mode == 'L' else (value, 255 - value, (7 * value) % 256)
+                Image.new(mode, size, colour).save(folder / f'{i}.png')
+
+
+def test_an_image_folder_sets_channels_classes_and_size(tmp_path):
+    _image_folder(tmp_path / 'grey', ['a', 'b'], [(20, 20)], 'L')
+    grey = load_image_folder(str(tmp_path / 'grey'), 32, 8, 4)
+    assert grey.train_images.shape == (8, 1, 32, 32) and grey.num_classes == 2 and grey.test_images.shape[0] == 4
+    torch.testing.assert_close(grey.train_images.mean(), torch.tensor(0.0), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match='--train-size 10 needs 5 images of each class'):
+        load_image_folder(str(tmp_path / 'grey'), 32, 10, 4)
+
+
+def test_the_sweep_runs_on_an_image_folder(tmp_path, monkeypatch):
+    # Three classes of colour images of several sizes and aspect ratios: resized to 32x32, three channels.
+    _image_folder(tmp_path / 'shapes', ['circle', 'square', 'star'], [(40, 24), (16, 16), (33, 70)], 'RGB')
+    monkeypatch.chdir(tmp_path)
+    tiny = [*TINY_ARGS[:4], '--train-size', '12', '--test-size', '6', *TINY_ARGS[8:]]
+    experiment_command.main(['--out', 'runs', '--data-dir', 'shapes', '--arms', 'lipsformer', '--lrs', '1e-3',
+                             '--seeds', '0', *tiny])
+    result = json.loads(RunFiles(run_dir(tmp_path / 'runs', 'lipsformer', 1e-3, 0)).result.read_text())
+    assert result['settings']['dataset'] == 'shapes'
+    assert (result['settings']['shape']['in_chans'], result['settings']['shape']['num_classes']) == (3, 3)
+    assert result['steps_per_epoch'] == 1 and len(result['test_curve']) == 3
+    experiment_command.main(['--out', 'runs', '--data-dir', 'shapes', '--collect'])
+    experiment_command.main(['--data-dir', 'shapes', '--report', 'docs'])
+    text = (tmp_path / 'docs' / 'stability.md').read_text()
+    assert '## The sweep on shapes' in text and '3 channel(s), 3 classes' in text

@@ -1,28 +1,46 @@
 """The grid of runs (arm x learning rate x seed): claim each unfinished run in turn, resume or start it.
 
-Each run has its folder ``OUT/<arm>/lr<lr>/seed<seed>/`` (its files: :class:`~.training_run.RunFiles`) and a ``lock``
-there, created exclusively by the runner that claims the run and holding its pid, so that several processes can work
-on one grid; a lock whose pid is dead is stale and taken over.
+Each run has its folder ``OUT/torch-<version>/<arm>/lr<lr>/seed<seed>/`` (its files:
+:class:`~.training_run.RunFiles`), so that runs of one grid under another torch (the numerics differ) are runs of
+their own, and a ``lock`` there, created exclusively by the runner that claims the run and holding its pid and host
+name, so that several processes can work on one grid; a lock of this host whose pid is dead is stale and taken over.
+A lock of another host (a grid folder shared between machines) is never taken over: delete it by hand once that
+runner is known to be gone.
+
+The queue runs seed 0 of every (learning rate, arm) first, then seed 1, and so on, so that a grid stopped part-way
+has one seed of every cell before it has three of any; within a seed it takes the rates in ascending order (every arm
+at one rate, then every arm at the next), so that a seed's lower rates of an arm have finished when its higher ones
+come up and a seed that has failed at several consecutive rates can be left out of the higher ones (:mod:`.pruning`).
 """
 import logging
 import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ...utils.io import read_json, write_json
 from .arms import ARMS
+from .pruning import failed_lower_rates, not_run_marker
 from .subsets import Subsets
 from .training_run import RunFiles, RunSettings, train_run
 
-__all__ = ['claim', 'release', 'run_dir', 'run_grid']
+__all__ = ['claim', 'queue', 'release', 'run_dir', 'run_grid']
 
 _logger = logging.getLogger(__name__)
 
 
-def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
-    return Path(out) / arm / f'lr{lr:g}' / f'seed{seed}'
+def run_dir(out: Path, arm: str, lr: float, seed: int, torch_version: str | None = None) -> Path:
+    """The run's folder (under this process's torch version unless another is given)."""
+    return Path(out) / f'torch-{torch_version or torch.__version__}' / arm / f'lr{lr:g}' / f'seed{seed}'
+
+
+def queue(arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int]) -> list[tuple[str, float, int]]:
+    """The runs in the order they are taken: seed by seed, and within a seed every arm at each learning rate, the
+    rates in ascending order."""
+    return [(arm, lr, seed) for seed in seeds for lr in sorted(lrs) for arm in arms]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -35,21 +53,36 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _holder() -> str:
+    """What a lock of this process holds: its pid, and the host name after a space."""
+    return f'{os.getpid()} {socket.gethostname()}'
+
+
+def _stale(holder: str) -> bool:
+    """A lock is stale when its process is dead on this host, or it cannot be read as one."""
+    pid, _, host = holder.partition(' ')
+    if not pid.isdigit():
+        return True
+    if host and host != socket.gethostname():
+        return False
+    return not _pid_alive(int(pid))
+
+
 def _create_lock(lock: Path) -> bool:
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
     with os.fdopen(fd, 'w') as f:
-        f.write(str(os.getpid()))
+        f.write(_holder())
     return True
 
 
 def claim(directory: Path) -> bool:
-    """Take the run's lock; False if a live process holds it.
+    """Take the run's lock; False if a live process (or one of another host) holds it.
 
-    A stale lock (its pid dead, or unreadable) is first renamed to a name of this process's own, which only one
-    claimant can do; if what was renamed turns out not to be the stale lock read before (another runner took it
+    A stale lock (its pid dead on this host, or unreadable) is first renamed to a name of this process's own, which
+    only one claimant can do; if what was renamed turns out not to be the stale lock read before (another runner took it
     over in between), it is put back.
     """
     directory.mkdir(parents=True, exist_ok=True)
@@ -60,7 +93,7 @@ def claim(directory: Path) -> bool:
         holder = lock.read_text()
     except FileNotFoundError:  # released in between
         return _create_lock(lock)
-    if holder.isdigit() and _pid_alive(int(holder)):
+    if not _stale(holder):
         return False
     private = directory / f'lock.stale-{os.getpid()}'
     try:
@@ -82,42 +115,65 @@ def release(directory: Path) -> None:
     """Remove the run's lock if this process holds it."""
     lock = directory / 'lock'
     try:
-        if lock.read_text() == str(os.getpid()):
+        if lock.read_text() == _holder():
             lock.unlink()
     except FileNotFoundError:
         pass
 
 
 def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int], settings: RunSettings,
-             subsets: Subsets, device: torch.device) -> int:
+             subsets: Subsets, device: torch.device, stop_after_failures: int = 0) -> int:
     """Run every unfinished, unclaimed run of the grid; return how many this process finished.
 
     Runs already done (result.json) are skipped, runs claimed by a live process are left to it, interrupted ones
-    resume from their checkpoint. Several processes may work on the same ``out`` at once.
+    resume from their checkpoint. Several processes may work on the same ``out`` at once. With
+    ``stop_after_failures`` n > 0, a run whose seed has failed outright at n consecutive lower rates of its arm is left
+    out instead (:mod:`.pruning`): its folder gets ``not_run.json``, and a later grid with a larger n (or 0) runs it.
     """
+    shape = settings.shape
+    if (subsets.in_chans, subsets.num_classes, subsets.img_size) != (shape.in_chans, shape.num_classes,
+                                                                     shape.img_size):
+        raise ValueError(f'the data has {subsets.in_chans} channel(s), {subsets.num_classes} classes and '
+                         f'{subsets.img_size}x{subsets.img_size} images; the model shape expects {shape.in_chans}, '
+                         f'{shape.num_classes} and {shape.img_size}x{shape.img_size}')
+    if stop_after_failures < 0:
+        raise ValueError(f'stop_after_failures must be 0 (run the full grid) or more, got {stop_after_failures}')
     subsets = subsets.to(device)
     finished = 0
-    for arm in arms:
-        for lr in lrs:
-            for seed in seeds:
-                directory = run_dir(out, arm, lr, seed)
-                files = RunFiles(directory)
-                if files.done() or not claim(directory):
-                    continue
-                try:
-                    if files.done():  # finished by another runner between the check and the claim
-                        continue
-                    start = time.perf_counter()
-                    result = train_run(ARMS[arm], lr, seed, settings, subsets, files, device)
-                    finished += 1
-                    _logger.info('%s lr %g seed %d: %s in %.0f s', arm, lr, seed, _summary(result),
-                                 time.perf_counter() - start)
-                finally:
-                    release(directory)
+    for arm, lr, seed in queue(arms, lrs, seeds):
+        directory = run_dir(out, arm, lr, seed)
+        files = RunFiles(directory)
+        if files.done():
+            continue
+        failed_at = failed_lower_rates([(rate, run_dir(out, arm, rate, seed)) for rate in lrs], lr, settings,
+                                       stop_after_failures)
+        marker = None if failed_at is None else not_run_marker(ARMS[arm], lr, seed, settings, stop_after_failures,
+                                                               failed_at)
+        if marker is not None and files.not_run.exists() and read_json(files.not_run) == marker:
+            continue
+        if not claim(directory):
+            continue
+        try:
+            if files.done():  # finished by another runner between the check and the claim
+                continue
+            if marker is not None:
+                write_json(files.not_run, marker)
+                _logger.info('%s lr %g seed %d: not run, that seed failed at lr %s', arm, lr, seed,
+                             ' and '.join(f'{rate:g}' for rate in failed_at))
+                continue
+            files.not_run.unlink(missing_ok=True)
+            start = time.perf_counter()
+            result = train_run(ARMS[arm], lr, seed, settings, subsets, files, device)
+            finished += 1
+            _logger.info('%s lr %g seed %d: %s in %.0f s', arm, lr, seed, _summary(result),
+                         time.perf_counter() - start)
+        finally:
+            release(directory)
     return finished
 
 
 def _summary(result: dict) -> str:
+    best = max((accuracy for _, accuracy in result['test_curve']), default=float('nan'))
     if result['diverged']:
-        return f'diverged at step {result["diverged_step"]}'
-    return f'test accuracy {result["test_accuracy"]:.4f}'
+        return f'diverged at step {result["diverged_step"]} (best test accuracy {best:.4f})'
+    return f'test accuracy {result["test_accuracy"]:.4f} (best {best:.4f})'

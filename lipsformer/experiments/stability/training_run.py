@@ -1,14 +1,18 @@
 """One run of the stability grid: an arm at a learning rate and seed, trained with resumption and measured per step.
 
-Its folder holds ``config.json`` (the run's settings; resuming with different settings is refused), ``steps.jsonl``
+Its folder holds ``config.json`` (the run's settings and torch version; resuming with different ones is refused),
+``steps.jsonl``
 (one JSON record per optimizer step, appended every log interval), ``checkpoint.pt`` (model, optimizer, scheduler,
 RNG and step, replaced atomically; deleted when the run finishes) and ``result.json`` (written atomically last; its
-presence means the run is done).
+presence means the run is done). A run the grid leaves out (:mod:`.pruning`) has ``not_run.json`` instead, which
+training the run later removes.
 
 Per step: training loss, total gradient norm (L2 over all parameters, before the update; no clipping), the largest
-per-token L2 norm over all block outputs, and the learning rate. Every ``bound_every`` steps (from the first): the
-log10 of the Lipschitz product bound (Theorem 2) over the parts of the network that have a bound. A non-finite loss
-ends the run as diverged at that step.
+per-token L2 norm over all block outputs, and the learning rate. At the first step and every ``bound_every`` steps
+after it (only at the first with the default 0): the log10 of the Lipschitz product bound (Theorem 2) over the parts
+of the network that have a bound; every ``eval_every`` steps (from the first): the test accuracy and loss. Both are of
+the weights the step starts from, so step 1's are those of the initialisation; both are measured again at the end of
+a run that did not diverge. A non-finite loss ends the run as diverged at that step.
 """
 import itertools
 import logging
@@ -26,12 +30,12 @@ from timm.scheduler import CosineLRScheduler
 
 from ...lipschitz import describe, network_bound
 from ...lipschitz.sources import MeasuredNorms
-from ...utils.env import cpu_name
+from ...utils.env import cpu_details
 from ...utils.io import JsonLines, read_json, save_torch, write_json
 from .arms import Arm, ModelShape, build_model
 from .subsets import Batches, Subsets
 
-__all__ = ['RunFiles', 'RunSettings', 'train_run']
+__all__ = ['RunFiles', 'RunSettings', 'accuracy_curve', 'machine', 'train_run']
 
 _logger = logging.getLogger(__name__)
 
@@ -46,10 +50,12 @@ class RunSettings:
     weight_decay: float = 0.05
     min_lr_ratio: float = 0.01  # the cosine decays to lr * this
     warmup_lr_ratio: float = 0.001  # warmup starts at lr * this
-    bound_every: int = 50
+    bound_every: int = 0  # 0: the bound at the first step and at the end only
+    eval_every: int = 50
     checkpoint_every: int = 50
     log_every: int = 10
     synthetic: bool = False
+    dataset: str = 'fashion_mnist'
     shape: ModelShape = field(default_factory=ModelShape)
 
     def as_dict(self) -> dict[str, Any]:
@@ -67,6 +73,7 @@ class RunFiles:
         self.steps = self.directory / 'steps.jsonl'
         self.checkpoint = self.directory / 'checkpoint.pt'
         self.result = self.directory / 'result.json'
+        self.not_run = self.directory / 'not_run.json'
 
     def done(self) -> bool:
         return self.result.exists()
@@ -126,9 +133,10 @@ def score_test_set(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
 
 
 def _checkpoint(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler,
-                seconds: dict[str, float]) -> dict[str, Any]:
+                seconds: dict[str, float], machines: list[dict[str, Any]]) -> dict[str, Any]:
     state = {'step': step, 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
-             'scheduler': scheduler.state_dict(), 'seconds': dict(seconds), 'torch_rng': torch.get_rng_state()}
+             'scheduler': scheduler.state_dict(), 'seconds': dict(seconds), 'machines': machines,
+             'torch_rng': torch.get_rng_state()}
     if torch.cuda.is_available():
         state['cuda_rng'] = torch.cuda.get_rng_state_all()
     return state
@@ -144,10 +152,22 @@ def _check_config(files: RunFiles, config: dict[str, Any]) -> None:
         write_json(files.config, config)
 
 
-def _machine(device: torch.device) -> dict[str, Any]:
-    """Where the run trained, for the report."""
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()
-    return {'device': name, 'threads': torch.get_num_threads(), 'torch': torch.__version__}
+def machine(device: torch.device) -> dict[str, Any]:
+    """Where a run trains: the CPU (name, vendor, family, model, stepping, vector ISA), the GPU if it trains on one,
+    torch's CPU threads and torch's version."""
+    found = {'cpu': cpu_details(), 'threads': torch.get_num_threads(), 'torch': str(torch.__version__)}
+    if device.type == 'cuda':
+        found['gpu'] = torch.cuda.get_device_name(device)
+    return found
+
+
+def accuracy_curve(steps: list[dict[str, Any]], final_step: int | None = None,
+               final_accuracy: float | None = None) -> list[list[float]]:
+    """[updates done, test accuracy] at every evaluation of a run's step records, and at its end if it finished."""
+    curve = [[record['step'] - 1, record['test_accuracy']] for record in steps if 'test_accuracy' in record]
+    if final_accuracy is not None:
+        curve.append([final_step, final_accuracy])
+    return curve
 
 
 def _warmup_steps(arm: Arm, batches: Batches, steps: int) -> int:
@@ -174,7 +194,8 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
         device: Where to train.
     """
     config = {'arm': arm.name, 'lr': lr, 'seed': seed, 'settings': settings.as_dict(),
-              'model_options': arm.model_options, 'warmup_epochs': arm.warmup_epochs}
+              'model_options': arm.model_options, 'warmup_epochs': arm.warmup_epochs,
+              'torch': str(torch.__version__)}
     _check_config(files, config)
     torch.manual_seed(seed)
     model = build_model(arm, settings.shape).to(device)
@@ -184,7 +205,7 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
     scheduler = CosineLRScheduler(
         optimizer, t_initial=settings.steps - warmup_steps, lr_min=lr * settings.min_lr_ratio,
         warmup_t=warmup_steps, warmup_lr_init=lr * settings.warmup_lr_ratio, warmup_prefix=True, t_in_epochs=False)
-    start_step, seconds = 0, {'train': 0.0, 'bound': 0.0, 'eval': 0.0}
+    start_step, seconds, machines = 0, {'train': 0.0, 'bound': 0.0, 'eval': 0.0}, []
     if files.checkpoint.exists():
         state = torch.load(files.checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(state['model'])
@@ -193,11 +214,19 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
         torch.set_rng_state(state['torch_rng'])
         if 'cuda_rng' in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state['cuda_rng'])
-        start_step, seconds = state['step'], state['seconds']
+        start_step, seconds, machines = state['step'], state['seconds'], state.get('machines', [])
+        _logger.info('%s lr %g seed %d: resuming from the checkpoint of step %d', arm.name, lr, seed, start_step)
+    # The CPU time this process spends on the run (what other processes on the core cannot inflate, unlike the wall
+    # times), carried over a resumption.
+    cpu_offset = seconds.pop('cpu', 0.0) - time.process_time()
     files.truncate_steps(start_step)
+    here = machine(device)
+    if here not in machines:
+        machines.append(here)
     monitor = ActivationMonitor([block for stage in model.stages for block in stage.blocks])
     try:
-        diverged_step = _train(model, optimizer, scheduler, batches, settings, files, monitor, start_step, seconds)
+        diverged_step = _train(model, optimizer, scheduler, batches, settings, subsets, files, monitor, start_step,
+                               seconds, machines, cpu_offset)
     finally:
         monitor.remove()
     result = {**config, 'diverged': diverged_step is not None, 'diverged_step': diverged_step,
@@ -209,8 +238,9 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
         start = time.perf_counter()
         result['final_lipschitz'] = lipschitz_log10(model, settings.shape.img_size)
         seconds['bound'] += time.perf_counter() - start
-    result.update(seconds={**seconds, 'total': sum(seconds.values())}, finished_at=time.time(),
-                  machine=_machine(device))
+    result['test_curve'] = accuracy_curve(files.read_steps(), settings.steps, result.get('test_accuracy'))
+    result.update(seconds={**seconds, 'total': sum(seconds.values()), 'cpu': cpu_offset + time.process_time()},
+                  finished_at=time.time(), machine=here, machines=machines)
     write_json(files.result, result)
     files.checkpoint.unlink(missing_ok=True)
     return result
@@ -221,19 +251,28 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _measures_bound(step: int, every: int) -> bool:
+    """Whether step ``step`` measures the bound: the first step, and every ``every`` steps after it unless 0."""
+    return step == 1 or (every > 0 and (step - 1) % every == 0)
+
+
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: CosineLRScheduler, batches: Batches,
-           settings: RunSettings, files: RunFiles, monitor: ActivationMonitor, start_step: int,
-           seconds: dict[str, float]) -> int | None:
+           settings: RunSettings, subsets: Subsets, files: RunFiles, monitor: ActivationMonitor, start_step: int,
+           seconds: dict[str, float], machines: list[dict[str, Any]], cpu_offset: float) -> int | None:
     """Steps ``start_step + 1`` .. ``settings.steps``; the step whose loss was non-finite, or None."""
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
     pending: list[dict[str, Any]] = []
     for step in range(start_step + 1, settings.steps + 1):
         record: dict[str, Any] = {'step': step}
-        if (step - 1) % settings.bound_every == 0:  # the bound of the weights this step starts from
+        if _measures_bound(step, settings.bound_every):  # the bound of the weights this step starts from
             start = time.perf_counter()
             record.update(lipschitz_log10(model, settings.shape.img_size))
             seconds['bound'] += time.perf_counter() - start
+        if (step - 1) % settings.eval_every == 0:
+            start = time.perf_counter()
+            record.update(score_test_set(model, subsets.test_images, subsets.test_labels))
+            seconds['eval'] += time.perf_counter() - start
         start = time.perf_counter()
         scheduler.step_update(step - 1)
         images, labels = batches(step - 1)
@@ -254,5 +293,6 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Cosine
             files.append_steps(pending)
             pending = []
         if step % settings.checkpoint_every == 0 and step < settings.steps:
-            save_torch(_checkpoint(step, model, optimizer, scheduler, seconds), files.checkpoint)
+            cpu = {'cpu': cpu_offset + time.process_time()}
+            save_torch(_checkpoint(step, model, optimizer, scheduler, seconds | cpu, machines), files.checkpoint)
     return None
