@@ -26,7 +26,7 @@ FASHION_MNIST = 'fashion_mnist'
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(',') if v]
+    return [int(v) for v in text.split(',') if v.strip()]
 
 
 def _non_negative(text: str) -> int:
@@ -37,11 +37,11 @@ def _non_negative(text: str) -> int:
 
 
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(',') if v]
+    return [float(v) for v in text.split(',') if v.strip()]
 
 
 def _arms(text: str) -> list[str]:
-    names = [v for v in text.split(',') if v]
+    names = [v.strip() for v in text.split(',') if v.strip()]
     unknown = sorted(set(names) - set(ARMS))
     if unknown:
         raise argparse.ArgumentTypeError(f'unknown arms {unknown}; expected some of {list(ARMS)}')
@@ -61,16 +61,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              'file alone; no training')
     parser.add_argument('--results', type=Path,
                         help='the committed results file (default: results/stability/<dataset>.jsonl)')
-    parser.add_argument('--arms', type=_arms, default=list(ARMS), help='comma-separated arms')
-    parser.add_argument('--lrs', type=_floats, default=list(DEFAULT_LRS), help='comma-separated peak learning rates')
-    parser.add_argument('--seeds', type=_ints, default=list(DEFAULT_SEEDS), help='comma-separated seeds')
+    # defaults as they would be typed, so that --help shows them so (argparse runs string defaults through type)
+    parser.add_argument('--arms', type=_arms, default=', '.join(ARMS), help='comma-separated arms')
+    parser.add_argument('--lrs', type=_floats, default=', '.join(map(str, DEFAULT_LRS)),
+                        help='comma-separated peak learning rates')
+    parser.add_argument('--seeds', type=_ints, default=', '.join(map(str, DEFAULT_SEEDS)), help='comma-separated seeds')
     parser.add_argument('--steps', type=int, default=defaults.steps, help='optimizer steps per run')
     parser.add_argument('--batch-size', type=int, default=defaults.batch_size)
     parser.add_argument('--train-size', type=int, default=defaults.train_size,
                         help='class-balanced train subset (one epoch = one pass over it)')
     parser.add_argument('--test-size', type=int, default=defaults.test_size, help='class-balanced test subset')
     parser.add_argument('--embed-dim', type=int, default=shape.embed_dim)
-    parser.add_argument('--depths', type=_ints, default=list(shape.depths), help='blocks per stage')
+    parser.add_argument('--depths', type=_ints, default=', '.join(map(str, shape.depths)), help='blocks per stage')
     parser.add_argument('--bound-every', type=_non_negative, default=defaults.bound_every,
                         help='steps between Lipschitz-bound measurements after the first step (0: only at the first '
                              'step and at the end)')

@@ -14,12 +14,14 @@ Diverged and stuck are outright failures, known as soon as the run ends (:func:`
 leave a seed out of an arm's higher rates once it has failed outright at consecutive lower ones (:mod:`.pruning`).
 Such a run is shown as not run, apart from the measured failures, and counts as a failure of its seed.
 
-An arm's highest stable rate is the highest learning rate at which every seed trains (none of the three, none left
-out).
+An arm's highest stable rate is the highest learning rate up to which every seed trains at every rate that was run
+(none of the three fails, none is left out); where no rate above it has been run yet, it is a lower bound and the
+report says so.
 
 The tables go between two marker comments of ``stability.md`` named after the data set, so the hand-written analysis
 around them survives regeneration; where the markers are missing, a section with them is added at the end.
 """
+import itertools
 import math
 import statistics
 from pathlib import Path
@@ -110,15 +112,16 @@ def classify(record: dict[str, Any], best: float, settings: dict[str, Any]) -> t
 
 def stable_rates(cells: Cells, arm: str, kinds: dict[int, tuple[str, int | None]],
                  not_run: Cells | None = None) -> tuple[float | None, list]:
-    """The highest rate at which every seed of ``arm`` trains, and each seed's first failure (seed, lr, kind, step).
+    """The highest rate up to which every seed of ``arm`` trains at every rate run, and each seed's first failure
+    (seed, lr, kind, step).
 
     ``kinds`` maps ``id(record)`` to its :func:`classify` result; ``not_run`` holds the runs left out (a cell with one
     is not stable: that seed counts as failed, after the measured failures that pruned it).
     """
     not_run = not_run or {}
     lrs = sorted(lr for a, lr in cells if a == arm)
-    stable = [lr for lr in lrs
-              if all(kinds[id(r)][0] == 'trains' for r in cells[arm, lr]) and not not_run.get((arm, lr))]
+    stable = list(itertools.takewhile(
+        lambda lr: all(kinds[id(r)][0] == 'trains' for r in cells[arm, lr]) and not not_run.get((arm, lr)), lrs))
     failures: dict[int, tuple] = {}
     for lr in lrs:
         for record in cells[arm, lr]:
@@ -181,6 +184,15 @@ def _cell_text(runs: list[dict[str, Any]], kinds: dict[int, tuple[str, int | Non
     return text + (f'; {", ".join(marks)}' if marks else '')
 
 
+def _stable_text(cells: Cells, arm: str, kinds: dict[int, tuple], not_run: Cells) -> str:
+    """The highest stable rate as the tables show it: a lower bound ('>= r') while no higher rate has been run."""
+    rate, _ = stable_rates(cells, arm, kinds, not_run)
+    if rate is None:
+        return 'none'
+    run = [lr for a, lr in [*cells, *not_run] if a == arm]
+    return f'{rate:g}' if max(run) > rate else f'>= {rate:g} (the highest rate run)'
+
+
 def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, Any], not_run: Cells) -> list[str]:
     lines = ['| arm | warmup | best cell: lr, final accuracy % | highest lr where every seed trains | each seed\'s '
              'first failure (seed: lr, kind) |', '|---|---|---|---|---|']
@@ -191,12 +203,12 @@ def _summary_table(cells: Cells, kinds: dict[int, tuple], settings: dict[str, An
         means = {lr: statistics.mean(_as_accuracy(r, settings) for r in cells[arm, lr]) for lr in lrs}
         best_lr = max(lrs, key=lambda lr: means[lr])
         best_cell = _mean_sd([r['final_accuracy'] for r in cells[arm, best_lr] if r['final_accuracy'] is not None])
-        highest, failures = stable_rates(cells, arm, kinds, not_run)
+        _, failures = stable_rates(cells, arm, kinds, not_run)
         by_seed = {(r['lr'], r['seed']): r for lr in lrs for r in cells[arm, lr]}
         failure_text = '; '.join(f'{seed}: {lr:g}, {_failure(kind, step, by_seed[lr, seed], settings)}'
                                  for seed, lr, kind, step in failures)
         warmup = f'{ARMS[arm].warmup_epochs} epochs' if ARMS[arm].warmup_epochs else 'none'
-        lines.append(f'| {arm} | {warmup} | {best_lr:g}: {best_cell} | {"none" if highest is None else f"{highest:g}"} '
+        lines.append(f'| {arm} | {warmup} | {best_lr:g}: {best_cell} | {_stable_text(cells, arm, kinds, not_run)} '
                      f'| {failure_text or "none"} |')
     return lines
 
@@ -205,8 +217,7 @@ def _warmup_table(cells: Cells, kinds: dict[int, tuple], not_run: Cells) -> list
     def highest(arm: str) -> str:
         if not any(a == arm for a, _ in cells):
             return '- (no runs yet)'
-        rate, _ = stable_rates(cells, arm, kinds, not_run)
-        return 'none' if rate is None else f'{rate:g}'
+        return _stable_text(cells, arm, kinds, not_run)
 
     lines = ['| architecture | highest stable lr without warmup | with warmup |', '|---|---|---|']
     for arm, warm in WARMUP_ARM.items():
