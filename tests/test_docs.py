@@ -322,6 +322,28 @@ def test_the_checks_refuse_a_wrong_command_line(line, doc_world, capsys):
         _check(shlex.split(line), capsys)
 
 
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = FENCE.sub('', path.read_text())
+    headings = re.findall(r'^#+\s+(.*?)\s*$', text, re.MULTILINE)
+    return {re.sub(r'[^\w\- ]', '', heading.lower()).replace(' ', '-') for heading in headings}
+
+
+@pytest.mark.parametrize('path', DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    """Every relative link names a file of the repository, and its #anchor a heading there."""
+    text = FENCE.sub('', path.read_text())
+    broken = []
+    for target in re.findall(r'\]\(([^)\s]+)\)', text):
+        if re.match(r'[a-z]+:', target):
+            continue
+        file, _, anchor = target.partition('#')
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists() or (anchor and resolved.suffix == '.md' and anchor not in _anchors(resolved)):
+            broken.append(target)
+    assert not broken, f'{path.name}: links to nothing: {broken}'
+
+
 def test_ci_runs_the_readme_set_up_commands():
     """README's two set-up commands are what .ci/run and scripts/quickstart.sh do."""
     readme = (ROOT / 'README.md').read_text()
