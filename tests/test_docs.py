@@ -344,6 +344,14 @@ def test_relative_links_resolve(path):
     assert not broken, f'{path.name}: links to nothing: {broken}'
 
 
+def test_the_floors_in_installation_md_are_the_pinned_ones():
+    """docs/installation.md's table of floors is .ci/lowest-versions.txt, package for package."""
+    pins = dict(re.findall(r'^([\w-]+)==([\w.]+)', (ROOT / '.ci' / 'lowest-versions.txt').read_text(), re.MULTILINE))
+    table = (ROOT / 'docs' / 'installation.md').read_text().split('| package | floor |', 1)[1].split('\n\n', 1)[0]
+    documented = dict(re.findall(r'^\| ([\w-]+) \| ([\w.]+) \|', table, re.MULTILINE))
+    assert documented == pins
+
+
 def test_ci_runs_the_readme_set_up_commands():
     """README's two set-up commands are what .ci/run and scripts/quickstart.sh do."""
     readme = (ROOT / 'README.md').read_text()
