@@ -18,6 +18,8 @@ that is gone.
   arguments as above; ``sbatch scripts/slurm_train.sh CONFIG RUN_DIR ARGS`` as the ``train.py`` line the script runs.
   ``bash SCRIPT`` is checked with ``bash -n``, and ``python -m pytest PATH`` names test files that exist.
 - A block preceded by ``<!-- docs-test: skip REASON -->`` is left out, and must give its reason.
+- Every relative link names a file and heading that exist; installation.md's floors are ``.ci/lowest-versions.txt``;
+  README's set-up commands are what ``.ci/run`` runs.
 """
 import argparse
 import contextlib
