@@ -305,9 +305,10 @@ def _setup_lines(results: Results, version: str) -> list[str]:
                    f'{", " + r["cpu"]["isa"] if "isa" in r["cpu"] else ""}), {r["threads"]} thread(s)'
                    + (f', GPU {r["gpu"]}' if 'gpu' in r else '') for r in records})
     seconds = [r['cpu_seconds'] for r in records]
+    seeds = ', '.join(str(seed) for seed in sorted({r['seed'] for r in records}))
     return [
         f'{len(records)} runs at torch {version} ({len({r["arm"] for r in records})} arms, '
-        f'{len({r["lr"] for r in records})} learning rates, seeds {sorted({r["seed"] for r in records})}) on '
+        f'{len({r["lr"] for r in records})} learning rates, seeds {seeds}) on '
         f'{settings["dataset"]}: LipsFormer-CSwin embed_dim {shape["embed_dim"]}, depths {tuple(shape["depths"])}, '
         f'{shape["in_chans"]} channel(s), {shape["num_classes"]} classes, {shape["img_size"]}x{shape["img_size"]} '
         f'input; {settings["steps"]} steps of batch {settings["batch_size"]} on {settings["train_size"]} train '
@@ -316,7 +317,8 @@ def _setup_lines(results: Results, version: str) -> list[str]:
         f'seconds a run (median).',
         f'Kinds of failure: diverged (non-finite training loss); stuck (final accuracy below '
         f'{_pct(stuck_below(settings))}%, chance + {STUCK_MARGIN:.0%} of the way to 100%); degraded (final accuracy '
-        f'more than {100 * DEGRADED_POINTS:.0f} points below the arm\'s best cell). A stable rate: every seed trains.',
+        f'more than {100 * DEGRADED_POINTS:.0f} points below the arm\'s best cell). The highest stable rate: every '
+        f'seed trains at it and at every rate below it that was run (">=" while no higher rate has been run).',
         *_not_run_lines([r for r in results.not_run if r['torch'] == version]),
     ]
 
