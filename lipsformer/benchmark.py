@@ -45,7 +45,7 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity, resolve_model_names
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import set_fast_path, use_fast_path
-from lipsformer.hub.model_names import check_model_source, model_source
+from lipsformer.model_names import check_model_source, model_source
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
 from lipsformer.utils.cli import command_name
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .model_names import create_model
 from .utils.cli import command_name
 
 __all__ = ['SDPA_FLOP_FORMULAS', 'build_model', 'complexity_table', 'count_macs', 'model_complexity']
@@ -98,13 +99,14 @@ def build_model(source: str | Callable[..., nn.Module], img_size: int | tuple[in
         img_size: passed to the constructor as ``img_size`` so size-dependent parts (position embeddings, window
             masks) match the input; dropped for constructors that do not take it (CNNs).
         device: where the parameters are created.
-        **create_kwargs: forwarded to ``timm.create_model`` or to the callable.
+        **create_kwargs: forwarded to :func:`lipsformer.model_names.create_model` (``timm.create_model`` with its
+            checks of ``local-dir:`` and ``hf-hub:`` names) or to the callable.
 
     Returns:
         The model in eval mode.
     """
     def create(**kwargs: Any) -> nn.Module:
-        return timm.create_model(source, **kwargs) if isinstance(source, str) else source(**kwargs)
+        return create_model(source, **kwargs) if isinstance(source, str) else source(**kwargs)
 
     with torch.device(device):
         if img_size is None:

@@ -16,7 +16,6 @@ from huggingface_hub.utils import LocalEntryNotFoundError
 from training_support import make_image_folder, tiny_overrides
 
 from lipsformer.benchmark import BenchmarkConfig, _build, parse_model_specs
-from lipsformer.checkpoint import load_file
 from lipsformer.convert import convert
 from lipsformer.evaluation.models import create_eval_model, expand_model_names
 from lipsformer.evaluation.validate_command import main as validate_main
@@ -27,6 +26,7 @@ from lipsformer.lipschitz.report_command import main as lipschitz_main
 from lipsformer.training import ConfigError, load_config, train
 from lipsformer.training.data import resolve_input_spec
 from lipsformer.training.session import create_model as create_training_model
+from lipsformer.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

@@ -14,13 +14,13 @@ from tiny_models import SMALLEST_MODEL
 from training_support import make_webdataset, tiny_overrides
 
 import lipsformer  # noqa: F401
-from lipsformer.checkpoint import CheckpointError
-from lipsformer.checkpoint import load_file as load_file_any
 from lipsformer.training import load_config, train
 from lipsformer.training.finish import write_plots
 from lipsformer.training.overhead import main as overhead_main
 from lipsformer.training.train_state import list_checkpoints
 from lipsformer.utils.io import default_file_mode
+from lipsformer.weight_files import CheckpointError
+from lipsformer.weight_files import load_file as load_file_any
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

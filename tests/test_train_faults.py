@@ -12,9 +12,9 @@ import pytest
 import torch
 from training_support import NAN_AT_CALLS, assert_same_run, make_image_folder, subprocess_env, tiny_overrides
 
-from lipsformer.checkpoint import load_file
 from lipsformer.training import NonFiniteLossError, load_config, train
 from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
+from lipsformer.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

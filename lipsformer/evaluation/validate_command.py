@@ -18,10 +18,10 @@ from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
-from ..checkpoint import CheckpointError
 from ..training.session import end_processes
 from ..utils.cli import command_name
 from ..utils.env import select_device
+from ..weight_files import CheckpointError
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint

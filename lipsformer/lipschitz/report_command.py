@@ -15,10 +15,10 @@ import timm
 import torch
 import yaml
 
-from ..checkpoint import CheckpointError, load_model_weights
-from ..hub.model_names import create_model, model_source
+from ..model_names import create_model, model_source
 from ..utils.cli import HelpFormatter, command_name
 from ..utils.io import write_json
+from ..weight_files import CheckpointError, load_model_weights
 from .analysis import analyze
 
 __all__ = ['build_parser', 'format_report', 'main', 'to_json']
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny, or one with its '
                                                        'weights: local-dir:FOLDER, hf-hub:REPO_ID')
-    parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.checkpoint reads); default: '
+    parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.weight_files reads); default: '
                                              'the model at initialisation')
     parser.add_argument('--use-ema', action='store_true', help='take the EMA weights from the checkpoint')
     parser.add_argument('--img-size', type=int, help='input size (a multiple of 32); default: the model\'s')

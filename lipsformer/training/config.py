@@ -80,7 +80,7 @@ class ModelConfig:
     drop_path_rate: float = _key(0.1, 'Stochastic depth rate of the last block (rises linearly from 0).', _FRACTION)
     pretrained: bool = _key(False, 'Start from the model\'s default pretrained weights (timm pretrained=True).')
     init_checkpoint: str | None = _key(None, 'Start from the weights in this file (fine-tuning); any layout '
-                                             'lipsformer.checkpoint.load_model_weights reads. Not a resume.')
+                                             'lipsformer.weight_files.load_model_weights reads. Not a resume.')
     grad_checkpointing: bool = _key(False, 'Recompute activations in the backward pass to save memory.')
     channels_last: bool = _key(False, 'Use the channels-last memory format (faster convolutions on GPUs).')
     compile: bool = _key(False, 'torch.compile the model (through Accelerate\'s dynamo plugin).')

@@ -33,11 +33,11 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
 from timm.utils import ModelEmaV3
 
-from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
-from ..hub.model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
-from ..hub.model_names import create_model as create_timm_model
+from ..model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
+from ..model_names import create_model as create_timm_model
 from ..utils.env import select_device
+from ..weight_files import check_state_dict, extract_state_dict, load_file
 from .config import Config, ConfigError, LipschitzConfig
 from .data import (
     InputSpec,
@@ -249,7 +249,7 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
 def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     """Start from a file's weights (fine-tuning); a classifier of another size is left at its initialisation.
 
-    Any layout :mod:`lipsformer.checkpoint` reads works, including the authors' files (through the model module's
+    Any layout :mod:`lipsformer.weight_files` reads works, including the authors' files (through the model module's
     ``checkpoint_filter_fn``). Every other mismatch is an error.
     """
     state_dict = extract_state_dict(load_file(path))

@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 from timm.utils import ParseKwargs
 
-from ..checkpoint import CheckpointError
 from ..utils.cli import command_name
 from ..utils.io import os_error_in_chain
+from ..weight_files import CheckpointError
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .launch import LaunchError

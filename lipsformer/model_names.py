@@ -27,8 +27,8 @@ from timm.models import is_model, parse_model_name, resolve_pretrained_cfg, spli
 from timm.models._builder import _resolve_pretrained_source
 from timm.models._hub import download_cached_file
 
-from ..checkpoint import CheckpointError, load_file
-from ..utils.io import read_json
+from .utils.io import read_json
+from .weight_files import CheckpointError, load_file
 
 __all__ = ['ModelSourceError', 'check_model_source', 'classifier_reset_note', 'create_model', 'hub_errors',
            'model_source', 'offline_message', 'unreachable']
@@ -147,7 +147,7 @@ def _pretrained_source(model_name: str, kwargs: dict[str, Any]) -> tuple[str, An
 
 def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
     """``timm.create_model`` that checks a ``local-dir:`` folder first, gives a damaged or unsafe weights file there
-    :mod:`lipsformer.checkpoint`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
+    :mod:`lipsformer.weight_files`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
 
     Raises:
         ModelSourceError: The folder is not a timm model folder, or the Hub cannot be reached or lacks the repo.
@@ -177,7 +177,7 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
 
 
 def _unreadable_weights(folder: str) -> CheckpointError | None:
-    """Our error for the first weights file in ``folder`` that :func:`lipsformer.checkpoint.load_file` refuses."""
+    """Our error for the first weights file in ``folder`` that :func:`lipsformer.weight_files.load_file` refuses."""
     for name in sorted(os.listdir(folder)):
         if name.endswith(_WEIGHT_SUFFIXES):
             try:
