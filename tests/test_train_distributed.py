@@ -189,7 +189,7 @@ def test_tasks_that_slurm_started_without_a_launcher_are_refused_before_the_run_
 
 
 def test_a_launch_accelerate_does_not_join_names_a_launch_line_that_works(monkeypatch):
-    from lipsformer.training.launch import LaunchError, check_process_group
+    from lipsformer.utils.processes import LaunchError, check_process_group
     alone = types.SimpleNamespace(num_processes=1, distributed_type='DistributedType.NO')
     monkeypatch.setenv('WORLD_SIZE', '2')
     monkeypatch.setenv('RANK', '1')

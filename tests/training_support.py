@@ -6,7 +6,6 @@ installed; otherwise from class-dependent synthetic patterns, so the tests never
 import collections
 import contextlib
 import dataclasses
-import gzip
 import io
 import json
 import os
@@ -24,10 +23,10 @@ from timm.models import register_model
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS
 from torch import nn
 
+from lipsformer.data import DEBIAN_FASHION_MNIST, read_fashion_mnist
 from lipsformer.training import run_lock
 from lipsformer.training.train_state import FORMAT_VERSION, META_FILE, Progress
 
-FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 RUN_LOCK_MODULE = run_lock.__file__
 
 
@@ -79,21 +78,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read_idx(path: str) -> np.ndarray:
-    with gzip.open(path, 'rb') as f:
-        data = f.read()
-    dims = data[3]
-    shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], 'big') for i in range(dims)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
-
-
 def grayscale_images(num_classes: int, per_class: int, split: str, seed: int = 0) -> list[tuple[np.ndarray, int]]:
     """``per_class`` 28x28 uint8 images for each of the first ``num_classes`` classes."""
-    prefix = 'train' if split == 'train' else 't10k'
-    images_path = os.path.join(FASHION_MNIST_DIR, f'{prefix}-images-idx3-ubyte.gz')
-    if os.path.isfile(images_path):
-        images = _read_idx(images_path)
-        labels = _read_idx(os.path.join(FASHION_MNIST_DIR, f'{prefix}-labels-idx1-ubyte.gz'))
+    if os.path.isdir(DEBIAN_FASHION_MNIST):
+        images, labels = (t.numpy() for t in read_fashion_mnist('train' if split == 'train' else 'test'))
         chosen = []
         for label in range(num_classes):
             chosen += [(images[i], label) for i in np.flatnonzero(labels == label)[:per_class]]

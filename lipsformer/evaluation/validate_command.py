@@ -10,7 +10,6 @@ Runs on one process, or sharded over devices with ``accelerate launch validate.p
 """
 import argparse
 import logging
-import os
 import sys
 
 import torch
@@ -18,9 +17,8 @@ from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
-from ..training.session import end_processes
 from ..utils.cli import command_name
-from ..utils.env import select_device
+from ..utils.processes import end_processes, select_device, wants_cpu_group
 from ..weight_files import CheckpointError
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
@@ -149,13 +147,13 @@ def _resolve_amp(amp: str | bool | None, amp_dtype: str | None) -> str | None:
 
 
 def _make_accelerator(args: argparse.Namespace) -> Accelerator:
-    # A CPU-only machine launched with several processes (accelerate launch --multi_gpu, torchrun) must use gloo.
-    launched = int(os.environ.get('WORLD_SIZE', '1')) > 1
     try:
         cpu = select_device('cpu' if args.cpu else args.device)
     except ValueError as e:
         raise EvaluationError(str(e)) from e
-    accelerator = Accelerator(cpu=cpu or (launched and not torch.cuda.is_available()),
+    # Several processes launched on a host without an accelerator (accelerate launch --multi_gpu, torchrun) form one
+    # CPU (gloo) group, as in training.
+    accelerator = Accelerator(cpu=cpu or wants_cpu_group(),
                               mixed_precision=args.amp or 'no')
     if args.amp == 'fp16' and accelerator.device.type == 'cpu':
         raise EvaluationError('--amp fp16 runs only on a GPU (on CPU it would silently stay fp32); use --amp bf16 '

@@ -23,8 +23,8 @@ from accelerate.utils import gather_object
 
 from ..model_folder import save_model_folder
 from ..utils.io import atomic_open, default_file_mode, replace_dir, write_json
+from ..utils.processes import distributed_summary
 from ..weight_files import load_file
-from .launch import distributed_summary
 from .optim import best_metric_name
 from .session import Session
 from .train_state import best_checkpoint, is_sharded
