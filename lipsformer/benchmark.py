@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from torch import nn
 
-from lipsformer.complexity import build_model, model_complexity, resolve_model_names
+from lipsformer.complexity import build_model, model_complexity
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import set_fast_path, use_fast_path
-from lipsformer.model_names import check_model_source, model_source
+from lipsformer.model_names import check_model_source, expand_model_names, model_source
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
 from lipsformer.utils.cli import command_name
 
@@ -178,7 +178,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         elif model_source(source):  # local-dir:FOLDER / hf-hub:REPO: the architecture saved there
             check_model_source(source)
         else:
-            resolve_model_names(source)  # raises with close matches if the name is unknown
+            expand_model_names(source)  # raises with close matches if the name is unknown
         specs.append(ModelSpec(item, source, kwargs, fast_path))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')

@@ -24,8 +24,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
 from timm.models import split_model_name_tag
 from timm.utils import ParseKwargs
 
+from .evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from .evaluation.errors import EvaluationError
-from .evaluation.models import create_eval_model, resolve_checkpoint
 from .model_folder import save_model_folder
 from .utils.cli import HelpFormatter, command_name
 from .utils.io import replace_dir

@@ -20,8 +20,8 @@ from lipsformer.complexity import (
     complexity_table,
     main,
     model_complexity,
-    resolve_model_names,
 )
+from lipsformer.model_names import expand_model_names
 
 aten = torch.ops.aten
 
@@ -295,5 +295,5 @@ def test_cli_and_resolver_reject_unknown_models(capsys):
     with pytest.raises(SystemExit):
         main(['--models', 'swin_tiny_patch4_window7_2244'])
     assert 'no timm model matches' in capsys.readouterr().err
-    assert resolve_model_names('swin_tiny_patch4_window7_224,swin_s3_t*') == [
+    assert expand_model_names('swin_tiny_patch4_window7_224,swin_s3_t*') == [
         'swin_tiny_patch4_window7_224', *timm.list_models('swin_s3_t*')]

@@ -17,12 +17,13 @@ from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
+from ..model_names import UnknownModelError, expand_model_names
 from ..utils.cli import command_name
 from ..utils.processes import end_processes, select_device, wants_cpu_group
 from ..weight_files import CheckpointError
+from .checkpoints import ResolvedCheckpoint, create_eval_model, resolve_checkpoint
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
-from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
 from .predict import InferenceSettings
 from .real import load_real_labels
 from .results import format_table, model_record, write_results
@@ -217,7 +218,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
         One results record per model, and the accelerator (which process is the main one).
     """
     _check_args(args)
-    model_names = expand_model_names(args.model, with_weights=not args.checkpoint) if args.model else [None]
+    try:
+        model_names = expand_model_names(args.model, with_weights=not args.checkpoint) if args.model else [None]
+    except UnknownModelError as e:
+        raise EvaluationError(f'--model: {e}' + ('; evaluate one of them with --checkpoint' if 'none with pretrained'
+                                                  in str(e) else '')) from None
     if args.checkpoint and len(model_names) > 1:
         raise EvaluationError(f'--checkpoint holds one model\'s weights but --model names {len(model_names)} models')
     real_labels = None

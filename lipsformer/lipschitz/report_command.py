@@ -11,11 +11,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import timm
 import torch
 import yaml
 
-from ..model_names import create_model, model_source
+from ..model_names import create_model, expand_model_names, model_source
 from ..utils.cli import HelpFormatter, command_name
 from ..utils.io import write_json
 from ..weight_files import CheckpointError, load_model_weights
@@ -121,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = _model_kwargs(args.model_kwargs)
         if args.img_size is not None:
             kwargs['img_size'] = args.img_size
-        if not model_source(args.model) and not timm.is_model(args.model):
-            names = ', '.join(timm.list_models('lipsformer*'))
-            raise ValueError(f'unknown model {args.model!r}; LipsFormer models: {names}')
+        if len(expand_model_names(args.model)) != 1:  # an unknown name raises, naming close ones
+            raise ValueError(f'--model {args.model!r} names several models; the report is of one')
         # A local-dir: or hf-hub: name means its weights, unless --checkpoint gives others.
         model = create_model(args.model, pretrained=bool(model_source(args.model)) and not args.checkpoint, **kwargs)
         if args.checkpoint:
