@@ -45,8 +45,9 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import set_fast_path, use_fast_path
+from lipsformer.fastpath.native import native_kernels
 from lipsformer.model_names import check_model_source, expand_model_names, model_source
-from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
+from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb, write_json
 from lipsformer.utils.cli import command_name
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',

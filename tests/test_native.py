@@ -1,4 +1,4 @@
-"""The C kernels (lipsformer.utils.native) and the one they serve: the 7x7 depthwise weight gradient."""
+"""The C kernels (lipsformer.fastpath.native) and the one they serve: the 7x7 depthwise weight gradient."""
 import hashlib
 import os
 import platform
@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer.fastpath import depthwise_conv
-from lipsformer.utils import native
+from lipsformer.fastpath import depthwise_conv, native
 
 SOURCE = native.CPU_KERNELS
 
