@@ -13,7 +13,8 @@ import timm.models._hub
 import torch
 from accelerate.state import AcceleratorState
 from huggingface_hub.utils import LocalEntryNotFoundError
-from training_support import make_image_folder, tiny_overrides
+from image_data import make_image_folder
+from training_support import tiny_overrides
 
 from lipsformer.benchmark import BenchmarkConfig, _build, parse_model_specs
 from lipsformer.convert import convert

@@ -6,7 +6,9 @@ import os
 
 import pytest
 import yaml
-from training_support import make_image_folder, single_thread, tiny_overrides
+from image_data import make_image_folder
+from process_support import single_thread
+from training_support import tiny_overrides
 
 from lipsformer.training.config_io import config_from_dict
 from lipsformer.training.optim import lr_scale

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 import torch
-from training_support import make_image_folder, subprocess_env, tiny_overrides
+from image_data import make_image_folder
+from process_support import subprocess_env
+from training_support import tiny_overrides
 
 from lipsformer.data import (
     PAD_INDEX,

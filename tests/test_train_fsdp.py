@@ -20,7 +20,8 @@ import sys
 import pytest
 import timm
 import torch
-from training_support import free_port, subprocess_env, tiny_overrides
+from process_support import free_port, subprocess_env
+from training_support import tiny_overrides
 
 from lipsformer.utils.io import default_file_mode
 from lipsformer.weight_files import load_file

@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+from image_data import make_image_folder
+from process_support import single_thread, subprocess_env
 from safetensors.torch import load_file
-from training_support import assert_same_run, make_image_folder, single_thread, subprocess_env, tiny_overrides
+from training_support import assert_same_run, tiny_overrides
 
 from lipsformer.training import load_config, train
 from lipsformer.training.train_state import list_checkpoints, read_meta
