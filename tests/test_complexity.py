@@ -134,7 +134,7 @@ def test_every_fused_attention_kernel_has_the_hand_counted_formula(kernel):
         assert SDPA_FLOP_FORMULAS[backward](grad_out, query, key, value) == 2 * SDPA_BACKWARD_MACS
 
 
-# The kernels this machine can run as the dispatcher runs them: the CUDA ones on meta (they have meta kernels), the
+# The kernels the host can run as the dispatcher runs them: the CUDA ones on meta (they have meta kernels), the
 # CPU one on CPU. Backward goes through each kernel's own autograd formula. Their kernels need dim_v == dim_qk.
 RUNNABLE_KERNELS = {
     '_scaled_dot_product_flash_attention': lambda q, k, v: aten._scaled_dot_product_flash_attention(q, k, v)[0],

@@ -40,7 +40,7 @@ def _assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, grad: torch.T
 
 def _kernel() -> object:
     library = native.load_native(SOURCE)
-    assert library is not None, 'this machine has a C compiler (CI runs on one): the kernel must build'
+    assert library is not None, 'a C compiler is installed (CI has one): the kernel must build'
     return library
 
 

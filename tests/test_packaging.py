@@ -1,4 +1,4 @@
-"""A non-editable install: the four console scripts and the packaged configs (issue 15, point 5)."""
+"""A non-editable install: the four console scripts and the packaged configs."""
 import fnmatch
 import glob
 import importlib

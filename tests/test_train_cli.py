@@ -17,7 +17,7 @@ from lipsformer.training.train_command import TIMM_ALIASES, main, parse_args, ru
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'configs', 'quickstart.yaml')
 
-# The timm train.py flags issue 15 asks for, each with a value and the config key and value it must set.
+# The timm train.py flags that train.py accepts, each with a value and the config key and value it must set.
 TIMM_FLAGS = [
     (['--model', 'resnet18'], 'model.name', 'resnet18'),
     (['-b', '64'], 'train.batch_size', 64),

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart_reaches_88_percent_on_fashion_mnist(tmp_path):
     """README's command 1, scripts/quickstart.sh, in this environment: training, then validate.py on the test split
-    scores the exported weights >= 88% top-1 (the issue's bar). Its wall time is printed, not asserted."""
+    scores the exported weights >= 88% top-1 (the quickstart's target). Its wall time is printed, not asserted."""
     start = time.perf_counter()
     run_dir = tmp_path / 'run'
     result = subprocess.run(['bash', 'scripts/quickstart.sh', str(run_dir)], cwd=REPO, capture_output=True, text=True,

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--branch-iterations', type=int, default=5, help='power iterations per branch')
     parser.add_argument('--no-empirical', action='store_true', help='bounds only (no Jacobian measurements)')
     parser.add_argument('--seed', type=int, default=0, help='seed of the random input and starting vectors')
-    parser.add_argument('--threads', type=int, help='CPU threads (torch.set_num_threads); on a busy machine 1 can be '
-                                                    'several times faster than the default')
+    parser.add_argument('--threads', type=int, help='CPU threads (torch.set_num_threads); on a small or busy CPU, 1 '
+                                                    'avoids threads waiting on each other')
     return parser
 
 

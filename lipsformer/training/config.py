@@ -224,7 +224,7 @@ class TrainConfig:
                                          'avoids threads waiting on each other.', _optional(_POSITIVE_INT))
     cpu_retain_freed_memory: bool = _key(True, 'On a CPU run with glibc (Linux), keep freed memory in the process for '
                                                'reuse instead of unmapping it (lipsformer.cpu_memory): large '
-                                               'activations stop page-faulting every step (docs/benchmarks.md '
+                                               'activations stop page-faulting every step (docs/performance.md '
                                                'measures the gain); the process keeps its peak memory until it '
                                                'exits.')
 

@@ -114,7 +114,7 @@ def select_device(device: str | None, option: str = '--device') -> bool:
     """Prepare this process for timm's ``--device`` before Accelerate starts; returns whether it means the CPU.
 
     None leaves the choice to Accelerate (the accelerator a launch gives each process, else the only one, else the
-    CPU); ``cpu`` is the CPU; an accelerator type (``cuda``, ``mps``, ``xpu``, ...) must be the one this machine has,
+    CPU); ``cpu`` is the CPU; an accelerator type (``cuda``, ``mps``, ``xpu``, ...) must be the one this host has,
     and with an index (``cuda:1``) it becomes the current device of a single-process run.
 
     Args:
@@ -135,7 +135,7 @@ def select_device(device: str | None, option: str = '--device') -> bool:
     present = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if present is None or present.type != wanted.type:
         have = f'its accelerator is {present.type}' if present is not None else 'it has no accelerator'
-        raise ValueError(f'{option} {device}: this machine has no {wanted.type} device ({have}); use cpu'
+        raise ValueError(f'{option} {device}: this host has no {wanted.type} device ({have}); use cpu'
                          + (f' or {present.type}' if present is not None else ''))
     if wanted.index is not None:
         if int(os.environ.get('WORLD_SIZE', '1')) > 1:
