@@ -570,7 +570,8 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device):
         parser.error(f'--device must be cpu, cuda or cuda:N, got {args.device}')
     if args.device.startswith('cuda') and not torch.cuda.is_available():
-        parser.error(f'--device {args.device}: CUDA is not available (torch.cuda.is_available() is False); use --device cpu')
+        parser.error(f'--device {args.device}: CUDA is not available (torch.cuda.is_available() is False); use '
+                     f'--device cpu')
     return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
                            compile=args.compile, channels_last=args.channels_last, device=args.device,
                            warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,
