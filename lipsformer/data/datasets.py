@@ -30,6 +30,7 @@ _MAX_CONSECUTIVE_BAD_IMAGES = 50
 # Index the evaluation sampler yields for padding; the dataset wrapper answers it with a sample labelled -1.
 PAD_INDEX = -1
 
+
 class ImageMode:
     """Convert a PIL image to a colour mode (torchvision datasets hand out Fashion-MNIST as 'L')."""
 
@@ -39,6 +40,7 @@ class ImageMode:
     def __call__(self, image: Image.Image) -> Image.Image:
         return image if image.mode == self.mode else image.convert(self.mode)
 
+
 def _mix(*values: int) -> int:
     """A 32-bit seed from integers (a splitmix64-style hash: nearby keys give unrelated seeds)."""
     mixed = 0x9E3779B97F4A7C15
@@ -46,6 +48,7 @@ def _mix(*values: int) -> int:
         mixed = ((mixed ^ value) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
         mixed = ((mixed ^ (mixed >> 31)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (mixed ^ (mixed >> 29)) & 0xFFFFFFFF
+
 
 @contextlib.contextmanager
 def seeded_randomness(*key: int) -> Iterator[None]:
@@ -70,6 +73,7 @@ def seeded_randomness(*key: int) -> Iterator[None]:
             random.setstate(state[0])
             np.random.set_state(state[1])
             torch.default_generator.set_state(state[2])
+
 
 class RobustDataset(Dataset):
     """Wraps a map-style dataset: padding indices and unreadable images never crash a run.
@@ -144,10 +148,12 @@ class RobustDataset(Dataset):
         except Exception:
             return '(file name unknown)'
 
+
 def skipped_images(dataset: Any) -> int:
     """Unreadable images a :class:`RobustDataset` has skipped so far (0 for any other dataset: a stream's reader
     skips them itself)."""
     return dataset.skipped_images() if isinstance(dataset, RobustDataset) else 0
+
 
 def class_map_of(dataset: Dataset) -> dict[str, int] | None:
     """The class name -> index map of an image-folder (or tar) dataset or a torchvision dataset, else None."""
@@ -159,6 +165,7 @@ def class_map_of(dataset: Dataset) -> dict[str, int] | None:
         class_to_idx = getattr(reader, 'class_to_idx', None) or getattr(reader, 'class_name_to_idx', None)
     return dict(class_to_idx) if class_to_idx else None
 
+
 def num_classes_of(dataset: Dataset) -> int | None:
     """The number of classes a dataset knows about (the largest index + 1), or None when it cannot tell."""
     class_to_idx = class_map_of(dataset)
@@ -166,6 +173,7 @@ def num_classes_of(dataset: Dataset) -> int | None:
         return max(class_to_idx.values()) + 1
     classes = getattr(getattr(dataset, 'dataset', dataset), 'classes', None)
     return len(classes) if classes else None
+
 
 def class_names_of(dataset: Dataset) -> list[str] | None:
     """Class names in index order when the dataset has them (saved with checkpoints and in the export)."""
