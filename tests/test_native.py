@@ -168,7 +168,7 @@ def test_the_library_is_built_once_per_cpu_and_rebuilt_when_damaged(tmp_path, mo
     library.write_bytes(b'not a shared library')
     native.load_native.cache_clear()
     with pytest.warns(RuntimeWarning, match='does not have the SHA-256 recorded when it was built; its C kernel '
-                                            'layers/cpu_kernels.c was built again, in its place'):
+                                            'fastpath/cpu_kernels.c was built again, in its place'):
         assert _kernel() is not None
     assert builds.read_text().count('build') == 3
     # A library that passes every check and still does not load (damaged before its hash was recorded): removed.
@@ -247,10 +247,10 @@ def test_a_library_someone_else_could_have_written_is_never_loaded(case, tmp_pat
         'library of another user': f'the cached library {library} belongs to nobody .uid {_nobody_uid()}., not to '
                                    f'this user',
         'library writable by its group': f'the cached library {library} can be written by its group .mode 775.; its C '
-                                         f'kernel layers/cpu_kernels.c was built again, in its place',
+                                         f'kernel fastpath/cpu_kernels.c was built again, in its place',
         'library not as built': f'the cached library {library} does not have the SHA-256 recorded when it was built',
         'folder of another user': f'the kernel cache folder {cache} belongs to nobody .uid {_nobody_uid()}., not to '
-                                  f'this user, .*, so nothing in it is loaded; its C kernel layers/cpu_kernels.c was '
+                                  f'this user, .*, so nothing in it is loaded; its C kernel fastpath/cpu_kernels.c was '
                                   f'built in a private temporary folder',
         'folder writable by all': f'the kernel cache folder {cache} can be written by its group and other users .mode '
                                   f'777., so nothing in it is loaded',
@@ -304,7 +304,7 @@ def test_a_cache_folder_that_cannot_be_written_builds_privately_and_says_which_v
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert re.search(f'the kernel cache folder {cache} cannot be written .(Permission denied|Operation not permitted|'
-                     f'Read-only file system).; its C kernel layers/cpu_kernels.c was built in a private temporary '
+                     f'Read-only file system).; its C kernel fastpath/cpu_kernels.c was built in a private temporary '
                      f'folder', message), message
     assert 'Set LIPSFORMER_CACHE_DIR' in message and 'Set CC' not in message and list(cache.iterdir()) == []
 
@@ -312,7 +312,7 @@ def test_a_cache_folder_that_cannot_be_written_builds_privately_and_says_which_v
 def test_a_compiler_that_fails_without_a_word_still_gets_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(tmp_path / 'cache'))
     monkeypatch.setenv('CC', '/bin/false')
-    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/cpu_kernels.c with '
+    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel fastpath/cpu_kernels.c with '
                                             r'/\S*false \(/\S*false exited with status 1 and printed nothing\)'):
         assert native.load_native(SOURCE) is None
 
