@@ -34,7 +34,7 @@ _DRIVER = '''
 import os, runpy, sys, time
 import probe_models
 probe_models.register_probe_model()
-import lipsformer.training.data as data
+import lipsformer.data.sources as data
 rank = os.environ['RANK']
 if os.environ.get('ELSEWHERE') and rank == '1':
     sys.argv[sys.argv.index('--output') + 1] += '-elsewhere'

@@ -152,7 +152,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
     name, split = request.dataset, request.split or 'validation'
     try:
         if name.lower().startswith('torch/'):
-            check_torchvision_split(name, split, 'split')
+            check_torchvision_split(name, split, 'data.split')
         prepare_dataset(name, request.data_dir, request.download)
         dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
                                  download=request.download)

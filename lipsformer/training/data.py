@@ -13,32 +13,19 @@
 - Batches: images leave the workers as uint8 and are normalised on the device by timm's ``PrefetchLoader``.
 """
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from timm.data import create_dataset, create_transform, resolve_data_config
+from timm.data import create_transform, resolve_data_config
 from timm.data.loader import PrefetchLoader, fast_collate
 from timm.data.random_erasing import RandomErasing
-from timm.data.readers.class_map import load_class_map
 from timm.models import get_pretrained_cfg
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
-from torchvision import transforms
 
-from ..data.datasets import PAD_INDEX, ImageMode, RobustDataset, class_map_of
-from ..data.fashion_mnist import prepare_dataset
-from ..data.splits import (
-    DatasetError,
-    DatasetNotFoundError,
-    check_split_classes,
-    check_torchvision_split,
-    class_folders_without_images,
-    listing,
-    loose_images,
-    split_folder,
-)
+from ..data.datasets import PAD_INDEX
+from ..data.sources import DataSource, open_split
 from .config import Config
 from .signals import ignore_stop_signals
 
@@ -82,7 +69,8 @@ def resolve_input_spec(config: Config) -> InputSpec:
 
 def create_split(config: Config, spec: InputSpec, is_training: bool,
                  class_map: Mapping[str, int] | None = None) -> Dataset:
-    """A timm dataset for the training or validation split with its transform attached.
+    """The run's training or validation split with its transform attached (:func:`lipsformer.data.open_split` with
+    the config's ``data.*``).
 
     Args:
         config: The run's config.
@@ -95,89 +83,13 @@ def create_split(config: Config, spec: InputSpec, is_training: bool,
         DatasetError: The split's classes do not fit the run's class map.
     """
     data = config.data
-    if data.data_dir is None and not data.dataset.lower().startswith(('hfds/', 'hfids/')):
-        raise DatasetNotFoundError('data.data_dir is not set: give the dataset folder with --data-dir PATH (or '
-                                   'data.data_dir=PATH)')
+    source = DataSource(dataset=data.dataset, data_dir=data.data_dir, download=data.download,
+                        class_map=data.class_map or '', in_chans=config.model.in_chans,
+                        batch_size=config.train.batch_size, seed=config.train.seed, num_workers=data.num_workers)
     key = 'train_split' if is_training else 'val_split'
-    if data.dataset.lower().startswith('torch/'):
-        check_torchvision_split(data.dataset, getattr(data, key), key)
-    prepare_dataset(data.dataset, data.data_dir, data.download)  # may unpack a local copy into data_dir first
-    if data.data_dir is not None and not os.path.exists(data.data_dir) and not data.download:
-        raise DatasetNotFoundError(f'data.data_dir {data.data_dir!r} does not exist')
-    if _is_image_folder(data.dataset):
-        dataset = _open_folder_split(config, key, is_training, class_map)
-    else:
-        dataset = _open_split(config, key, is_training, data.data_dir, class_map=data.class_map or '')
     transform = create_train_transform(config, spec) if is_training else create_eval_transform(spec)
-    if data.dataset.lower().startswith('torch/'):
-        transform = _compose(ImageMode(_image_mode(config)), transform)
-    dataset.transform = transform
-    if isinstance(dataset, IterableDataset):
-        dataset.set_loader_cfg(num_workers=data.num_workers)
-        return dataset
-    where = f'data.{key} {getattr(data, key)!r} under {data.data_dir!r}'
-    if len(dataset) == 0:
-        raise DatasetNotFoundError(f'{where} holds no images')
-    return RobustDataset(dataset, is_training=is_training, where=where, loader_workers=data.num_workers)
-
-
-def _image_mode(config: Config) -> str:
-    return 'L' if config.model.in_chans == 1 else 'RGB'
-
-
-def _is_image_folder(dataset: str) -> bool:
-    """timm reads a name without a ``prefix/`` as a folder (or tar) of class folders; torchvision's ImageFolder too."""
-    return '/' not in dataset or dataset.lower() in ('torch/image_folder', 'torch/folder')
-
-
-def _open_split(config: Config, key: str, is_training: bool, root: str | None,
-                class_map: Mapping[str, int] | str = '') -> Dataset:
-    """``create_dataset`` for one split, its failures reported as a :class:`DatasetNotFoundError`."""
-    data, split = config.data, getattr(config.data, key)
-    num_samples = data.train_num_samples if is_training else data.val_num_samples
-    try:
-        return create_dataset(
-            data.dataset, root=root, split=split, search_split=False, is_training=is_training, class_map=class_map,
-            download=data.download, batch_size=config.train.batch_size, num_samples=num_samples,
-            seed=config.train.seed, input_img_mode=_image_mode(config))
-    except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
-        raise DatasetNotFoundError(f'data.{key}: cannot open the {split!r} split of dataset '
-                                   f'{data.dataset or "(image folder)"!r} under {data.data_dir!r}: '
-                                   f'{e or type(e).__name__}') from e
-
-
-def _open_folder_split(config: Config, key: str, is_training: bool, class_map: Mapping[str, int] | None) -> Dataset:
-    """An image-folder split, labelled with the run's one class map (see :mod:`lipsformer.data.splits`)."""
-    data = config.data
-    root = split_folder(data.data_dir, getattr(data, key), f'data.{key}')
-    loose = loose_images(root)
-    if loose:
-        raise DatasetError(
-            f'data.{key}: {root!r} holds {len(loose)} image(s) outside any class folder ({listing(loose, 3)}); an '
-            f'image-folder split is <split>/<class>/<image>, its classes being its sub-folders. Move each image into '
-            f'the folder of its class')
-    dataset = _open_split(config, key, is_training, root)
-    found = class_map_of(dataset) or {}
-    reference, source = class_map, 'the training split\'s classes'
-    if data.class_map:
-        reference, source = load_class_map(data.class_map, data.data_dir), 'the classes of data.class_map'
-    if reference is None:  # the training split decides the classes
-        empty = class_folders_without_images(root, found)
-        if empty:
-            raise DatasetError(
-                f'data.{key}: class folder(s) {", ".join(sorted(empty))} under {root!r} hold no images; a class the '
-                f'model never sees cannot be learned, and leaving it out would renumber the classes after it. Add '
-                f'its images, or remove the folder from every split')
-        return dataset
-    check_split_classes(found, reference, f'data.{key}: {root!r}', source)
-    if any(reference[name] != index for name, index in found.items()):
-        if not hasattr(dataset, 'reader'):
-            raise DatasetError(f'data.{key}: {root!r} lacks some classes of {source}, and torchvision\'s ImageFolder '
-                               f'(data.dataset={data.dataset!r}) would number the rest differently; use '
-                               f'data.dataset=\'\' (timm\'s folder reader), which labels it with the classes of '
-                               f'{source}')
-        dataset = _open_split(config, key, is_training, root, class_map=dict(reference))
-    return dataset
+    return open_split(source, getattr(data, key), f'data.{key}', is_training, transform, class_map=class_map,
+                      num_samples=data.train_num_samples if is_training else data.val_num_samples)
 
 
 def create_train_transform(config: Config, spec: InputSpec) -> Any:
@@ -194,10 +106,6 @@ def create_eval_transform(spec: InputSpec) -> Any:
     interpolation = 'bicubic' if spec.interpolation == 'random' else spec.interpolation
     return create_transform(spec.input_size, is_training=False, interpolation=interpolation, mean=spec.mean,
                             std=spec.std, crop_pct=spec.crop_pct, crop_mode=spec.crop_mode, use_prefetcher=True)
-
-
-def _compose(first: Any, rest: Any) -> Any:
-    return transforms.Compose([first, *getattr(rest, 'transforms', [rest])])
 
 
 class ShardedTrainSampler(Sampler[int]):

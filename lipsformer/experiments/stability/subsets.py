@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from timm.data import create_transform
 
-from ...data import class_map_of, prepare_dataset, read_fashion_mnist
-from ...training.config import Config
-from ...training.data import InputSpec, create_eval_transform, create_split
+from ...data import DataSource, class_map_of, open_split, prepare_dataset, read_fashion_mnist
 
 __all__ = ['Batches', 'Subsets', 'balanced_indices', 'load_image_folder', 'load_subsets', 'synthetic_subsets']
 
@@ -99,12 +98,13 @@ def _folder_split(root: str, img_size: int, in_chans: int, is_training: bool,
                   class_map: dict[str, int] | None = None):
     """One split of an image folder through the package's reader (split synonyms, one class map for both splits,
     unreadable images skipped), each image resized (shorter side) and centre-cropped to ``img_size``, as uint8."""
-    config = Config()
-    config.data.data_dir, config.data.num_workers, config.model.in_chans = root, 0, in_chans
-    spec = InputSpec(input_size=(in_chans, img_size, img_size), mean=(0.0,) * in_chans, std=(1.0,) * in_chans,
-                     interpolation='bicubic', crop_pct=1.0, crop_mode='center')
-    dataset = create_split(config, spec, is_training=is_training, class_map=class_map)
-    dataset.dataset.transform = create_eval_transform(spec)  # no random crops: the subsets are fixed tensors
+    # No random crops: the subsets are fixed tensors. uint8 out (the prefetcher's transform), normalised later.
+    transform = create_transform((in_chans, img_size, img_size), is_training=False, interpolation='bicubic',
+                                 mean=(0.0,) * in_chans, std=(1.0,) * in_chans, crop_pct=1.0, crop_mode='center',
+                                 use_prefetcher=True)
+    split, option = ('train', 'the training split') if is_training else ('validation', 'the validation split')
+    dataset = open_split(DataSource(data_dir=root, in_chans=in_chans), split, option, is_training, transform,
+                         class_map=class_map)
     dataset.is_training = False  # an unreadable image's stand-in is labelled -1 and left out, not counted twice
     return dataset
 
