@@ -12,6 +12,7 @@ model. Any download of weights that cannot reach its host (``pretrained=True``, 
 weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsformer.convert`` and ``local-dir:``.
 """
 import contextlib
+import difflib
 import fnmatch
 import os
 import socket
@@ -231,7 +232,9 @@ def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
         else:
             matches = [part] if is_model(split_model_name_tag(part)[0]) else []
         if not matches:
-            close = fnmatch.filter(timm.list_models(), f'*{part.strip("*")}*')[:5]
+            registered = timm.list_models()
+            close = (fnmatch.filter(registered, f'*{part.strip("*")}*')
+                     or difflib.get_close_matches(part.strip('*'), registered, n=5, cutoff=0.6))[:5]
             raise UnknownModelError(f'no timm model matches {part!r}' + (f'; did you mean {close}?' if close else '')
                                     + ' (timm.list_models() lists the registered ones; LipsFormer models are '
                                     'registered by `import lipsformer`)')

@@ -15,10 +15,13 @@ command-line front; :func:`train` with a :class:`Config` from :func:`load_config
 - :mod:`.loop`: one training epoch and one evaluation pass; :mod:`.signals`: graceful stop on SIGTERM / SIGINT;
 - :mod:`.train_state`: resumable checkpoints with RNG and distributed states, the newest and the best of a run;
 - :mod:`.trackers`: TensorBoard, wandb and MLflow through Accelerate (``log.trackers``);
-- :mod:`.run_files`: a run folder's ``config.yaml``, ``train.log`` and ``metrics.jsonl``;
+- :mod:`.run_files`: a run folder's ``config.yaml``, ``train.log`` and ``metrics.jsonl``; :mod:`.run_lock`: one run
+  at a time in a run folder;
 - :mod:`.trainer`: :func:`train`, a run from its start or a checkpoint to its end; :mod:`.finish`: timm-format exports,
   plots and ``summary.json``;
 - :mod:`.overhead`: what the loop costs on top of the model (``python -m lipsformer.training.overhead``).
+
+The device, the process group and the teardown are :mod:`lipsformer.utils.processes`, shared with validate.py.
 """
 from ..data import DatasetError, DatasetNotFoundError
 from .config import Config, ConfigError
