@@ -1,16 +1,22 @@
 """LipsFormer (Qi et al., ICLR 2023) for timm: importing this package registers every LipsFormer model with timm.
 
-- :mod:`.models` (LipsFormer-Swin and -CSwin) built from :mod:`.layers` (one Lipschitz concept per file);
-- :mod:`.checkpoint`: weight files of any layout (timm, exports, the authors'), loaded without running pickled code;
-  :mod:`.convert` makes timm model folders of them, :mod:`.hub` model cards, Hub uploads and ``hf-hub:`` /
-  ``local-dir:`` names;
-- :mod:`.training` (train.py), :mod:`.evaluation` (validate.py), :mod:`.lipschitz` (bounds, estimates, constrained
-  training) and :mod:`.experiments` (the paper's claims in miniature);
-- :mod:`.complexity` and :mod:`.benchmark`: parameters, MACs, speed and memory; :mod:`.cpu_memory`: CPU allocator
-  tuning; :mod:`.utils`: crash-safe file writes and machine facts shared by all of them.
+The parts, each depending only on those listed before it:
+
+- :mod:`.utils`: crash-safe file writes, machine facts, process start-up and teardown, what the commands share;
+- :mod:`.weight_files`: weight files of any layout (timm, exports, the authors'), read without running pickled code;
+- :mod:`.fastpath`: the optional faster kernels behind one switch (and the C kernels they compile);
+- :mod:`.layers` (one Lipschitz concept per file) and :mod:`.models` (LipsFormer-Swin and -CSwin) built from them;
+- :mod:`.model_names`: ``hf-hub:`` / ``local-dir:`` and registered names, resolved the same way by every command;
+  :mod:`.model_folder`: the timm model folders that exports and conversions write;
+- :mod:`.data`: the data readers (image folders, torchvision and Hugging Face data sets, WebDataset shards,
+  Fashion-MNIST's IDX files) that training, evaluation and the experiments share;
+- :mod:`.lipschitz` (bounds, estimates, constrained training), :mod:`.complexity` (parameters, MACs) and
+  :mod:`.cpu_memory` (CPU allocator tuning);
+- :mod:`.training` (train.py), :mod:`.evaluation` (validate.py), :mod:`.hub` (model cards, uploads),
+  :mod:`.convert`, :mod:`.benchmark` and :mod:`.experiments` (the paper's claims in miniature).
 """
-from . import checkpoint, models
+from . import models, weight_files
 from .models import LipsFormerCSwin, LipsFormerSwin
 
 __version__ = '0.1.0'
-__all__ = ['LipsFormerCSwin', 'LipsFormerSwin', 'checkpoint', 'models']
+__all__ = ['LipsFormerCSwin', 'LipsFormerSwin', 'models', 'weight_files']

@@ -1,6 +1,6 @@
 """Throughput and memory benchmark of timm models, LipsFormer's included: ``python -m lipsformer.benchmark``.
 
-Example (the CPU comparison of ``docs/benchmarks.md``)::
+Example (the CPU comparison of ``docs/performance.md``)::
 
     python -m lipsformer.benchmark --models lipsformer_swin_tiny,swin_tiny_patch4_window7_224 \\
         --mode infer,train --batch-size 16 --img-size 224 --precision fp32 --device cpu --json cpu.json
@@ -14,7 +14,7 @@ name files you trust). Per model and mode it reports images/s (models interleave
 repeat, median of the repeats), the median and interquartile range of its per-repeat ratios to the first model
 (paired within each repeat: the steadier figure when another job disturbs some repeats), the process's minor page
 faults per timed step, peak memory (each model in a fresh process), activations saved for backward per image,
-params, GMACs and TFLOP/s, with ratios to the first model; ``docs/benchmarks.md`` says how each is measured.
+params, GMACs and TFLOP/s, with ratios to the first model; ``docs/performance.md`` says how each is measured.
 """
 
 import argparse
@@ -42,11 +42,12 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from torch import nn
 
-from lipsformer.complexity import build_model, model_complexity, resolve_model_names
+from lipsformer.complexity import build_model, model_complexity
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import set_fast_path, use_fast_path
-from lipsformer.hub.model_names import check_model_source, model_source
-from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, native_kernels, peak_rss_mb, write_json
+from lipsformer.fastpath.native import native_kernels
+from lipsformer.model_names import check_model_source, expand_model_names, model_source
+from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb, write_json
 from lipsformer.utils.cli import command_name
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
@@ -95,8 +96,8 @@ class BenchmarkConfig:
     compile: bool = False
     channels_last: bool = False
     device: str = 'cpu'
-    # Five: without retained memory (--no-retain-cpu-memory) timm's Swin-T page-faults its activations in again for
-    # about five training steps on CPU, ours for fewer; fewer warm-up steps time its transient (docs/benchmarks.md).
+    # Without retained memory (--no-retain-cpu-memory) a model page-faults its activations in again for its first few
+    # training steps on CPU: fewer warm-up steps would time that transient, more cost run time (docs/performance.md).
     warmup: int = 5
     repeats: int = 5
     steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
@@ -178,7 +179,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         elif model_source(source):  # local-dir:FOLDER / hf-hub:REPO: the architecture saved there
             check_model_source(source)
         else:
-            resolve_model_names(source)  # raises with close matches if the name is unknown
+            expand_model_names(source)  # raises with close matches if the name is unknown
         specs.append(ModelSpec(item, source, kwargs, fast_path))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')
@@ -336,7 +337,7 @@ def _reset_peak_rss() -> float | None:
 
 
 def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
-    """Peak memory in MiB of warm-up steps of one model and mode, run in a fresh process (docs/benchmarks.md)."""
+    """Peak memory in MiB of warm-up steps of one model and mode, run in a fresh process (docs/performance.md)."""
     benchmark_config = BenchmarkConfig(**config)
     _configure_process(benchmark_config)
     spec, = parse_model_specs(spec_text)
@@ -375,8 +376,8 @@ def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: 
     """(seconds, page faults per step) of every timed run of every model, models interleaved within each repeat."""
     steps = [spec.running(_make_step(model, inputs, mode, config)) for spec, (model, inputs) in zip(specs, models)]
     names = [spec.text for spec in specs]
-    # Warmed up in the timed runs' order: warmed up alone, then left idle while the others warmed up, timm's Swin-T
-    # took 1.35-1.6x its median time for its first timed training step (docs/benchmarks.md, session 10).
+    # Warmed up in the timed runs' order: a model warmed up alone, then left idle while the others warm up, runs its
+    # first timed training step slower than its median (docs/performance.md).
     _log(f'warm-up: {mode}, {config.warmup} step(s) of each of {", ".join(names)}, interleaved')
     for order in interleaved_order(len(models), config.warmup):
         for index in order:
@@ -488,7 +489,7 @@ def environment(device: str) -> dict:
     info = {
         'python': platform.python_version(), 'torch': torch.__version__, 'timm': timm.__version__,
         'platform': platform.platform(), 'cpu': cpu_name(), 'cpu_count': os.cpu_count(),
-        'cpu_details': cpu_details(),  # two guests both named "AMD EPYC" gave different ratios (docs/benchmarks.md)
+        'cpu_details': cpu_details(),  # CPUs sold under one name differ in generation and flags, and so in ratios
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'native_kernels': native_kernels(),  # the C kernels in use: without them the CPU backward is slower
         'fast_path': use_fast_path(),  # the switch (LIPSFORMER_FAST_PATH); a model spec's fast_path=False overrides it
@@ -569,7 +570,8 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device):
         parser.error(f'--device must be cpu, cuda or cuda:N, got {args.device}')
     if args.device.startswith('cuda') and not torch.cuda.is_available():
-        parser.error(f'--device {args.device}: CUDA is not available on this machine; use --device cpu')
+        parser.error(f'--device {args.device}: CUDA is not available (torch.cuda.is_available() is False); use '
+                     f'--device cpu')
     return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
                            compile=args.compile, channels_last=args.channels_last, device=args.device,
                            warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,

@@ -24,16 +24,15 @@ Command line (the README model table is made with ``--markdown``)::
     python -m lipsformer.complexity --models 'lipsformer*' --markdown
 """
 import argparse
-import fnmatch
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import timm
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .model_names import create_model, expand_model_names
 from .utils.cli import command_name
 
 __all__ = ['SDPA_FLOP_FORMULAS', 'build_model', 'complexity_table', 'count_macs', 'model_complexity']
@@ -98,13 +97,14 @@ def build_model(source: str | Callable[..., nn.Module], img_size: int | tuple[in
         img_size: passed to the constructor as ``img_size`` so size-dependent parts (position embeddings, window
             masks) match the input; dropped for constructors that do not take it (CNNs).
         device: where the parameters are created.
-        **create_kwargs: forwarded to ``timm.create_model`` or to the callable.
+        **create_kwargs: forwarded to :func:`lipsformer.model_names.create_model` (``timm.create_model`` with its
+            checks of ``local-dir:`` and ``hf-hub:`` names) or to the callable.
 
     Returns:
         The model in eval mode.
     """
     def create(**kwargs: Any) -> nn.Module:
-        return timm.create_model(source, **kwargs) if isinstance(source, str) else source(**kwargs)
+        return create_model(source, **kwargs) if isinstance(source, str) else source(**kwargs)
 
     with torch.device(device):
         if img_size is None:
@@ -243,24 +243,6 @@ def _build_for_counting(source: str | Callable[..., nn.Module], img_size: int | 
                            f'{error}); its constructor needs real tensors, count it with device="cpu"') from error
 
 
-def resolve_model_names(patterns: str) -> list[str]:
-    """Expand a comma list of timm model names and wildcard patterns (``'lipsformer*,swin_tiny*'``) in order.
-
-    Raises:
-        ValueError: a pattern matches no registered model.
-    """
-    names = []
-    for pattern in filter(None, (part.strip() for part in patterns.split(','))):
-        matches = timm.list_models(pattern) if any(char in pattern for char in '*?[') else (
-            [pattern] if timm.is_model(pattern) else [])
-        if not matches:
-            close = fnmatch.filter(timm.list_models(), f'*{pattern.strip("*")}*')[:5]
-            raise ValueError(f'no timm model matches {pattern!r}' + (f'; did you mean {close}?' if close else '') +
-                             ' (lipsformer models are registered by `import lipsformer`)')
-        names += [name for name in matches if name not in names]
-    return names
-
-
 def complexity_table(rows: list[dict], markdown: bool = False) -> str:
     """Format ``model_complexity`` results as an aligned text table or a Markdown table."""
     header = ['model', 'input', 'params (M)', 'GMACs']
@@ -286,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument('--markdown', action='store_true', help='print a Markdown table')
     args = parser.parse_args(argv)
     try:
-        names = resolve_model_names(args.models)
+        names = expand_model_names(args.models)
     except ValueError as error:
         parser.error(str(error))
     create_kwargs = {} if args.num_classes is None else {'num_classes': args.num_classes}

@@ -9,7 +9,7 @@ SRC is an authors' checkpoint (``{'model', ..., 'config'}``; the architecture, c
 come from its yacs config), or anything validate.py's ``--checkpoint`` takes: a training run folder, an export, a
 checkpoint folder, a ``.safetensors`` or a timm ``train.py`` checkpoint (``model_best.pth.tar``, whose saved arguments
 name the model); ``--model`` names the architecture when nothing in or next to the file does, and takes precedence
-over an authors' config. Files are read by :mod:`lipsformer.checkpoint`, which never runs pickled code.
+over an authors' config. Files are read by :mod:`lipsformer.weight_files`, which never runs pickled code.
 """
 import argparse
 import logging
@@ -24,12 +24,12 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
 from timm.models import split_model_name_tag
 from timm.utils import ParseKwargs
 
-from .checkpoint import CheckpointError, load_checkpoint_dict, load_file
+from .evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from .evaluation.errors import EvaluationError
-from .evaluation.models import create_eval_model, resolve_checkpoint
-from .hub.model_folder import save_model_folder
+from .model_folder import save_model_folder
 from .utils.cli import HelpFormatter, command_name
 from .utils.io import replace_dir
+from .weight_files import CheckpointError, load_checkpoint_dict, load_file
 
 __all__ = ['ConversionError', 'authors_model_config', 'convert', 'main']
 

@@ -7,7 +7,7 @@ them on every step, and the kernel zero-fills every 4 KiB page on its first touc
 activations alone are 77 MiB per block at batch 16 and 224). :func:`retain_freed_memory` turns ``mmap`` allocation
 off and raises the trim threshold, so freed blocks stay in the heap and the next step reuses them, as PyTorch's CUDA
 caching allocator does on a GPU. The price: the process keeps its peak resident memory until it exits
-(``malloc_trim`` still hands free pages back on request). docs/benchmarks.md ("The CPU allocator") gives the
+(``malloc_trim`` still hands free pages back on request). docs/performance.md gives the
 measured page faults and step times. The same effect from outside the process: ``MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=2147483647``, or ``LD_PRELOAD`` of jemalloc or tcmalloc.
 """

@@ -1,10 +1,21 @@
-"""Fixtures shared by the test modules; shared constants and helpers are plain modules beside this one (tiny_models,
-training_support, ...), importable because pyproject sets pytest's pythonpath to tests/."""
+"""Fixtures shared by the test modules. Shared constants and helpers are plain modules beside this one, importable
+because pyproject sets pytest's pythonpath to tests/, each for one purpose:
+
+- ``tiny_models``: the tiny model shapes; ``tool_support``: what the tests of PyTorch's and timm's tools share;
+- ``image_data``: tiny image-folder and WebDataset trees; ``imagenet_trees``: ImageNet-like trees for evaluation;
+- ``training_support``: overrides for seconds-long training runs, checkpoint metadata, resumed-run comparisons;
+- ``probe_models``: a model that fails or signals on cue and a counting constraint, registered only on request
+  (:func:`probe_model`);
+- ``process_support``: one torch thread, subprocess environments, a lock held by another process, a free port;
+- ``synthetic_weights`` / ``validate_reference``: weights and timm's own validation, for comparisons.
+"""
 import os
 
 import pytest
 import torch
-from training_support import make_image_folder, single_thread
+from image_data import make_image_folder
+from probe_models import register_probe_model
+from process_support import single_thread
 
 import lipsformer  # noqa: F401  (registers the models with timm)
 
@@ -28,13 +39,19 @@ def _seed():
 
 @pytest.fixture(scope='module')
 def one_thread():
-    """Torch on one thread for a test module: tiny models gain nothing from intra-op threads, and on a shared CPU
-    their spin-waits cost up to 30x."""
+    """Torch on one thread for a test module: tiny models gain nothing from intra-op threads, whose spin-waits slow
+    every test on a shared CPU."""
     with single_thread():
         yield
 
 
 @pytest.fixture(scope='module')
 def data_dir(tmp_path_factory):
-    """A small ImageFolder tree (see training_support.make_image_folder)."""
+    """A small ImageFolder tree (see image_data.make_image_folder)."""
     return make_image_folder(str(tmp_path_factory.mktemp('images')))
+
+
+@pytest.fixture(scope='session')
+def probe_model():
+    """``nan_probe_net`` registered with timm, for the tests that train it (probe_models.NanProbeNet)."""
+    return register_probe_model()

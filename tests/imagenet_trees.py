@@ -4,31 +4,26 @@ Fashion-MNIST comes from the Debian package ``dataset-fashion-mnist`` (IDX files
 /usr/share/datasets/fashion-mnist, or the folder named by ``FASHION_MNIST_DIR``). Trees have every one of the 1000
 class folders, mostly empty, with the few images a test places in them.
 """
-import gzip
 import os
 import shutil
 
 import numpy as np
 from PIL import Image
 
+from lipsformer.data import DEBIAN_FASHION_MNIST, DatasetNotFoundError, read_fashion_mnist
 from lipsformer.evaluation import imagenet_synsets
 
-FASHION_MNIST_DIR = os.environ.get('FASHION_MNIST_DIR', '/usr/share/datasets/fashion-mnist')
-_TEST_IMAGES = 't10k-images-idx3-ubyte.gz'
+FASHION_MNIST_DIR = os.environ.get('FASHION_MNIST_DIR', DEBIAN_FASHION_MNIST)
 
 
 def fashion_mnist_pixels(count: int) -> np.ndarray:
     """The first ``count`` Fashion-MNIST test images, ``(count, 28, 28)`` uint8."""
-    path = os.path.join(FASHION_MNIST_DIR, _TEST_IMAGES)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f'{path} not found: the evaluation tests use real images from Fashion-MNIST. Install them with '
-            f'`apt-get install -y dataset-fashion-mnist`, or set FASHION_MNIST_DIR to a folder with {_TEST_IMAGES}')
-    with gzip.open(path, 'rb') as f:
-        data = f.read()
-    header = np.frombuffer(data[:16], dtype='>i4')  # magic, count, rows, cols
-    rows, cols = int(header[2]), int(header[3])
-    return np.frombuffer(data[16:16 + count * rows * cols], dtype=np.uint8).reshape(count, rows, cols)
+    try:
+        images, _ = read_fashion_mnist('test', FASHION_MNIST_DIR)
+    except DatasetNotFoundError as e:
+        raise FileNotFoundError(f'the evaluation tests use real images from Fashion-MNIST: {e} (or set '
+                                f'FASHION_MNIST_DIR)') from e
+    return images[:count].numpy()
 
 
 def write_jpegs(folder: str, names: list[str]) -> list[str]:

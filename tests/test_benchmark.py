@@ -50,7 +50,7 @@ def test_report_schema(report):
         assert all(value >= 0 for value in row['page_faults_per_step_samples'])
         assert row['page_faults_per_step'] == statistics.median(row['page_faults_per_step_samples'])
     assert report['environment']['cpu_freed_memory_retained'] is False  # as CONFIG asks
-    assert report['environment']['native_kernels'] == {'fastpath/cpu_kernels.c': True}  # this machine has cc
+    assert report['environment']['native_kernels'] == {'fastpath/cpu_kernels.c': True}  # the test host has cc
     assert report['environment']['cpu_details']['isa'] == torch.backends.cpu.get_cpu_capability()
     json.dumps(report)  # JSON-ready as it is
 

@@ -20,8 +20,8 @@ from lipsformer.complexity import (
     complexity_table,
     main,
     model_complexity,
-    resolve_model_names,
 )
+from lipsformer.model_names import expand_model_names
 
 aten = torch.ops.aten
 
@@ -134,7 +134,7 @@ def test_every_fused_attention_kernel_has_the_hand_counted_formula(kernel):
         assert SDPA_FLOP_FORMULAS[backward](grad_out, query, key, value) == 2 * SDPA_BACKWARD_MACS
 
 
-# The kernels this machine can run as the dispatcher runs them: the CUDA ones on meta (they have meta kernels), the
+# The kernels the host can run as the dispatcher runs them: the CUDA ones on meta (they have meta kernels), the
 # CPU one on CPU. Backward goes through each kernel's own autograd formula. Their kernels need dim_v == dim_qk.
 RUNNABLE_KERNELS = {
     '_scaled_dot_product_flash_attention': lambda q, k, v: aten._scaled_dot_product_flash_attention(q, k, v)[0],
@@ -295,5 +295,5 @@ def test_cli_and_resolver_reject_unknown_models(capsys):
     with pytest.raises(SystemExit):
         main(['--models', 'swin_tiny_patch4_window7_2244'])
     assert 'no timm model matches' in capsys.readouterr().err
-    assert resolve_model_names('swin_tiny_patch4_window7_224,swin_s3_t*') == [
+    assert expand_model_names('swin_tiny_patch4_window7_224,swin_s3_t*') == [
         'swin_tiny_patch4_window7_224', *timm.list_models('swin_s3_t*')]

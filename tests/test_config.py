@@ -183,8 +183,8 @@ def test_a_config_runs_no_code_it_names_unless_the_user_trusts_it_by_name(data_d
     # trusted by name, it is imported and called (its setup runs; its statement, the model, fails without input)
     assert main([*args, '--output', str(tmp_path / 'trusted'), '--trust-callable', 'timeit:timeit']) == 2
     assert marker.exists()
-    with pytest.raises(ConfigError, match="'training_support:AlphaCap' is not one of the package's callables"):
+    with pytest.raises(ConfigError, match="'probe_models:AlphaCap' is not one of the package's callables"):
         check_config_callables(load_config(None, ['lipschitz.enabled=true',
-                                                  'lipschitz.target=training_support:AlphaCap']))
+                                                  'lipschitz.target=probe_models:AlphaCap']))
     check_config_callables(load_config(None, ['lipschitz.enabled=true']))  # the default, the package's own
     check_config_callables(load_config(None, ['lipschitz.target=timeit:timeit']))  # not enabled: never imported

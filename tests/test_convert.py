@@ -7,10 +7,10 @@ import timm
 import torch
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
-from lipsformer.checkpoint import load_file
 from lipsformer.convert import ConversionError, authors_model_config, convert
 from lipsformer.convert import main as convert_main
 from lipsformer.utils.io import save_safetensors
+from lipsformer.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

@@ -14,8 +14,9 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from image_data import make_image_folder
 from tool_support import FAMILIES, plain_path
-from training_support import make_image_folder, tiny_overrides
+from training_support import tiny_overrides
 
 from lipsformer.training import load_config, train
 

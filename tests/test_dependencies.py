@@ -70,8 +70,7 @@ def test_every_imported_package_is_declared():
 
 
 def test_every_declared_package_is_imported():
-    # A runtime dependency nothing imports only costs users an install (einops was one until the window layouts were
-    # measured against it: see docs/benchmarks.md).
+    # A runtime dependency nothing imports only costs users an install.
     unused = set(declared_floors()) - imported_distributions()
     assert not unused, f'pyproject.toml declares {sorted(unused)} but lipsformer never imports them'
 

@@ -13,20 +13,22 @@ import timm.models._hub
 import torch
 from accelerate.state import AcceleratorState
 from huggingface_hub.utils import LocalEntryNotFoundError
-from training_support import make_image_folder, tiny_overrides
+from image_data import make_image_folder
+from training_support import tiny_overrides
 
 from lipsformer.benchmark import BenchmarkConfig, _build, parse_model_specs
-from lipsformer.checkpoint import load_file
 from lipsformer.convert import convert
-from lipsformer.evaluation.models import create_eval_model, expand_model_names
+from lipsformer.evaluation.checkpoints import create_eval_model
 from lipsformer.evaluation.validate_command import main as validate_main
 from lipsformer.hub import CardError, ModelSourceError, check_model_source, create_model, write_card
 from lipsformer.hub.__main__ import main as hub_main
 from lipsformer.lipschitz.analysis import analyze
 from lipsformer.lipschitz.report_command import main as lipschitz_main
+from lipsformer.model_names import expand_model_names
 from lipsformer.training import ConfigError, load_config, train
 from lipsformer.training.data import resolve_input_spec
 from lipsformer.training.session import create_model as create_training_model
+from lipsformer.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

@@ -1,4 +1,4 @@
-"""The C kernels (lipsformer.utils.native) and the one they serve: the 7x7 depthwise weight gradient."""
+"""The C kernels (lipsformer.fastpath.native) and the one they serve: the 7x7 depthwise weight gradient."""
 import hashlib
 import os
 import platform
@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer.fastpath import depthwise_conv
-from lipsformer.utils import native
+from lipsformer.fastpath import depthwise_conv, native
 
 SOURCE = native.CPU_KERNELS
 
@@ -41,7 +40,7 @@ def _assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, grad: torch.T
 
 def _kernel() -> object:
     library = native.load_native(SOURCE)
-    assert library is not None, 'this machine has a C compiler (CI runs on one): the kernel must build'
+    assert library is not None, 'a C compiler is installed (CI has one): the kernel must build'
     return library
 
 
@@ -169,7 +168,7 @@ def test_the_library_is_built_once_per_cpu_and_rebuilt_when_damaged(tmp_path, mo
     library.write_bytes(b'not a shared library')
     native.load_native.cache_clear()
     with pytest.warns(RuntimeWarning, match='does not have the SHA-256 recorded when it was built; its C kernel '
-                                            'layers/cpu_kernels.c was built again, in its place'):
+                                            'fastpath/cpu_kernels.c was built again, in its place'):
         assert _kernel() is not None
     assert builds.read_text().count('build') == 3
     # A library that passes every check and still does not load (damaged before its hash was recorded): removed.
@@ -248,10 +247,10 @@ def test_a_library_someone_else_could_have_written_is_never_loaded(case, tmp_pat
         'library of another user': f'the cached library {library} belongs to nobody .uid {_nobody_uid()}., not to '
                                    f'this user',
         'library writable by its group': f'the cached library {library} can be written by its group .mode 775.; its C '
-                                         f'kernel layers/cpu_kernels.c was built again, in its place',
+                                         f'kernel fastpath/cpu_kernels.c was built again, in its place',
         'library not as built': f'the cached library {library} does not have the SHA-256 recorded when it was built',
         'folder of another user': f'the kernel cache folder {cache} belongs to nobody .uid {_nobody_uid()}., not to '
-                                  f'this user, .*, so nothing in it is loaded; its C kernel layers/cpu_kernels.c was '
+                                  f'this user, .*, so nothing in it is loaded; its C kernel fastpath/cpu_kernels.c was '
                                   f'built in a private temporary folder',
         'folder writable by all': f'the kernel cache folder {cache} can be written by its group and other users .mode '
                                   f'777., so nothing in it is loaded',
@@ -305,7 +304,7 @@ def test_a_cache_folder_that_cannot_be_written_builds_privately_and_says_which_v
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     assert re.search(f'the kernel cache folder {cache} cannot be written .(Permission denied|Operation not permitted|'
-                     f'Read-only file system).; its C kernel layers/cpu_kernels.c was built in a private temporary '
+                     f'Read-only file system).; its C kernel fastpath/cpu_kernels.c was built in a private temporary '
                      f'folder', message), message
     assert 'Set LIPSFORMER_CACHE_DIR' in message and 'Set CC' not in message and list(cache.iterdir()) == []
 
@@ -313,7 +312,7 @@ def test_a_cache_folder_that_cannot_be_written_builds_privately_and_says_which_v
 def test_a_compiler_that_fails_without_a_word_still_gets_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv('LIPSFORMER_CACHE_DIR', str(tmp_path / 'cache'))
     monkeypatch.setenv('CC', '/bin/false')
-    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel layers/cpu_kernels.c with '
+    with pytest.warns(RuntimeWarning, match=r'could not build or load its C kernel fastpath/cpu_kernels.c with '
                                             r'/\S*false \(/\S*false exited with status 1 and printed nothing\)'):
         assert native.load_native(SOURCE) is None
 

@@ -17,7 +17,7 @@ from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
 import lipsformer
 from lipsformer.evaluation.validate_command import main as validate_main
-from lipsformer.hub.model_folder import save_model_folder
+from lipsformer.model_folder import save_model_folder
 from lipsformer.training.train_command import main as train_main
 
 pytestmark = pytest.mark.usefixtures('one_thread')

@@ -1,4 +1,4 @@
-"""A non-editable install: the four console scripts and the packaged configs (issue 15, point 5)."""
+"""A non-editable install: the four console scripts and the packaged configs."""
 import fnmatch
 import glob
 import importlib
@@ -84,7 +84,7 @@ def test_a_wheel_install_has_the_commands_and_the_configs(tmp_path):
     where = subprocess.run([sys.executable, '-c', 'import lipsformer; print(lipsformer.__file__)'], cwd=tmp_path,
                            env=env, capture_output=True, text=True, timeout=120)
     assert where.stdout.startswith(str(target))  # the wheel's copy ran, not the checkout
-    code = 'from lipsformer.utils import native_kernels; print(native_kernels())'
+    code = 'from lipsformer.fastpath import native_kernels; print(native_kernels())'
     built = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=120)
     assert built.stdout.strip() == "{'fastpath/cpu_kernels.c': True}", built.stderr  # its C source shipped

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
-from training_support import hold_lock, make_image_folder, subprocess_env, tiny_overrides
+from image_data import make_image_folder
+from process_support import hold_lock, subprocess_env
+from training_support import tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'scripts', 'slurm_train.sh')

@@ -20,11 +20,11 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS, TINY_MODELS
 
-from lipsformer.checkpoint import CheckpointError, load_file, load_model_weights
 from lipsformer.convert import main as convert_main
 from lipsformer.evaluation.validate_command import main as validate_main
-from lipsformer.hub.model_folder import save_model_folder
+from lipsformer.model_folder import save_model_folder
 from lipsformer.training.train_command import main as train_main
+from lipsformer.weight_files import CheckpointError, load_file, load_model_weights
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

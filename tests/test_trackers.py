@@ -7,7 +7,9 @@ import os
 import struct
 
 import pytest
-from training_support import make_image_folder, single_thread, tiny_overrides
+from image_data import make_image_folder
+from process_support import single_thread
+from training_support import tiny_overrides
 
 from lipsformer.training import ConfigError, load_config, train
 from lipsformer.training import trackers as trackers_module

@@ -8,19 +8,20 @@ import sys
 import pytest
 import timm
 import torch
+from image_data import make_webdataset
 from PIL import Image
 from safetensors.torch import load_file
 from tiny_models import SMALLEST_MODEL
-from training_support import make_webdataset, tiny_overrides
+from training_support import tiny_overrides
 
 import lipsformer  # noqa: F401
-from lipsformer.checkpoint import CheckpointError
-from lipsformer.checkpoint import load_file as load_file_any
 from lipsformer.training import load_config, train
 from lipsformer.training.finish import write_plots
 from lipsformer.training.overhead import main as overhead_main
 from lipsformer.training.train_state import list_checkpoints
 from lipsformer.utils.io import default_file_mode
+from lipsformer.weight_files import CheckpointError
+from lipsformer.weight_files import load_file as load_file_any
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -165,10 +166,10 @@ def test_resume_auto_on_a_finished_run_only_exports(reference_run, data_dir):
 
 def test_accumulation_precision_memory_options_and_the_lipschitz_hook(data_dir, tmp_path):
     run_dir = str(tmp_path / 'run')
-    summary = run(data_dir, run_dir, trusted_callables=('training_support:AlphaCap',), **{
+    summary = run(data_dir, run_dir, trusted_callables=('probe_models:AlphaCap',), **{
         'train.grad_accum_steps': 2, 'train.mixed_precision': 'bf16', 'optimizer.clip_grad': 1.0,
         'model.channels_last': True, 'model.grad_checkpointing': True, 'lipschitz.enabled': True,
-        'lipschitz.target': 'training_support:AlphaCap', 'lipschitz.kwargs': '{max_alpha: 0.2}'})
+        'lipschitz.target': 'probe_models:AlphaCap', 'lipschitz.kwargs': '{max_alpha: 0.2}'})
     updates = UPDATES_PER_EPOCH // 2
     assert summary['step'] == 2 * updates
     checkpoint = os.path.join(run_dir, 'checkpoints', 'epoch_0002')

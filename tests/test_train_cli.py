@@ -6,7 +6,9 @@ import os
 
 import pytest
 import yaml
-from training_support import make_image_folder, single_thread, tiny_overrides
+from image_data import make_image_folder
+from process_support import single_thread
+from training_support import tiny_overrides
 
 from lipsformer.training.config_io import config_from_dict
 from lipsformer.training.optim import lr_scale
@@ -15,7 +17,7 @@ from lipsformer.training.train_command import TIMM_ALIASES, main, parse_args, ru
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'configs', 'quickstart.yaml')
 
-# The timm train.py flags issue 15 asks for, each with a value and the config key and value it must set.
+# The timm train.py flags that train.py accepts, each with a value and the config key and value it must set.
 TIMM_FLAGS = [
     (['--model', 'resnet18'], 'model.name', 'resnet18'),
     (['-b', '64'], 'train.batch_size', 64),

@@ -9,22 +9,26 @@ import sys
 
 import pytest
 import torch
-from training_support import make_image_folder, subprocess_env, tiny_overrides
+from image_data import make_image_folder
+from process_support import subprocess_env
+from training_support import tiny_overrides
 
-from lipsformer.training import DatasetError, load_config
-from lipsformer.training.data import (
-    DEBIAN_FASHION_MNIST,
-    FASHION_MNIST_FILES,
+from lipsformer.data import (
     PAD_INDEX,
+    DatasetError,
     DatasetNotFoundError,
     RobustDataset,
+    class_map_of,
+    class_names_of,
+    prepare_dataset,
+)
+from lipsformer.data.fashion_mnist import DEBIAN_FASHION_MNIST, FASHION_MNIST_FILES
+from lipsformer.training import load_config
+from lipsformer.training.data import (
     ShardedEvalSampler,
     ShardedTrainSampler,
     TrainBatches,
-    class_map_of,
-    class_names_of,
     create_split,
-    prepare_dataset,
     resolve_input_spec,
 )
 

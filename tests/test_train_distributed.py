@@ -18,21 +18,23 @@ import types
 
 import pytest
 import torch
+from process_support import free_port, subprocess_env
 from safetensors.torch import load_file
-from training_support import free_port, subprocess_env, tiny_overrides
+from training_support import tiny_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VAL_IMAGES = 24
 UPDATES_PER_EPOCH = 3  # 48 training images, 2 processes x batch 8
 
-# Runs train.py's main() after importing training_support, which registers the probe model with timm. With
+# Runs train.py's main() after registering the probe model with timm (probe_models.register_probe_model). With
 # ELSEWHERE set, process 1 writes into another run folder (as a node that does not mount the run folder would); with
 # OPEN_LOG set, each process appends when it opened a dataset (start and end times) to OPEN_LOG<rank>, the main
 # process taking half a second over it.
 _DRIVER = '''
 import os, runpy, sys, time
-import training_support  # noqa: F401
-import lipsformer.training.data as data
+import probe_models
+probe_models.register_probe_model()
+import lipsformer.data.sources as data
 rank = os.environ['RANK']
 if os.environ.get('ELSEWHERE') and rank == '1':
     sys.argv[sys.argv.index('--output') + 1] += '-elsewhere'
@@ -189,7 +191,7 @@ def test_tasks_that_slurm_started_without_a_launcher_are_refused_before_the_run_
 
 
 def test_a_launch_accelerate_does_not_join_names_a_launch_line_that_works(monkeypatch):
-    from lipsformer.training.launch import LaunchError, check_process_group
+    from lipsformer.utils.processes import LaunchError, check_process_group
     alone = types.SimpleNamespace(num_processes=1, distributed_type='DistributedType.NO')
     monkeypatch.setenv('WORLD_SIZE', '2')
     monkeypatch.setenv('RANK', '1')

@@ -10,13 +10,16 @@ import time
 
 import pytest
 import torch
-from training_support import NAN_AT_CALLS, assert_same_run, make_image_folder, subprocess_env, tiny_overrides
+from image_data import make_image_folder
+from probe_models import NAN_AT_CALLS
+from process_support import subprocess_env
+from training_support import assert_same_run, tiny_overrides
 
-from lipsformer.checkpoint import load_file
 from lipsformer.training import NonFiniteLossError, load_config, train
 from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
+from lipsformer.weight_files import load_file
 
-pytestmark = pytest.mark.usefixtures('one_thread')
+pytestmark = pytest.mark.usefixtures('one_thread', 'probe_model')
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPDATES_PER_EPOCH, VAL_IMAGES = 6, 24

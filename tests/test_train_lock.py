@@ -16,7 +16,8 @@ import threading
 import time
 
 import pytest
-from training_support import hold_lock, subprocess_env, tiny_overrides
+from process_support import hold_lock, subprocess_env
+from training_support import tiny_overrides
 
 import lipsformer.training.run_lock as run_lock
 from lipsformer.training.run_lock import LOCK_FILE, RunFolderInUseError, RunLock
@@ -30,7 +31,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # eval: at the first evaluation) until the file of that name is in the folder RELEASE names.
 _PAUSING_DRIVER = '''
 import os, runpy, sys, time
-import training_support  # noqa: F401
 import lipsformer.training.train_state as train_state
 import lipsformer.training.trainer as trainer
 points, release, done = os.environ['PAUSE_AT'].split(','), os.environ['RELEASE'], set()

@@ -7,14 +7,15 @@ import os
 import signal
 
 import pytest
-from training_support import SIGNALS_AT_CALLS, tiny_overrides
+from probe_models import SIGNALS_AT_CALLS
+from training_support import tiny_overrides
 
-from lipsformer.checkpoint import CheckpointError
-from lipsformer.checkpoint import load_file as load_any
 from lipsformer.training import load_config, train
 from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
+from lipsformer.weight_files import CheckpointError
+from lipsformer.weight_files import load_file as load_any
 
-pytestmark = pytest.mark.usefixtures('one_thread')
+pytestmark = pytest.mark.usefixtures('one_thread', 'probe_model')
 
 
 def _run(data_dir: str, run_dir, resume: str | None = None, **extra) -> dict:

@@ -10,8 +10,10 @@ import sys
 import time
 
 import pytest
+from image_data import make_image_folder
+from process_support import single_thread, subprocess_env
 from safetensors.torch import load_file
-from training_support import assert_same_run, make_image_folder, single_thread, subprocess_env, tiny_overrides
+from training_support import assert_same_run, tiny_overrides
 
 from lipsformer.training import load_config, train
 from lipsformer.training.train_state import list_checkpoints, read_meta
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart_reaches_88_percent_on_fashion_mnist(tmp_path):
     """README's command 1, scripts/quickstart.sh, in this environment: training, then validate.py on the test split
-    scores the exported weights >= 88% top-1 (the issue's bar). Its wall time is printed, not asserted."""
+    scores the exported weights >= 88% top-1 (the quickstart's target). Its wall time is printed, not asserted."""
     start = time.perf_counter()
     run_dir = tmp_path / 'run'
     result = subprocess.run(['bash', 'scripts/quickstart.sh', str(run_dir)], cwd=REPO, capture_output=True, text=True,

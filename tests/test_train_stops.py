@@ -14,8 +14,9 @@ import os
 import signal
 
 import pytest
+from probe_models import NAN_AT_CALLS, PROBE_CALLS, SIGNALS_AT_CALLS
 from safetensors import SafetensorError
-from training_support import NAN_AT_CALLS, PROBE_CALLS, SIGNALS_AT_CALLS, assert_same_run, tiny_overrides
+from training_support import assert_same_run, tiny_overrides
 
 import lipsformer.training.train_state as train_state
 import lipsformer.training.trainer as trainer
@@ -23,7 +24,7 @@ import lipsformer.utils.io as io_module
 from lipsformer.training import load_config, train
 from lipsformer.training.train_state import list_checkpoints, read_meta
 
-pytestmark = pytest.mark.usefixtures('one_thread')
+pytestmark = pytest.mark.usefixtures('one_thread', 'probe_model')
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPDATES_PER_EPOCH = 6  # 48 training images, batch 8; 24 validation images in 2 batches of 16

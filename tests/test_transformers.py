@@ -14,7 +14,7 @@ from PIL import Image
 from tiny_models import TINY_MODELS
 
 from lipsformer.convert import convert
-from lipsformer.hub.model_folder import save_model_folder
+from lipsformer.model_folder import save_model_folder
 from lipsformer.utils.io import read_json, save_safetensors
 
 pytestmark = pytest.mark.usefixtures('one_thread')

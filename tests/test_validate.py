@@ -18,17 +18,18 @@ import timm
 import torch
 import yaml
 from accelerate.state import AcceleratorState
+from image_data import make_image_folder
 from imagenet_trees import build_tree, val_file_name, write_jpegs
 from timm.models import save_for_hf
 from timm.models._registry import _model_pretrained_cfgs
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN, SMALLEST_SWIN_KWARGS
-from training_support import make_image_folder, tiny_overrides, write_checkpoint_meta
+from training_support import tiny_overrides, write_checkpoint_meta
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
-from lipsformer.checkpoint import load_model_weights
 from lipsformer.evaluation import imagenet_synsets, load_real_labels
 from lipsformer.evaluation.validate_command import main
 from lipsformer.training import load_config, train
+from lipsformer.weight_files import load_model_weights
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

@@ -15,7 +15,7 @@ import timm
 import torch
 from accelerate.state import AcceleratorState
 from imagenet_trees import build_tree, val_file_name, write_jpegs
-from training_support import free_port
+from process_support import free_port
 from validate_reference import file_by_prediction, reference_accuracy, reference_topk
 
 from lipsformer.evaluation.validate_command import main

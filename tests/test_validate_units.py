@@ -24,6 +24,7 @@ from lipsformer.evaluation import (
     score_labels,
 )
 from lipsformer.evaluation.results import write_results
+from lipsformer.model_names import UnknownModelError
 from lipsformer.training import load_config
 from lipsformer.training.config_io import dump_config
 
@@ -247,11 +248,11 @@ def test_model_names_from_lists_and_wildcards():
     assert set(expand_model_names('test_vit*')) == set(timm.list_models('test_vit*')) >= {'test_vit', 'test_vit2'}
     assert set(expand_model_names('test_vit*', with_weights=True)) == {
         'test_vit.r160_in1k', 'test_vit2.r160_in1k', 'test_vit3.r160_in1k'}
-    with pytest.raises(EvaluationError, match='unknown model'):
+    with pytest.raises(UnknownModelError, match="no timm model matches 'no_such_model'"):
         expand_model_names('no_such_model')
-    with pytest.raises(EvaluationError, match='matches no registered model'):
+    with pytest.raises(UnknownModelError, match="no timm model matches 'no_such_.'"):
         expand_model_names('no_such_*')
-    with pytest.raises(EvaluationError, match='none with pretrained weights'):
+    with pytest.raises(UnknownModelError, match='none with pretrained weights'):
         expand_model_names('lipsformer_cswin_*', with_weights=True)
 
 

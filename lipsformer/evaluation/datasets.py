@@ -13,8 +13,15 @@ from accelerate import Accelerator
 from timm.data import create_dataset
 from torch.utils.data import IterableDataset
 
-from ..training.data import RobustDataset, num_classes_of, prepare_dataset
-from ..training.splits import DatasetError, DatasetNotFoundError, check_torchvision_split, split_folder
+from ..data import (
+    DatasetError,
+    DatasetNotFoundError,
+    RobustDataset,
+    check_torchvision_split,
+    num_classes_of,
+    prepare_dataset,
+    split_folder,
+)
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
@@ -145,7 +152,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
     name, split = request.dataset, request.split or 'validation'
     try:
         if name.lower().startswith('torch/'):
-            check_torchvision_split(name, split, 'split')
+            check_torchvision_split(name, split, 'data.split')
         prepare_dataset(name, request.data_dir, request.download)
         dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
                                  download=request.download)

@@ -19,7 +19,7 @@ from timm.data import ImageNetInfo
 from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
-from ..training.splits import check_split_classes
+from ..data.splits import check_split_classes
 from .errors import EvaluationError
 
 __all__ = ['ImageList', 'check_imagenet_class_names', 'imagenet_synsets', 'list_imagenet_val', 'list_imagenet_v2',

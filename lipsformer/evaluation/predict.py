@@ -44,7 +44,7 @@ class EvalImageDataset(Dataset):
 
     A file PIL cannot decode gives a zero image with ``readable`` False and a logged warning, so one bad file in
     50,000 neither stops the run nor shifts the labels of the others. A ``source`` dataset yields ``(PIL image,
-    target)`` and marks an unreadable image with the target -1 (as ``lipsformer.training.data.RobustDataset`` does).
+    target)`` and marks an unreadable image with the target -1 (as ``lipsformer.data.RobustDataset`` does).
     """
 
     def __init__(self, paths: list[str], data_config: dict, source: Dataset | None = None):

@@ -10,7 +10,6 @@ Runs on one process, or sharded over devices with ``accelerate launch validate.p
 """
 import argparse
 import logging
-import os
 import sys
 
 import torch
@@ -18,13 +17,13 @@ from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 from timm.utils import ParseKwargs
 
-from ..checkpoint import CheckpointError
-from ..training.session import end_processes
+from ..model_names import UnknownModelError, expand_model_names
 from ..utils.cli import command_name
-from ..utils.env import select_device
+from ..utils.processes import end_processes, select_device, wants_cpu_group
+from ..weight_files import CheckpointError
+from .checkpoints import ResolvedCheckpoint, create_eval_model, resolve_checkpoint
 from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
-from .models import ResolvedCheckpoint, create_eval_model, expand_model_names, resolve_checkpoint
 from .predict import InferenceSettings
 from .real import load_real_labels
 from .results import format_table, model_record, write_results
@@ -149,13 +148,13 @@ def _resolve_amp(amp: str | bool | None, amp_dtype: str | None) -> str | None:
 
 
 def _make_accelerator(args: argparse.Namespace) -> Accelerator:
-    # A CPU-only machine launched with several processes (accelerate launch --multi_gpu, torchrun) must use gloo.
-    launched = int(os.environ.get('WORLD_SIZE', '1')) > 1
     try:
         cpu = select_device('cpu' if args.cpu else args.device)
     except ValueError as e:
         raise EvaluationError(str(e)) from e
-    accelerator = Accelerator(cpu=cpu or (launched and not torch.cuda.is_available()),
+    # Several processes launched on a host without an accelerator (accelerate launch --multi_gpu, torchrun) form one
+    # CPU (gloo) group, as in training.
+    accelerator = Accelerator(cpu=cpu or wants_cpu_group(),
                               mixed_precision=args.amp or 'no')
     if args.amp == 'fp16' and accelerator.device.type == 'cpu':
         raise EvaluationError('--amp fp16 runs only on a GPU (on CPU it would silently stay fp32); use --amp bf16 '
@@ -219,7 +218,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
         One results record per model, and the accelerator (which process is the main one).
     """
     _check_args(args)
-    model_names = expand_model_names(args.model, with_weights=not args.checkpoint) if args.model else [None]
+    try:
+        model_names = expand_model_names(args.model, with_weights=not args.checkpoint) if args.model else [None]
+    except UnknownModelError as e:
+        raise EvaluationError(f'--model: {e}' + ('; evaluate one of them with --checkpoint' if 'none with pretrained'
+                                                  in str(e) else '')) from None
     if args.checkpoint and len(model_names) > 1:
         raise EvaluationError(f'--checkpoint holds one model\'s weights but --model names {len(model_names)} models')
     real_labels = None

@@ -1,5 +1,5 @@
 /* LipsFormer's CPU kernels that PyTorch lacks, on NHWC (channels-last) float32 tensors; compiled and loaded by
-   lipsformer.utils.native, called from lipsformer/layers (depthwise_conv.py, lean_autograd.py).
+   lipsformer.fastpath.native, called from lipsformer/fastpath (depthwise_conv.py, lean_autograd.py).
 
    1. The weight gradient of a stride-1, 'same'-padded 7x7 depthwise convolution, per image (the caller sums):
 

@@ -4,10 +4,10 @@
     dL/dW[c, i, j] = sum_b sum_{h, w} g[b, h, w, c] x_pad[b, h + i, w + j, c]
 
 On CPU, oneDNN computes that weight gradient for channels-last maps with its generic grouped-convolution kernel,
-several times slower than its forward pass. The sum over (h, w) is itself a depthwise convolution, of x_pad by a
-kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in cache, it
-goes through oneDNN's depthwise forward kernel instead. For the shortcuts' 7x7 kernels a C kernel
-(``cpu_kernels.c``, built by :mod:`lipsformer.utils.native`) is faster still, and replaces the per-image
+far slower than its forward pass (docs/performance.md). The sum over (h, w) is itself a depthwise convolution, of
+x_pad by a kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in
+cache, it goes through oneDNN's depthwise forward kernel instead. For the shortcuts' 7x7 kernels a C kernel
+(``cpu_kernels.c``, built by :mod:`.native`) is faster still, and replaces the per-image
 calls' thousands of small PyTorch operations a step by one call a layer; where it cannot be built the per-image path
 gives the same values. The input gradient, a convolution by the flipped kernel, goes through oneDNN's forward kernel.
 """
@@ -17,8 +17,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from ..utils.native import call_kernel, cpu_kernels
 from .lean_autograd import autocast_backward, autocast_forward, differentiate_plain
+from .native import call_kernel, cpu_kernels
 
 __all__ = ['depthwise_conv2d']
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..utils.native import call_kernel, cpu_kernels
+from .native import call_kernel, cpu_kernels
 from .onednn_linear import linear, linear_backward
 
 __all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize', 'mlp',

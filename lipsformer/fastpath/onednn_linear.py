@@ -5,7 +5,7 @@
 
 The same products, summed in another order. On CPU, PyTorch computes ``F.linear`` with its BLAS (MKL on x86) and a
 channels-last 1x1 convolution with oneDNN's JIT kernels, which are faster for the tall products of a vision
-transformer (thousands of tokens, a few hundred channels) on the CPUs measured in docs/benchmarks.md; the backward
+transformer (thousands of tokens, a few hundred channels) on the CPUs measured in docs/performance.md; the backward
 goes through oneDNN's convolution backward (input and weight gradients in one call). The choice depends on the
 device and dtype only, never on the number of rows (a batch or token count that export keeps dynamic): elsewhere
 (GPU, other dtypes, autocast) it is ``F.linear`` and a matrix product. Only the blocks' token-wise layers come here;

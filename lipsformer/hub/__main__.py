@@ -8,8 +8,8 @@ import argparse
 import logging
 import sys
 
-from ..checkpoint import CheckpointError
 from ..utils.cli import command_name
+from ..weight_files import CheckpointError
 from .model_card import CardError, write_card
 from .upload import push
 

@@ -352,7 +352,7 @@ def _usage_section(repo_id: str | None, has_ema: bool, in_chans: int, label_name
               '(with `model.pretrained: true`), as `--model` in `validate.py` and `python -m lipsformer.lipschitz`.']
     if has_ema:
         lines += ['', 'The EMA weights are in `model_ema.safetensors`: `validate.py --checkpoint FOLDER --use-ema`, or '
-                  '`lipsformer.checkpoint.load_model_weights(model, \'model_ema.safetensors\')`.']
+                  '`lipsformer.weight_files.load_model_weights(model, \'model_ema.safetensors\')`.']
     return lines + ['']
 
 

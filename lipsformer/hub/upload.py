@@ -17,9 +17,9 @@ import timm
 from huggingface_hub import CommitOperationAdd, HfApi, get_token
 from huggingface_hub import constants as hf_constants
 
+from ..model_names import unreachable
 from ..utils.io import read_json
 from .model_card import CARD_FILE, CardError, build_card, find_export, save_card
-from .model_names import unreachable
 
 __all__ = ['HubAccessError', 'REQUIRED_FILES', 'check_access', 'export_files', 'push']
 

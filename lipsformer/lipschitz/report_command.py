@@ -11,14 +11,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import timm
 import torch
 import yaml
 
-from ..checkpoint import CheckpointError, load_model_weights
-from ..hub.model_names import create_model, model_source
+from ..model_names import create_model, expand_model_names, model_source
 from ..utils.cli import HelpFormatter, command_name
 from ..utils.io import write_json
+from ..weight_files import CheckpointError, load_model_weights
 from .analysis import analyze
 
 __all__ = ['build_parser', 'format_report', 'main', 'to_json']
@@ -29,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny, or one with its '
                                                        'weights: local-dir:FOLDER, hf-hub:REPO_ID')
-    parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.checkpoint reads); default: '
+    parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.weight_files reads); default: '
                                              'the model at initialisation')
     parser.add_argument('--use-ema', action='store_true', help='take the EMA weights from the checkpoint')
     parser.add_argument('--img-size', type=int, help='input size (a multiple of 32); default: the model\'s')
@@ -42,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--branch-iterations', type=int, default=5, help='power iterations per branch')
     parser.add_argument('--no-empirical', action='store_true', help='bounds only (no Jacobian measurements)')
     parser.add_argument('--seed', type=int, default=0, help='seed of the random input and starting vectors')
-    parser.add_argument('--threads', type=int, help='CPU threads (torch.set_num_threads); on a busy machine 1 can be '
-                                                    'several times faster than the default')
+    parser.add_argument('--threads', type=int, help='CPU threads (torch.set_num_threads); on a small or busy CPU, 1 '
+                                                    'avoids threads waiting on each other')
     return parser
 
 
@@ -121,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = _model_kwargs(args.model_kwargs)
         if args.img_size is not None:
             kwargs['img_size'] = args.img_size
-        if not model_source(args.model) and not timm.is_model(args.model):
-            names = ', '.join(timm.list_models('lipsformer*'))
-            raise ValueError(f'unknown model {args.model!r}; LipsFormer models: {names}')
+        if len(expand_model_names(args.model)) != 1:  # an unknown name raises, naming close ones
+            raise ValueError(f'--model {args.model!r} names several models; the report is of one')
         # A local-dir: or hf-hub: name means its weights, unless --checkpoint gives others.
         model = create_model(args.model, pretrained=bool(model_source(args.model)) and not args.checkpoint, **kwargs)
         if args.checkpoint:

@@ -20,8 +20,8 @@ from timm.models._features import feature_take_indices
 
 from .. import fastpath
 from .._compat import update_model_input_size
-from ..checkpoint import CheckpointError
 from ..layers import ScaleLayer, create_attention_kernel, create_conv_shortcuts, get_norm_layer, init_weights_
+from ..weight_files import CheckpointError
 
 __all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'TokenMixer',
            'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg', 'record_input_size']

@@ -21,7 +21,7 @@ from timm.utils import accuracy
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .data import skipped_images
+from ..data import skipped_images
 from .optim import scheduled_lr
 from .session import Session
 from .signals import StopSignal

@@ -3,7 +3,7 @@
 - ``--resume auto`` takes the run's newest checkpoint; one with an unreadable file (truncated, corrupt) is moved to
   ``checkpoints/unreadable/`` and the one before it is taken, with a warning. An explicit checkpoint that cannot be
   read is an error.
-- Refused with a :class:`~lipsformer.checkpoint.CheckpointError`, before anything in the run folder changes: another
+- Refused with a :class:`~lipsformer.weight_files.CheckpointError`, before anything in the run folder changes: another
   model (name, or an architecture the weights do not fit), another ``optimizer.name``, other training classes, or
   another batch layout.
 - Applied and said: the optimizer's settings (weight decay, betas, eps, momentum, ...) are the config's, and those
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointError
+from ..weight_files import CheckpointError
 from .config_io import config_to_dict, flat_dict
 from .optim import best_metric_name
 from .session import Session

@@ -15,12 +15,10 @@ only when the user trusts it by name (train.py ``--trust-callable module:callabl
 ``trusted_callables``), so that running a config someone else wrote (``--config runs/x/config.yaml``) never runs code
 it chose.
 """
-import gc
 import importlib
 import logging
 import os
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,27 +27,17 @@ from typing import Any
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
 from timm.utils import ModelEmaV3
 
-from ..checkpoint import check_state_dict, extract_state_dict, load_file
 from ..cpu_memory import retain_freed_memory
-from ..hub.model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
-from ..hub.model_names import create_model as create_timm_model
-from ..utils.env import select_device
+from ..data import class_map_of, class_names_of, num_classes_of
+from ..model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
+from ..model_names import create_model as create_timm_model
+from ..utils.processes import check_process_group, select_device, wants_cpu_group
+from ..weight_files import check_state_dict, extract_state_dict, load_file
 from .config import Config, ConfigError, LipschitzConfig
-from .data import (
-    InputSpec,
-    TrainBatches,
-    class_map_of,
-    class_names_of,
-    create_eval_loader,
-    create_split,
-    num_classes_of,
-    resolve_input_spec,
-)
-from .launch import check_process_group, wants_cpu_group
+from .data import InputSpec, TrainBatches, create_eval_loader, create_split, resolve_input_spec
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
 from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
@@ -107,7 +95,7 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     """Accelerate's view of devices, precision, DDP / FSDP and trackers; accumulation is done by the loop.
 
     Several processes launched on a host without an accelerator form one CPU group (gloo); a launch whose processes
-    Accelerate does not see as one group is refused (:mod:`.launch`).
+    Accelerate does not see as one group is refused (:mod:`lipsformer.utils.processes`).
 
     Raises:
         LaunchError: The processes launched would each train alone.
@@ -131,29 +119,8 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     return accelerator
 
 
-def end_processes(accelerator: Accelerator) -> None:
-    """Finish the trackers and leave the process group, once this process holds nothing prepared by ``accelerator``.
-
-    Call it with the run's models, optimizers and loaders already released by the caller. A DDP wrapper keeps the
-    process group alive; when the wrapper holds its last reference, gloo's destructor runs as the wrapper is freed,
-    joining its worker threads with the GIL held (torch releases it there only from 2.8). A worker that is still
-    dropping a finished collective's tensors needs the GIL to do so: both wait forever, after the run's files are
-    written. So the prepared objects go first, then every process agrees that the last collective is done, and the
-    GIL is left free a moment for the workers before the group is destroyed.
-    """
-    accelerator.free_memory()
-    gc.collect()
-    if accelerator.num_processes > 1:
-        accelerator.wait_for_everyone()
-        time.sleep(0.1)  # sleeping releases the GIL: gloo's workers drop what they hold
-    accelerator.end_training()
 
 
-def release_accelerator() -> None:
-    """Forget Accelerate's per-process settings (precision, plugins) so that another run in this process may use
-    other ones; the device and any process group stay as they are."""
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
 
 
 def create_session(config: Config, run_dir: str, accelerator: Accelerator,
@@ -249,7 +216,7 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
 def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     """Start from a file's weights (fine-tuning); a classifier of another size is left at its initialisation.
 
-    Any layout :mod:`lipsformer.checkpoint` reads works, including the authors' files (through the model module's
+    Any layout :mod:`lipsformer.weight_files` reads works, including the authors' files (through the model module's
     ``checkpoint_filter_fn``). Every other mismatch is an error.
     """
     state_dict = extract_state_dict(load_file(path))

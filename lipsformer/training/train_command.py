@@ -18,15 +18,15 @@ from typing import Any
 import yaml
 from timm.utils import ParseKwargs
 
-from ..checkpoint import CheckpointError
+from ..data import DatasetError
 from ..utils.cli import command_name
 from ..utils.io import os_error_in_chain
+from ..utils.processes import LaunchError
+from ..weight_files import CheckpointError
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
-from .launch import LaunchError
 from .loop import NonFiniteLossError
 from .run_lock import RunFolderInUseError
-from .splits import DatasetError
 from .trackers import chosen_trackers
 from .trainer import train
 

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..checkpoint import CheckpointError, check_state_dict, load_file
 from ..utils.io import fsync_dir, replace_dir, save_safetensors, save_torch, write_json
+from ..weight_files import CheckpointError, check_state_dict, load_file
 
 __all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'checkpoints_to_resume', 'checkpoints_root',
            'is_sharded', 'latest_checkpoint', 'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint',

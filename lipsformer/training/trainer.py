@@ -22,10 +22,10 @@ from accelerate.utils import broadcast_object_list
 
 from ..utils.env import peak_memory_mb
 from ..utils.io import remove_stale_temporaries
+from ..utils.processes import distributed_summary, end_processes, release_accelerator
 from .config import Config
 from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
-from .launch import distributed_summary
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, scheduled_lr, total_epochs
 from .resume import resume_session
@@ -36,8 +36,6 @@ from .session import (
     check_config_callables,
     create_accelerator,
     create_session,
-    end_processes,
-    release_accelerator,
 )
 from .signals import StopSignal
 from .trackers import start_trackers

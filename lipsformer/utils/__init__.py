@@ -2,13 +2,13 @@
 
 - :mod:`.io`: writes that survive a crash at any instant (text, JSON, torch and safetensors files, whole folders),
   the clean-up of what a killed writer left, and JSON-lines logs;
-- :mod:`.env`: the machine a run or a measurement ran on (CPU name and generation, peak memory, page faults) and the
-  device a command's ``--device`` asks for;
-- :mod:`.native`: the package's C kernels, compiled for the machine on first use and cached;
+- :mod:`.env`: the machine a run or a measurement ran on (CPU name and generation, peak memory, page faults);
+- :mod:`.processes`: a command's processes from start to end (the device ``--device`` asks for, one process group as
+  launched, a teardown that cannot hang), shared by training and evaluation;
 - :mod:`.cli`: what the command lines share (the command's name as it was run, help with real defaults).
 """
 from .cli import HelpFormatter, command_name
-from .env import cpu_details, cpu_name, cpuinfo, minor_page_faults, peak_memory_mb, peak_rss_mb, select_device
+from .env import cpu_details, cpu_name, cpuinfo, minor_page_faults, peak_memory_mb, peak_rss_mb
 from .io import (
     JsonLines,
     atomic_open,
@@ -22,10 +22,9 @@ from .io import (
     write_json,
     write_text,
 )
-from .native import CPU_KERNELS, call_kernel, cpu_kernels, load_native, native_cache_dir, native_kernels
+from .processes import end_processes, select_device
 
-__all__ = ['CPU_KERNELS', 'HelpFormatter', 'JsonLines', 'atomic_open', 'atomic_path', 'call_kernel', 'command_name',
-           'cpu_details', 'cpu_kernels', 'cpu_name', 'cpuinfo', 'fsync_dir', 'load_native', 'minor_page_faults',
-           'native_cache_dir', 'native_kernels', 'peak_memory_mb', 'peak_rss_mb', 'read_json',
+__all__ = ['HelpFormatter', 'JsonLines', 'atomic_open', 'atomic_path', 'command_name', 'cpu_details', 'cpu_name',
+           'cpuinfo', 'end_processes', 'fsync_dir', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb', 'read_json',
            'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'select_device', 'write_json',
            'write_text']

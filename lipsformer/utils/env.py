@@ -1,6 +1,4 @@
-"""The machine a run or a measurement ran on: CPU name and generation, peak memory and page faults; the device a
-command's ``--device`` asks for."""
-import os
+"""The machine a run or a measurement ran on: CPU name and generation, peak memory and page faults."""
 import platform
 import resource
 import sys
@@ -8,8 +6,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ['cpu_details', 'cpu_name', 'cpuinfo', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb',
-           'select_device']
+__all__ = ['cpu_details', 'cpu_name', 'cpuinfo', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb']
 
 # /proc/cpuinfo fields that tell CPU generations apart where the model name does not (a cloud guest's "AMD EPYC").
 _CPUINFO_FIELDS = {'vendor_id': 'vendor', 'cpu family': 'family', 'model': 'model', 'stepping': 'stepping'}
@@ -59,39 +56,3 @@ def peak_memory_mb(device: torch.device) -> float:
     return peak_rss_mb()
 
 
-def select_device(device: str | None, option: str = '--device') -> bool:
-    """Prepare this process for timm's ``--device`` before Accelerate starts; returns whether it means the CPU.
-
-    None leaves the choice to Accelerate (the accelerator a launch gives each process, else the only one, else the
-    CPU); ``cpu`` is the CPU; an accelerator type (``cuda``, ``mps``, ``xpu``, ...) must be the one this machine has,
-    and with an index (``cuda:1``) it becomes the current device of a single-process run.
-
-    Args:
-        device: What the user asked for.
-        option: The option or config key that asked, for the messages.
-
-    Raises:
-        ValueError: Not a device, not available here, or an index in a launched run (where each process has its own).
-    """
-    if device is None:
-        return False
-    try:
-        wanted = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f'{option} {device!r} is not a device ({e}); use cpu, cuda, cuda:1, mps, xpu, ...') from None
-    if wanted.type == 'cpu':
-        return True
-    present = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if present is None or present.type != wanted.type:
-        have = f'its accelerator is {present.type}' if present is not None else 'it has no accelerator'
-        raise ValueError(f'{option} {device}: this machine has no {wanted.type} device ({have}); use cpu'
-                         + (f' or {present.type}' if present is not None else ''))
-    if wanted.index is not None:
-        if int(os.environ.get('WORLD_SIZE', '1')) > 1:
-            raise ValueError(f'{option} {device}: a launched run gives each process its own device; give the type '
-                             f'alone ({wanted.type}) and choose the devices with the launcher')
-        if wanted.index >= torch.accelerator.device_count():
-            raise ValueError(f'{option} {device}: there are {torch.accelerator.device_count()} {wanted.type} devices '
-                             f'(0 to {torch.accelerator.device_count() - 1})')
-        torch.accelerator.set_device_index(wanted.index)
-    return False

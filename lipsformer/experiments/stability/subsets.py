@@ -9,15 +9,15 @@ sets its batch order and flips. Batches are a function of (seed, step), so a res
 it would have drawn without the interruption.
 """
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torchvision.datasets import FashionMNIST
+from timm.data import create_transform
 
-from ...training.config import Config
-from ...training.data import InputSpec, class_map_of, create_eval_transform, create_split, prepare_dataset
+from ...data import DataSource, class_map_of, open_split, prepare_dataset, read_fashion_mnist
 
 __all__ = ['Batches', 'Subsets', 'balanced_indices', 'load_image_folder', 'load_subsets', 'synthetic_subsets']
 
@@ -86,23 +86,25 @@ def _to_inputs(images: torch.Tensor) -> torch.Tensor:
 def load_subsets(root: str, train_size: int, test_size: int) -> Subsets:
     """Class-balanced subsets of real Fashion-MNIST (unpacked from the Debian package into ``root`` if needed)."""
     prepare_dataset('torch/fashion_mnist', root, download=False)
-    train, test = FashionMNIST(root, train=True), FashionMNIST(root, train=False)
-    train_idx = balanced_indices(train.targets, train_size, option='--train-size')
-    test_idx = balanced_indices(test.targets, test_size, option='--test-size')
-    return Subsets(_to_inputs(train.data[train_idx]), train.targets[train_idx],
-                   _to_inputs(test.data[test_idx]), test.targets[test_idx])
+    raw = os.path.join(root, 'FashionMNIST', 'raw')  # where torchvision keeps them, and prepare_dataset puts them
+    (train_images, train_labels), (test_images, test_labels) = (read_fashion_mnist(s, raw) for s in ('train', 'test'))
+    train_idx = balanced_indices(train_labels, train_size, option='--train-size')
+    test_idx = balanced_indices(test_labels, test_size, option='--test-size')
+    return Subsets(_to_inputs(train_images[train_idx]), train_labels[train_idx],
+                   _to_inputs(test_images[test_idx]), test_labels[test_idx])
 
 
 def _folder_split(root: str, img_size: int, in_chans: int, is_training: bool,
                   class_map: dict[str, int] | None = None):
     """One split of an image folder through the package's reader (split synonyms, one class map for both splits,
     unreadable images skipped), each image resized (shorter side) and centre-cropped to ``img_size``, as uint8."""
-    config = Config()
-    config.data.data_dir, config.data.num_workers, config.model.in_chans = root, 0, in_chans
-    spec = InputSpec(input_size=(in_chans, img_size, img_size), mean=(0.0,) * in_chans, std=(1.0,) * in_chans,
-                     interpolation='bicubic', crop_pct=1.0, crop_mode='center')
-    dataset = create_split(config, spec, is_training=is_training, class_map=class_map)
-    dataset.dataset.transform = create_eval_transform(spec)  # no random crops: the subsets are fixed tensors
+    # No random crops: the subsets are fixed tensors. uint8 out (the prefetcher's transform), normalised later.
+    transform = create_transform((in_chans, img_size, img_size), is_training=False, interpolation='bicubic',
+                                 mean=(0.0,) * in_chans, std=(1.0,) * in_chans, crop_pct=1.0, crop_mode='center',
+                                 use_prefetcher=True)
+    split, option = ('train', 'the training split') if is_training else ('validation', 'the validation split')
+    dataset = open_split(DataSource(data_dir=root, in_chans=in_chans), split, option, is_training, transform,
+                         class_map=class_map)
     dataset.is_training = False  # an unreadable image's stand-in is labelled -1 and left out, not counted twice
     return dataset
 
@@ -133,7 +135,7 @@ def _stack(dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_image_folder(root: str, img_size: int, train_size: int, test_size: int) -> Subsets:
     """Class-balanced subsets of an image folder: ``root/train/<class>/*`` and ``root/val/<class>/*`` (or the
-    synonyms :func:`~lipsformer.training.splits.split_folder` accepts), normalised by the training subset's
+    synonyms :func:`~lipsformer.data.splits.split_folder` accepts), normalised by the training subset's
     per-channel mean and std.
 
     Raises:

@@ -1,4 +1,13 @@
-"""One process group per run, as launched: the processes a launcher started train together, or not at all.
+"""A command's processes from start to end: the device, one process group as launched, and a teardown that cannot
+hang. Training (train.py) and evaluation (validate.py) start and end their processes here.
+
+- :func:`select_device`: timm's ``--device`` (``train.device``) prepared before Accelerate starts;
+- :func:`wants_cpu_group` / :func:`check_process_group`: the processes a launcher started work together, or not at
+  all (below);
+- :func:`end_processes`: trackers finished and the process group left without the gloo teardown deadlock;
+  :func:`release_accelerator`: Accelerate's per-process settings forgotten, so that another run may use others.
+
+One process group per run, as launched:
 
 torchrun, ``accelerate launch`` and SLURM's ``srun`` tell each process how many were started (``WORLD_SIZE``,
 ``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` under mpirun, ``SLURM_STEP_NUM_TASKS``). Accelerate joins them into one group
@@ -13,15 +22,19 @@ folder. So:
 - an Accelerate config that asks for FSDP, on a device where Accelerate does not shard (the CPU), trains with DDP:
   :func:`distributed_summary` says so, in the log and in ``summary.json``.
 """
+import gc
 import logging
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 import torch
+from accelerate.state import AcceleratorState, GradientState
 
-__all__ = ['LaunchError', 'check_process_group', 'distributed_summary', 'launched_processes', 'wants_cpu_group']
+__all__ = ['LaunchError', 'check_process_group', 'distributed_summary', 'end_processes', 'launched_processes',
+           'release_accelerator', 'select_device', 'wants_cpu_group']
 
 _logger = logging.getLogger(__name__)
 
@@ -95,3 +108,66 @@ def _command_line() -> str:
     if argv and os.path.basename(argv[0]) in ('train.py', 'lipsformer-train', 'train_command.py'):
         return shlex.join(['train.py' if argv[0].endswith('train_command.py') else argv[0], *argv[1:]])
     return 'train.py ...'
+
+
+def select_device(device: str | None, option: str = '--device') -> bool:
+    """Prepare this process for timm's ``--device`` before Accelerate starts; returns whether it means the CPU.
+
+    None leaves the choice to Accelerate (the accelerator a launch gives each process, else the only one, else the
+    CPU); ``cpu`` is the CPU; an accelerator type (``cuda``, ``mps``, ``xpu``, ...) must be the one this host has,
+    and with an index (``cuda:1``) it becomes the current device of a single-process run.
+
+    Args:
+        device: What the user asked for.
+        option: The option or config key that asked, for the messages.
+
+    Raises:
+        ValueError: Not a device, not available here, or an index in a launched run (where each process has its own).
+    """
+    if device is None:
+        return False
+    try:
+        wanted = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f'{option} {device!r} is not a device ({e}); use cpu, cuda, cuda:1, mps, xpu, ...') from None
+    if wanted.type == 'cpu':
+        return True
+    present = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if present is None or present.type != wanted.type:
+        have = f'its accelerator is {present.type}' if present is not None else 'it has no accelerator'
+        raise ValueError(f'{option} {device}: this host has no {wanted.type} device ({have}); use cpu'
+                         + (f' or {present.type}' if present is not None else ''))
+    if wanted.index is not None:
+        if int(os.environ.get('WORLD_SIZE', '1')) > 1:
+            raise ValueError(f'{option} {device}: a launched run gives each process its own device; give the type '
+                             f'alone ({wanted.type}) and choose the devices with the launcher')
+        if wanted.index >= torch.accelerator.device_count():
+            raise ValueError(f'{option} {device}: there are {torch.accelerator.device_count()} {wanted.type} devices '
+                             f'(0 to {torch.accelerator.device_count() - 1})')
+        torch.accelerator.set_device_index(wanted.index)
+    return False
+
+
+def end_processes(accelerator: Any) -> None:
+    """Finish the trackers and leave the process group, once this process holds nothing prepared by ``accelerator``.
+
+    Call it with the run's models, optimizers and loaders already released by the caller. A DDP wrapper keeps the
+    process group alive; when the wrapper holds its last reference, gloo's destructor runs as the wrapper is freed,
+    joining its worker threads with the GIL held (torch releases it there only from 2.8). A worker that is still
+    dropping a finished collective's tensors needs the GIL to do so: both wait forever, after the run's files are
+    written. So the prepared objects go first, then every process agrees that the last collective is done, and the
+    GIL is left free a moment for the workers before the group is destroyed.
+    """
+    accelerator.free_memory()
+    gc.collect()
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+        time.sleep(0.1)  # sleeping releases the GIL: gloo's workers drop what they hold
+    accelerator.end_training()
+
+
+def release_accelerator() -> None:
+    """Forget Accelerate's per-process settings (precision, plugins) so that another run in this process may use
+    other ones; the device and any process group stay as they are."""
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()

@@ -97,11 +97,12 @@ def loose_images(folder: str) -> list[str]:
 
 
 def check_torchvision_split(dataset: str, split: str, key: str) -> None:
-    """Refuse a split name with which timm would silently pick the test set of a torchvision dataset."""
+    """Refuse a split name with which timm would silently pick the test set of a torchvision dataset (``key``: the
+    config key or option that named it, for the message)."""
     name = dataset.split('/', 1)[1].lower()
     if name in _TORCHVISION_TRAIN_TEST and split not in (*TRAIN_NAMES, 'test', *EVAL_NAMES):
         raise DatasetNotFoundError(
-            f'data.{key}: {split!r} is not a split of torchvision\'s {name}, which has a training set ('
+            f'{key}: {split!r} is not a split of torchvision\'s {name}, which has a training set ('
             f'{" or ".join(TRAIN_NAMES)}) and a test set (test, or {", ".join(EVAL_NAMES)})')
 
 

@@ -12,6 +12,8 @@ model. Any download of weights that cannot reach its host (``pretrained=True``, 
 weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsformer.convert`` and ``local-dir:``.
 """
 import contextlib
+import difflib
+import fnmatch
 import os
 import socket
 import urllib.error
@@ -27,14 +29,18 @@ from timm.models import is_model, parse_model_name, resolve_pretrained_cfg, spli
 from timm.models._builder import _resolve_pretrained_source
 from timm.models._hub import download_cached_file
 
-from ..checkpoint import CheckpointError, load_file
-from ..utils.io import read_json
+from .utils.io import read_json
+from .weight_files import CheckpointError, load_file
 
-__all__ = ['ModelSourceError', 'check_model_source', 'classifier_reset_note', 'create_model', 'hub_errors',
-           'model_source', 'offline_message', 'unreachable']
+__all__ = ['ModelSourceError', 'UnknownModelError', 'check_model_source', 'classifier_reset_note', 'create_model',
+           'expand_model_names', 'hub_errors', 'model_source', 'offline_message', 'unreachable']
 
 
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
+
+
+class UnknownModelError(ValueError):
+    """A model name or wildcard that no registered model (or none with pretrained weights) answers."""
 
 
 class ModelSourceError(CheckpointError):
@@ -147,7 +153,7 @@ def _pretrained_source(model_name: str, kwargs: dict[str, Any]) -> tuple[str, An
 
 def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
     """``timm.create_model`` that checks a ``local-dir:`` folder first, gives a damaged or unsafe weights file there
-    :mod:`lipsformer.checkpoint`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
+    :mod:`lipsformer.weight_files`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
 
     Raises:
         ModelSourceError: The folder is not a timm model folder, or the Hub cannot be reached or lacks the repo.
@@ -177,7 +183,7 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
 
 
 def _unreadable_weights(folder: str) -> CheckpointError | None:
-    """Our error for the first weights file in ``folder`` that :func:`lipsformer.checkpoint.load_file` refuses."""
+    """Our error for the first weights file in ``folder`` that :func:`lipsformer.weight_files.load_file` refuses."""
     for name in sorted(os.listdir(folder)):
         if name.endswith(_WEIGHT_SUFFIXES):
             try:
@@ -196,3 +202,41 @@ def classifier_reset_note(model: torch.nn.Module) -> str | None:
         return None
     return (f'the pretrained weights have a {trained}-class classifier and the model {model.num_classes} classes: '
             f'{cfg["classifier"]} starts from its initialisation, every other weight from the pretrained ones')
+
+
+def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
+    """Model names from a name, a comma list, or wildcards (``lipsformer_cswin_*``) over registered models, in order
+    and each once; ``hf-hub:`` and ``local-dir:`` names are checked and kept as they are.
+
+    Args:
+        spec: The command's model argument (validate.py's ``--model``, the benchmark's and complexity's
+            ``--models``).
+        with_weights: Wildcards match only models with pretrained weights (tagged names, as timm lists them).
+
+    Raises:
+        UnknownModelError: A name or wildcard matches no registered model (the message names close ones), or a
+            wildcard matches none with pretrained weights where they are asked for.
+        ModelSourceError: A ``local-dir:`` folder is not a timm model folder.
+    """
+    names = []
+    for part in (p.strip() for p in spec.split(',') if p.strip()):
+        if any(c in part for c in '*?['):
+            matches = timm.list_models(part, pretrained=with_weights)
+            found = matches or timm.list_models(part)
+            if found and not matches:
+                raise UnknownModelError(f'{part!r} matches {len(found)} registered models, none with pretrained '
+                                        f'weights')
+        elif model_source(part):
+            check_model_source(part)
+            matches = [part]
+        else:
+            matches = [part] if is_model(split_model_name_tag(part)[0]) else []
+        if not matches:
+            registered = timm.list_models()
+            close = (fnmatch.filter(registered, f'*{part.strip("*")}*')
+                     or difflib.get_close_matches(part.strip('*'), registered, n=5, cutoff=0.6))[:5]
+            raise UnknownModelError(f'no timm model matches {part!r}' + (f'; did you mean {close}?' if close else '')
+                                    + ' (timm.list_models() lists the registered ones; LipsFormer models are '
+                                    'registered by `import lipsformer`)')
+        names.extend(matches)
+    return list(dict.fromkeys(names))

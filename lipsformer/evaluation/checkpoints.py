@@ -10,7 +10,7 @@ The model is rebuilt from the arguments timm's ``train.py`` saved in its own che
 ``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the run's ``config.yaml`` (read by
 :func:`lipsformer.training.load_config`) with the class count and architecture a training checkpoint's ``meta.json``
 records, else from ``--model``; all weights then go through
-:func:`lipsformer.checkpoint.load_model_weights`, which never executes pickled code and names every mismatched key.
+:func:`lipsformer.weight_files.load_model_weights`, which never executes pickled code and names every mismatched key.
 The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along, so
 that a class-folder data set is labelled by name, as in training.
 """
@@ -20,18 +20,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import timm
 import torch
 from timm.models import resolve_model_input_args, split_model_name_tag
 from timm.models._hub import load_model_config_from_path
 
-from ..checkpoint import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
-from ..hub.model_names import check_model_source, create_model, hub_errors, model_source
+from ..model_names import create_model, hub_errors
 from ..training import ConfigError, latest_checkpoint, load_config
 from ..training.train_state import read_meta
+from ..weight_files import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
 from .errors import EvaluationError
 
-__all__ = ['ResolvedCheckpoint', 'SavedModelConfig', 'resolve_checkpoint', 'expand_model_names', 'create_eval_model']
+__all__ = ['ResolvedCheckpoint', 'SavedModelConfig', 'resolve_checkpoint', 'create_eval_model']
 
 _logger = logging.getLogger(__name__)
 
@@ -214,36 +213,6 @@ def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> Resolv
                 f'--use-ema: {folder!r} has no EMA weights (looked for {", ".join(_EMA_FILES)}); the run was '
                 f'probably trained without EMA, so drop --use-ema')
     return ResolvedCheckpoint(weights, ema_entry=False, model_config=_model_config_near(folder))
-
-
-def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
-    """Model names from a name, a comma list, or wildcards (``lipsformer_cswin_*``) over registered models.
-
-    Args:
-        spec: The ``--model`` argument.
-        with_weights: Wildcards match only models with pretrained weights (tagged names, as timm lists them).
-    """
-    names = []
-    for part in (p.strip() for p in spec.split(',') if p.strip()):
-        if any(c in part for c in '*?['):
-            matches = timm.list_models(part, pretrained=with_weights)
-            if not matches:
-                found = timm.list_models(part)
-                raise EvaluationError(
-                    f'--model {part!r} matches {len(found)} registered models, none with pretrained weights; '
-                    f'evaluate one of them with --checkpoint' if found else
-                    f'--model {part!r} matches no registered model')
-            names.extend(matches)
-        elif model_source(part):  # hf-hub:REPO / local-dir:FOLDER, weights included
-            check_model_source(part)
-            names.append(part)
-        elif timm.is_model(split_model_name_tag(part)[0]):
-            names.append(part)
-        else:
-            raise EvaluationError(
-                f'unknown model {part!r}; timm.list_models() lists the registered ones (LipsFormer models are '
-                f'registered by importing lipsformer)')
-    return list(dict.fromkeys(names))
 
 
 def _choose_model_config(model_name: str | None, checkpoint: ResolvedCheckpoint | None) -> SavedModelConfig:

@@ -1,13 +1,13 @@
 """The package's C kernels: compiled on first use with the machine's C compiler, cached, loaded through ctypes.
 
 PyTorch exposes no fast CPU kernel for a few of LipsFormer's operations (the depthwise weight gradient, see
-``lipsformer.fastpath.depthwise_conv``; the GELU residual's backward, ``lipsformer.fastpath.lean_autograd``); their C
-source ships in the package (:data:`CPU_KERNELS`). :func:`load_native` compiles one for the
-machine it runs on (``-O3 -march=native``, no PyTorch headers: well under a second) into a shared library cached under
-``$LIPSFORMER_CACHE_DIR`` (default ``$XDG_CACHE_HOME/lipsformer`` or ``~/.cache/lipsformer``), in a file named by a
-hash of the source, the compiler and the CPU, so that a home folder shared between machines never serves one CPU's
-build to another. The library is written under a temporary name and renamed into place (``utils.io``): a kill at any
-instant, or two processes compiling at once, leave a whole library or none.
+:mod:`.depthwise_conv`; the GELU residual's backward, :mod:`.lean_autograd`); their C source ships in the package
+(:data:`CPU_KERNELS`). :func:`load_native` compiles one for the CPU it runs on (``-O3 -march=native``, no PyTorch
+headers, so the build is short) into a shared library cached under ``$LIPSFORMER_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/lipsformer`` or ``~/.cache/lipsformer``), in a file named by a hash of the source, the compiler and
+the CPU, so that a home folder shared between machines never serves one CPU's build to another. The library is
+written under a temporary name and renamed into place (``lipsformer.utils.io``): a kill at any instant, or two
+processes compiling at once, leave a whole library or none.
 
 Loading a library runs its code, so only this user's own builds are loaded: the cache folder is created 0700, and a
 library is loaded only when the folder and the library belong to the current user, neither can be written by group or
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from .env import cpu_name, cpuinfo
-from .io import atomic_path, write_text
+from ..utils.env import cpu_name, cpuinfo
+from ..utils.io import atomic_path, write_text
 
 __all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
 

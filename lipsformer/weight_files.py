@@ -1,4 +1,4 @@
-"""Loading checkpoint files without executing code from them.
+"""Reading weight files (timm, exports, the authors' releases, training checkpoints) without executing code from them.
 
 Every file goes through ``torch.load(weights_only=True)`` (or safetensors), never an unrestricted unpickler. Two
 non-tensor objects that checkpoints users have carry are admitted by torch's restricted (weights-only) unpickler as

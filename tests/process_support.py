@@ -1,0 +1,61 @@
+"""Processes in the tests: torch on one thread, the environment of a subprocess, a run folder's lock held by another
+process, a free port for a launcher."""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+from lipsformer.training import run_lock
+
+RUN_LOCK_MODULE = run_lock.__file__
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch on one thread: the tiny test models are fastest that way, most of all on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a training subprocess: one thread, and this folder importable (before the ``PYTHONPATH`` the
+    tests run with, which may name the checkout to test)."""
+    path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get('PYTHONPATH')]))
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path, **extra}
+
+
+# Takes the lock (run_lock.py loaded on its own: no torch to import) and lets it go when the file argv[3] exists.
+_HOLDER = '''
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location('run_lock', sys.argv[1])
+run_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_lock)
+lock = run_lock.RunLock(sys.argv[2])
+lock.acquire()
+print('HELD', flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.05)
+lock.release()
+'''
+
+
+def hold_lock(run_dir: str, release: str) -> subprocess.Popen:
+    """A process that takes the run folder's lock (as a run does) and lets it go when the file ``release`` exists."""
+    holder = subprocess.Popen([sys.executable, '-c', _HOLDER, RUN_LOCK_MODULE, run_dir, release],
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert holder.stdout.readline() == 'HELD\n'
+    return holder
+
+
+def free_port() -> int:
+    """A free local TCP port for ``accelerate launch --main_process_port`` (port 0 hangs torch 2.6's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
