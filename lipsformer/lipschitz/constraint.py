@@ -17,7 +17,7 @@ Power iteration approaches a norm from below. Carried vectors follow a slowly tu
 not a sudden new one: Adam's first steps at a high learning rate move a weight by a nearly rank-one update of
 spectral norm up to lr * sqrt(m n), and the estimate then trails the true norm for a few steps; it also converges
 slowly where the top singular values are close together, as in random matrices. ``exact=True`` computes every norm
-exactly, so that the caps, and the bound, hold after every step, at a much higher cost. docs/lipschitz_constraint.md
+exactly, so that the caps, and the bound, hold after every step, at a much higher cost. docs/lipschitz.md
 gives the measured overshoot and cost.
 """
 import math
