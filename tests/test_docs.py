@@ -38,7 +38,10 @@ from pathlib import Path
 
 import pytest
 import timm
+import timm.layers.config as timm_layer_config
 import torch
+
+from lipsformer.fastpath import switch as fast_path_switch
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
@@ -123,9 +126,20 @@ def doc_folder(tmp_path_factory):
     return folder
 
 
+# Process-wide switches an example may set for "the rest of the process" (set_fast_path(False), timm's
+# set_fused_attn / set_layer_config): each is put back after the example, so that no later test runs under it.
+_PROCESS_SWITCHES = ((fast_path_switch, ('_enabled',)),
+                     (timm_layer_config, ('_USE_FUSED_ATTN', '_EXPORTABLE', '_SCRIPTABLE', '_NO_JIT',
+                                          '_NO_ACTIVATION_JIT', '_USE_REENTRANT_CKPT')))
+
+
 @pytest.fixture
 def doc_world(doc_folder, monkeypatch):
-    """The examples' working folder as the current directory, with ``timm.create_model`` building tiny LipsFormers."""
+    """The examples' working folder as the current directory, with ``timm.create_model`` building tiny LipsFormers and
+    the process-wide switches restored afterwards."""
+    for module, names in _PROCESS_SWITCHES:
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setattr(timm, 'create_model', _tiny_create_model(timm.create_model))
     monkeypatch.chdir(doc_folder)
     return doc_folder
@@ -148,6 +162,13 @@ def test_python_example_runs(block, doc_world, one_thread):
     code = compile(block.body, block.id, 'exec')
     with contextlib.redirect_stdout(io.StringIO()):
         exec(code, {'__name__': '__doc_example__'})
+
+
+def test_the_examples_leave_the_fast_path_switch_as_they_found_it():
+    """Runs after the examples above (pytest keeps a file's order), one of which switches the fast path off "for the
+    rest of the process": the tests after this file must not run on the plain path unknowingly."""
+    assert any('set_fast_path(False)' in block.body for block in PYTHON_BLOCKS)
+    assert fast_path_switch._enabled == fast_path_switch._from_environment()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
