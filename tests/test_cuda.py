@@ -53,7 +53,8 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     model.zero_grad(set_to_none=True)
     autocast = torch.autocast(DEVICE, dtype=torch.bfloat16) if precision == 'bf16' else contextlib.nullcontext()
     with autocast:
-        logits = (forward or model)(x)
+        # `forward or model` would ask a compiled module for its len() (OptimizedModule defines __len__)
+        logits = (model if forward is None else forward)(x)
     F.cross_entropy(logits.float(), y).backward()
     return logits.detach().float(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
