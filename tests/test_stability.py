@@ -315,6 +315,30 @@ def test_a_seed_that_failed_at_two_consecutive_rates_is_not_run_at_higher_ones(t
     assert not list(tmp_path.rglob('not_run.json')) and not list(tmp_path.rglob('lock'))
 
 
+def test_runs_in_the_results_file_are_not_trained_again_and_prune_as_run_folders_do(tmp_path, subsets, monkeypatch):
+    """A grid resumed where its run folders are not (another machine, a fresh clone) skips what the committed
+    results file holds as measured with its settings under this torch, and prunes from those records."""
+    trained = []
+    monkeypatch.setattr(grid, 'train_run', _fake_training(trained, {(0.001, 0): 0.1, (0.002, 0): 0.1}))
+    results = tmp_path / 'tiny.jsonl'
+    assert run_grid(tmp_path / 'first', ['lipsformer'], [0.001, 0.002], [0, 1], TINY, subsets, CPU) == 4
+    collect(tmp_path / 'first', results)
+    recorded = read_results(results)
+    trained.clear()
+    second = tmp_path / 'second'
+    assert run_grid(second, ['lipsformer'], [0.001, 0.002, 0.004], [0, 1], TINY, subsets, CPU, stop_after_failures=2,
+                    recorded=recorded) == 1
+    assert trained == [(0.004, 1)]  # seed 0 was stuck at chance at 0.001 and 0.002 in the file: left out
+    marker = json.loads(RunFiles(run_dir(second, 'lipsformer', 0.004, 0)).not_run.read_text())
+    assert marker['not_run'] == {'stop_after_failures': 2, 'failed_at': [0.001, 0.002]}
+    # Records of another sweep (other settings) or of another torch version say nothing about this grid's runs.
+    other_sweep = RunSettings(**{**TINY.__dict__, 'steps': 3})
+    assert run_grid(tmp_path / 'third', ['lipsformer'], [0.001], [0], other_sweep, subsets, CPU,
+                    recorded=recorded) == 1
+    other_torch = Results(recorded.settings, [{**r, 'torch': '2.6.0+cpu'} for r in recorded.records])
+    assert run_grid(tmp_path / 'fourth', ['lipsformer'], [0.001], [0], TINY, subsets, CPU, recorded=other_torch) == 1
+
+
 def test_runs_left_out_are_collected_apart_and_a_measurement_wins(tmp_path, subsets, monkeypatch):
     out, path = tmp_path / 'runs', tmp_path / 'tiny.jsonl'
     monkeypatch.setattr(grid, 'train_run', _fake_training([]))
@@ -492,6 +516,12 @@ def test_the_command_line_runs_collects_and_reports(tmp_path, monkeypatch):
     assert len(read_results(tmp_path / 'results/stability/fashion_mnist_synthetic.jsonl').records) == 1
     experiment_command.main(['--synthetic', '--report', 'docs'])
     assert '| pre_norm_transformer | 0.001 | 1 |' in (tmp_path / 'docs' / 'stability.md').read_text()
+    # From the results file alone (other run folders): nothing to train, unless asked to train it again.
+    again = ['--arms', 'pre_norm_transformer', '--lrs', '1e-3', '--seeds', '0', '--synthetic', *TINY_ARGS]
+    experiment_command.main(['--out', 'elsewhere', *again])
+    assert not (tmp_path / 'elsewhere').exists()
+    experiment_command.main(['--out', 'elsewhere', '--retrain-recorded', *again])
+    assert RunFiles(run_dir(tmp_path / 'elsewhere', 'pre_norm_transformer', 1e-3, 0)).done()
     with pytest.raises(SystemExit):
         experiment_command.main(['--out', str(tmp_path), '--arms', 'resnet'])
     assert experiment_command.parse_args(['--out', 'runs']).stop_after_failures == 2  # pruning is on by default

@@ -13,7 +13,7 @@ from ...utils.cli import HelpFormatter, command_name
 from .arms import ARMS, ModelShape
 from .grid import run_grid
 from .report import write_report
-from .results import collect
+from .results import collect, read_results
 from .subsets import Subsets, load_image_folder, load_subsets, synthetic_subsets
 from .training_run import RunSettings
 
@@ -60,7 +60,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help='write the data set\'s section of DOCS_DIR/stability.md and its figure from the --results '
                              'file alone; no training')
     parser.add_argument('--results', type=Path,
-                        help='the committed results file (default: results/stability/<dataset>.jsonl)')
+                        help='the committed results file (default: results/stability/<dataset>.jsonl); a run it '
+                             'holds, measured with the same settings under this torch, is not trained again')
+    parser.add_argument('--retrain-recorded', action='store_true',
+                        help='train the runs that the --results file already holds again (in new run folders)')
     # defaults as they would be typed, so that --help shows them so (argparse runs string defaults through type)
     parser.add_argument('--arms', type=_arms, default=', '.join(ARMS), help='comma-separated arms')
     parser.add_argument('--lrs', type=_floats, default=', '.join(map(str, DEFAULT_LRS)),
@@ -138,5 +141,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         subsets = load_subsets(args.fashion_mnist_dir, args.train_size, args.test_size)
     settings = settings_from_args(args, subsets)
+    recorded = None if args.retrain_recorded else read_results(args.results)
+    if recorded is not None and recorded.settings is not None:
+        if recorded.settings != settings.as_dict():
+            logging.info('%s holds a sweep with other settings: none of its runs is skipped', args.results)
+        else:
+            logging.info('%s: %d runs measured under torch %s are skipped (--retrain-recorded trains them again)',
+                         args.results, len(recorded.measured(settings.as_dict(), str(torch.__version__))),
+                         torch.__version__)
     run_grid(args.out, args.arms, args.lrs, args.seeds, settings, subsets, torch.device(args.device),
-             args.stop_after_failures)
+             args.stop_after_failures, recorded)

@@ -24,6 +24,7 @@ import torch
 from ...utils.io import read_json, write_json
 from .arms import ARMS
 from .pruning import failed_lower_rates, not_run_marker
+from .results import Results
 from .subsets import Subsets
 from .training_run import RunFiles, RunSettings, train_run
 
@@ -122,11 +123,14 @@ def release(directory: Path) -> None:
 
 
 def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int], settings: RunSettings,
-             subsets: Subsets, device: torch.device, stop_after_failures: int = 0) -> int:
+             subsets: Subsets, device: torch.device, stop_after_failures: int = 0,
+             recorded: Results | None = None) -> int:
     """Run every unfinished, unclaimed run of the grid; return how many this process finished.
 
-    Runs already done (result.json) are skipped, runs claimed by a live process are left to it, interrupted ones
-    resume from their checkpoint. Several processes may work on the same ``out`` at once. With
+    Runs already done (result.json) are skipped, and so are runs that ``recorded`` (the committed results file)
+    holds as measured with the same settings under this torch: a grid resumed on another machine or from a fresh
+    clone does not train again what is already in the repository. Runs claimed by a live process are left to it,
+    interrupted ones resume from their checkpoint. Several processes may work on the same ``out`` at once. With
     ``stop_after_failures`` n > 0, a run whose seed has failed outright at n consecutive lower rates of its arm is left
     out instead (:mod:`.pruning`): its folder gets ``not_run.json``, and a later grid with a larger n (or 0) runs it.
     """
@@ -138,15 +142,16 @@ def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequen
                          f'{shape.num_classes} and {shape.img_size}x{shape.img_size}')
     if stop_after_failures < 0:
         raise ValueError(f'stop_after_failures must be 0 (run the full grid) or more, got {stop_after_failures}')
+    measured = {} if recorded is None else recorded.measured(settings.as_dict(), str(torch.__version__))
     subsets = subsets.to(device)
     finished = 0
     for arm, lr, seed in queue(arms, lrs, seeds):
         directory = run_dir(out, arm, lr, seed)
         files = RunFiles(directory)
-        if files.done():
+        if files.done() or (arm, lr, seed) in measured:
             continue
-        failed_at = failed_lower_rates([(rate, run_dir(out, arm, rate, seed)) for rate in lrs], lr, settings,
-                                       stop_after_failures)
+        failed_at = failed_lower_rates([(rate, run_dir(out, arm, rate, seed), measured.get((arm, rate, seed)))
+                                        for rate in lrs], lr, settings, stop_after_failures)
         marker = None if failed_at is None else not_run_marker(ARMS[arm], lr, seed, settings, stop_after_failures,
                                                                failed_at)
         if marker is not None and files.not_run.exists() and read_json(files.not_run) == marker:

@@ -25,23 +25,25 @@ from .training_run import RunFiles, RunSettings
 __all__ = ['failed_lower_rates', 'not_run_marker']
 
 
-def _failed_outright(directory: Path, settings: RunSettings) -> bool:
-    """Whether the run in ``directory`` finished (with the grid's settings) and failed outright."""
+def _failed_outright(directory: Path, record: dict[str, Any] | None, settings: RunSettings) -> bool:
+    """Whether the run in ``directory`` finished (with the grid's settings) and failed outright; a run with no
+    finished folder here is judged by its ``record`` in the results file (None: not measured)."""
     files = RunFiles(directory)
     if not files.done():
-        return False
+        return record is not None and outright_failure(record, settings.as_dict()) is not None
     result = read_json(files.result)
     if result['settings'] != settings.as_dict():  # another sweep's run says nothing about this one
         return False
     return outright_failure(compact_record(result, files.read_steps()), result['settings']) is not None
 
 
-def failed_lower_rates(directories: Sequence[tuple[float, Path]], lr: float, settings: RunSettings,
+def failed_lower_rates(runs: Sequence[tuple[float, Path, dict[str, Any] | None]], lr: float, settings: RunSettings,
                        n: int) -> list[float] | None:
     """The first ``n`` consecutive rates below ``lr`` at which one seed of one arm failed outright, or None.
 
     Args:
-        directories: The (learning rate, run folder) of that arm and seed at every rate of the grid.
+        runs: The learning rate, run folder and results-file record (None where it has none) of that arm and seed
+            at every rate of the grid.
         lr: The rate about to be run.
         settings: The grid's settings (runs with others do not count).
         n: How many consecutive failures prune the higher rates (0: none do).
@@ -49,10 +51,10 @@ def failed_lower_rates(directories: Sequence[tuple[float, Path]], lr: float, set
     if n <= 0:
         return None
     streak: list[float] = []
-    for rate, directory in sorted(directories):
+    for rate, directory, record in sorted(runs, key=lambda run: run[0]):
         if rate >= lr:
             break
-        streak = [*streak, rate] if _failed_outright(directory, settings) else []
+        streak = [*streak, rate] if _failed_outright(directory, record, settings) else []
         if len(streak) == n:
             return streak
     return None

@@ -109,6 +109,14 @@ class Results:
             counts[record['torch']] = counts.get(record['torch'], 0) + 1
         return sorted(counts, key=lambda version: (-counts[version], version))
 
+    def measured(self, settings: dict[str, Any], torch_version: str) -> dict[tuple[str, float, int], dict[str, Any]]:
+        """The runs measured with ``settings`` under ``torch_version``, by (arm, lr, seed): none where the file holds
+        another sweep (other settings), and no run of an arm whose warmup has changed since."""
+        if self.settings != settings:
+            return {}
+        return {(r['arm'], r['lr'], r['seed']): r for r in self.records if r['torch'] == torch_version
+                and r['arm'] in ARMS and r['warmup_epochs'] == ARMS[r['arm']].warmup_epochs}
+
     def write(self, path: Path) -> None:
         JsonLines(path).rewrite([{'settings': self.settings}, *self.records, *self.not_run])
 
