@@ -23,6 +23,8 @@ from lipsformer.layers import (
     window_partition,
     window_reverse,
 )
+from lipsformer.layers import softmax_attention as softmax_attention_module
+from lipsformer.layers.softmax_attention import softmax_attention
 
 
 def _sigma_max(matrix: torch.Tensor) -> float:
@@ -143,6 +145,28 @@ def test_scsa_fused_equals_explicit_path(tau_learnable, v_norm):
     vv = nn.functional.normalize(v, dim=-1) if v_norm else v
     reference = torch.softmax(10.0 * qn @ kn.transpose(-1, -2) + bias, -1) @ vv * (0.7 if v_norm else 1.0)
     torch.testing.assert_close(explicit, reference)
+
+
+@pytest.mark.parametrize('bias_shape', [None, (4, 1, 1, 10), (4, 3, 10, 10), (1, 4, 1, 10, 10), (2, 4, 1, 1, 10),
+                                        (3, 10, 10)])
+def test_fused_attention_over_windows_gives_sdpa_4d_tensors_and_the_explicit_values(bias_shape, monkeypatch):
+    """(B, windows, heads, tokens, head_dim) inputs with a per-window bias, as the windowed models call it: SDPA sees
+    4-D tensors (its fused CUDA kernels and ONNX's operator take no others) and the values are the definition's."""
+    q, k, v = (t.unflatten(0, (2, 4)) for t in _random_qkv(batch=8))
+    bias = None if bias_shape is None else torch.randn(bias_shape, dtype=torch.float64)
+    ranks, sdpa = [], nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        ranks.append((query.dim(), key.dim(), value.dim(), None if kwargs['attn_mask'] is None
+                      else kwargs['attn_mask'].dim()))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(softmax_attention_module.F, 'scaled_dot_product_attention', spy)
+    with torch.no_grad():
+        fused = softmax_attention(q, k, v, bias, 0.0, True, 0.5)
+    assert ranks == [(4, 4, 4, None if bias is None else 4)]
+    reference = torch.softmax(0.5 * q @ k.transpose(-1, -2) + (0.0 if bias is None else bias), -1) @ v
+    torch.testing.assert_close(fused, reference, atol=1e-12, rtol=0)
 
 
 def test_scsa_logits_are_bounded_whatever_the_input_scale():

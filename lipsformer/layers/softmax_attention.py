@@ -40,6 +40,8 @@ def softmax_attention(
                       and needs_backward(q, k, v, attn_bias)):
             fused = False
     if fused:
+        if q.dim() > 4:
+            return _fused_windows_as_heads(q, k, v, attn_bias, dropout_p, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p, scale=scale)
     attn = (q * scale if scale != 1.0 else q) @ k.transpose(-2, -1)
     if attn_bias is not None:
@@ -49,3 +51,24 @@ def softmax_attention(
     if dropout_p > 0.0:
         attn = F.dropout(attn, dropout_p)
     return attn @ v
+
+
+def _fused_windows_as_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None,
+                            dropout_p: float, scale: float) -> torch.Tensor:
+    """SDPA on (B, windows, ..., heads, tokens, head_dim) tensors, as the windowed callers pass them to broadcast a
+    per-window mask over the batch.
+
+    SDPA's fused CUDA kernels and ONNX's Attention operator take 4-D tensors (the dynamo ONNX exporter refuses 5-D
+    ones), so every dimension between the batch and the tokens is folded into the heads' and the bias is expanded to
+    match; the batch dimension itself is left alone, so that nothing depends on its size.
+    """
+    groups = list(q.shape[1:-2])  # lists, not unpacking: TorchScript compiles this function too
+    if attn_bias is not None:
+        logits = [attn_bias.shape[-2], attn_bias.shape[-1]]
+        if attn_bias.dim() == q.dim():  # a leading batch dimension of its own (1 or B)
+            attn_bias = attn_bias.expand([attn_bias.shape[0]] + groups + logits).flatten(1, -3)
+        else:
+            attn_bias = attn_bias.expand(groups + logits).flatten(0, -3).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q.flatten(1, -3), k.flatten(1, -3), v.flatten(1, -3), attn_mask=attn_bias,
+                                         dropout_p=dropout_p, scale=scale)
+    return out.unflatten(1, groups)
