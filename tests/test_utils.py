@@ -171,6 +171,31 @@ def test_without_an_atomic_swap_a_killed_replacement_is_undone_at_the_next_start
     assert (tmp_path / 'target' / 'file').read_text() == 'new'
 
 
+def test_a_folder_removal_killed_midway_leaves_no_partial_folder_under_its_name(tmp_path, monkeypatch):
+    """A checkpoint pruned while the process is killed must not stay behind with its meta file and without its
+    weights: the folder goes away whole, and what the kill left is cleared at the next start."""
+    checkpoint = tmp_path / 'step_00000016'
+    checkpoint.mkdir()
+    for name in ('meta.json', 'model.safetensors', 'optimizer.bin'):
+        (checkpoint / name).write_text(name)
+    rmtree = io_module.shutil.rmtree
+
+    def delete_one_file_then_die(path, ignore_errors=False):
+        if not os.path.exists(path):
+            return rmtree(path, ignore_errors=ignore_errors)
+        os.remove(os.path.join(path, 'model.safetensors'))
+        raise _Killed
+
+    with monkeypatch.context() as patch, pytest.raises(_Killed):
+        patch.setattr(io_module.shutil, 'rmtree', delete_one_file_then_die)
+        io_module.remove_dir(str(checkpoint))
+    assert os.listdir(tmp_path) == ['.tmp-removed-step_00000016']
+    assert remove_stale_temporaries(str(tmp_path)) == ['.tmp-removed-step_00000016'] and not os.listdir(tmp_path)
+    checkpoint.mkdir()
+    io_module.remove_dir(str(checkpoint))
+    assert not os.listdir(tmp_path)
+
+
 def test_renames_are_flushed_with_their_folder(tmp_path, monkeypatch):
     """The folder entry is flushed after the rename that makes a file or folder visible (best.json, summary.json,
     exports), or a power cut can lose the rename."""

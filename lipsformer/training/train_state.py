@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..utils.io import fsync_dir, replace_dir, save_safetensors, save_torch, write_json
+from ..utils.io import fsync_dir, remove_dir, replace_dir, save_safetensors, save_torch, write_json
 from ..weight_files import CheckpointError, check_state_dict, load_file
 
 __all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'checkpoints_to_resume', 'checkpoints_root',
@@ -328,7 +328,7 @@ def prune_checkpoints(run_dir: str, keep_last: int) -> None:
     folders = [folder for _, folder in list_checkpoints(run_dir)]
     for folder in folders[:-keep_last]:
         if best is None or not os.path.samefile(folder, best):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_dir(folder)  # a kill mid-deletion must not leave a folder that lists as a complete checkpoint
 
 
 def _load_scheduler_state(scheduler: Any, saved: dict[str, Any]) -> None:

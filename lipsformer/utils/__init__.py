@@ -15,6 +15,7 @@ from .io import (
     atomic_path,
     fsync_dir,
     read_json,
+    remove_dir,
     remove_stale_temporaries,
     replace_dir,
     save_safetensors,
@@ -26,5 +27,5 @@ from .processes import end_processes, select_device
 
 __all__ = ['HelpFormatter', 'JsonLines', 'atomic_open', 'atomic_path', 'command_name', 'cpu_details', 'cpu_name',
            'cpuinfo', 'end_processes', 'fsync_dir', 'minor_page_faults', 'peak_memory_mb', 'peak_rss_mb', 'read_json',
-           'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'select_device', 'write_json',
-           'write_text']
+           'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'select_device',
+           'write_json', 'write_text']

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 __all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'fsync_dir', 'os_error_in_chain',
-           'read_json', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch', 'write_json',
-           'write_text']
+           'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
+           'write_json', 'write_text']
 
 _logger = logging.getLogger(__name__)
 
@@ -181,6 +181,18 @@ def replace_dir(source: str, target: str) -> None:
         os.rename(source, target)
         shutil.rmtree(old, ignore_errors=True)
     fsync_dir(parent)
+
+
+def remove_dir(path: str) -> None:
+    """Delete the folder ``path`` so that at no instant it exists in part: it is renamed to a temporary name first
+    (one system call), then deleted. A process killed while deleting leaves a ``.tmp-`` folder, which
+    :func:`remove_stale_temporaries` clears, never a folder that still reads as complete with files missing."""
+    parent, name = os.path.split(os.path.abspath(path))
+    doomed = os.path.join(parent, f'{TMP_DIR_PREFIX}removed-{name}')
+    shutil.rmtree(doomed, ignore_errors=True)  # left by a process killed while removing a folder of that name
+    os.rename(path, doomed)
+    fsync_dir(parent)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _exchange(first: str, second: str) -> bool:
