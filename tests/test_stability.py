@@ -403,6 +403,19 @@ def test_the_highest_stable_rate_and_each_seeds_first_failure():
     highest, failures = stable_rates(cells, 'layernorm', kinds)
     assert highest == 0.001
     assert failures == [(0, 0.008, 'stuck', None), (1, 0.002, 'degraded', None), (2, 0.004, 'diverged', 9)]
+    # Too slow at the lowest rate (degraded, stuck) is not instability: the range starts where every seed trains.
+    slow = [_record('trunc_normal_init', 0.001, 0, 0.75), _record('trunc_normal_init', 0.001, 1, 0.1),
+            *[_record('trunc_normal_init', lr, s, 0.8) for lr in (0.002, 0.004) for s in range(2)],
+            _record('trunc_normal_init', 0.008, 0, 0.8), _record('trunc_normal_init', 0.008, 1, 0.7)]
+    cells = {}
+    for run in slow:
+        cells.setdefault((run['arm'], run['lr']), []).append(run)
+    kinds = {id(r): classify(r, 0.8, SETTINGS) for r in slow}
+    assert stable_rates(cells, 'trunc_normal_init', kinds) == (0.004, [(1, 0.008, 'degraded', None)])
+    # With no rate where every seed trains, each seed's first failure is its lowest.
+    del cells['trunc_normal_init', 0.002], cells['trunc_normal_init', 0.004]
+    assert stable_rates(cells, 'trunc_normal_init', kinds) == (None, [(0, 0.001, 'degraded', None),
+                                                                      (1, 0.001, 'stuck', None)])
 
 
 def _not_run(arm, lr, seed, failed_at):

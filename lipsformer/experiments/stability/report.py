@@ -14,8 +14,10 @@ Diverged and stuck are outright failures, known as soon as the run ends (:func:`
 leave a seed out of an arm's higher rates once it has failed outright at consecutive lower ones (:mod:`.pruning`).
 Such a run is shown as not run, apart from the measured failures, and counts as a failure of its seed.
 
-An arm's highest stable rate is the highest learning rate up to which every seed trains at every rate that was run
-(none of the three fails, none is left out); where no rate above it has been run yet, it is a lower bound and the
+An arm's highest stable rate is the top of its stable range: from the lowest rate at which every seed trains (none
+fails, none is left out), the rates run above it up to the first at which a seed does not. Lower rates at which an arm
+did not train are too slow for the step budget, not unstable, and neither end the range nor count as a seed's first
+failure (the grid table shows them). Where no rate above the range has been run yet, it is a lower bound and the
 report says so.
 
 The tables go between two marker comments of ``stability.md`` named after the data set, so the hand-written analysis
@@ -112,18 +114,23 @@ def classify(record: dict[str, Any], best: float, settings: dict[str, Any]) -> t
 
 def stable_rates(cells: Cells, arm: str, kinds: dict[int, tuple[str, int | None]],
                  not_run: Cells | None = None) -> tuple[float | None, list]:
-    """The highest rate up to which every seed of ``arm`` trains at every rate run, and each seed's first failure
-    (seed, lr, kind, step).
+    """The top of ``arm``'s stable range (module docstring), and each seed's first failure above its start (from
+    the lowest rate where no rate is stable) as (seed, lr, kind, step).
 
     ``kinds`` maps ``id(record)`` to its :func:`classify` result; ``not_run`` holds the runs left out (a cell with one
     is not stable: that seed counts as failed, after the measured failures that pruned it).
     """
     not_run = not_run or {}
     lrs = sorted(lr for a, lr in cells if a == arm)
-    stable = list(itertools.takewhile(
-        lambda lr: all(kinds[id(r)][0] == 'trains' for r in cells[arm, lr]) and not not_run.get((arm, lr)), lrs))
+
+    def every_seed_trains(lr: float) -> bool:
+        return all(kinds[id(r)][0] == 'trains' for r in cells[arm, lr]) and not not_run.get((arm, lr))
+
+    # The range starts at the lowest rate where every seed trains: below it the step budget was too short.
+    above = list(itertools.dropwhile(lambda lr: not every_seed_trains(lr), lrs))
+    stable = list(itertools.takewhile(every_seed_trains, above))
     failures: dict[int, tuple] = {}
-    for lr in lrs:
+    for lr in above or lrs:
         for record in cells[arm, lr]:
             kind, step = kinds[id(record)]
             if kind != 'trains' and record['seed'] not in failures:
@@ -317,8 +324,9 @@ def _setup_lines(results: Results, version: str) -> list[str]:
         f'seconds a run (median).',
         f'Kinds of failure: diverged (non-finite training loss); stuck (final accuracy below '
         f'{_pct(stuck_below(settings))}%, chance + {STUCK_MARGIN:.0%} of the way to 100%); degraded (final accuracy '
-        f'more than {100 * DEGRADED_POINTS:.0f} points below the arm\'s best cell). The highest stable rate: every '
-        f'seed trains at it and at every rate below it that was run (">=" while no higher rate has been run).',
+        f'more than {100 * DEGRADED_POINTS:.0f} points below the arm\'s best cell). The highest stable rate: the top '
+        f'of the range of rates at which every seed trains, from the lowest such rate up (lower rates where the arm '
+        f'did not train are too slow for the step budget); ">=" while no higher rate has been run.',
         *_not_run_lines([r for r in results.not_run if r['torch'] == version]),
     ]
 
