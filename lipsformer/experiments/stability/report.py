@@ -114,8 +114,8 @@ def classify(record: dict[str, Any], best: float, settings: dict[str, Any]) -> t
 
 def stable_rates(cells: Cells, arm: str, kinds: dict[int, tuple[str, int | None]],
                  not_run: Cells | None = None) -> tuple[float | None, list]:
-    """The top of ``arm``'s stable range (module docstring), and each seed's first failure above its start (from
-    the lowest rate where no rate is stable) as (seed, lr, kind, step).
+    """The top of ``arm``'s stable range (module docstring), and each seed's first failure from the range's start
+    (from the lowest rate where no rate is stable) as (seed, lr, kind, step).
 
     ``kinds`` maps ``id(record)`` to its :func:`classify` result; ``not_run`` holds the runs left out (a cell with one
     is not stable: that seed counts as failed, after the measured failures that pruned it).
