@@ -142,12 +142,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         subsets = load_subsets(args.fashion_mnist_dir, args.train_size, args.test_size)
     settings = settings_from_args(args, subsets)
     recorded = None if args.retrain_recorded else read_results(args.results)
-    if recorded is not None and recorded.settings is not None:
-        if recorded.settings != settings.as_dict():
-            logging.info('%s holds a sweep with other settings: none of its runs is skipped', args.results)
-        else:
-            logging.info('%s: %d runs measured under torch %s are skipped (--retrain-recorded trains them again)',
-                         args.results, len(recorded.measured(settings.as_dict(), str(torch.__version__))),
-                         torch.__version__)
     run_grid(args.out, args.arms, args.lrs, args.seeds, settings, subsets, torch.device(args.device),
              args.stop_after_failures, recorded)

@@ -143,6 +143,10 @@ def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequen
     if stop_after_failures < 0:
         raise ValueError(f'stop_after_failures must be 0 (run the full grid) or more, got {stop_after_failures}')
     measured = {} if recorded is None else recorded.measured(settings.as_dict(), str(torch.__version__))
+    if recorded is not None and recorded.settings is not None:
+        _logger.info('the results file holds %d runs of this grid\'s settings under torch %s: they are not trained '
+                     'again%s', len(measured), torch.__version__,
+                     '' if measured or recorded.settings == settings.as_dict() else ' (it holds another sweep)')
     subsets = subsets.to(device)
     finished = 0
     for arm, lr, seed in queue(arms, lrs, seeds):
