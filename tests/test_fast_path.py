@@ -55,7 +55,7 @@ def test_one_switch_as_a_call_and_as_a_context_manager():
     try:
         assert not use_fast_path()
     finally:
-        set_fast_path(True)
+        set_fast_path(None)
     for config in (dict(exportable=True), dict(scriptable=True)):
         with set_layer_config(**config):  # timm's export and TorchScript configurations turn it off too
             assert not use_fast_path()
@@ -200,3 +200,56 @@ def test_gradient_penalties_differentiate_the_backward(name):
     torch.testing.assert_close(fast_penalty, plain_penalty, rtol=1e-10, atol=0)
     for fast_grad, plain_grad in zip(fast_grads, plain_grads, strict=True):
         torch.testing.assert_close(fast_grad, plain_grad, rtol=1e-8, atol=1e-12)
+
+
+def test_the_switch_is_on_by_default_only_on_the_devices_where_it_is_measured_faster():
+    assert fastpath.DEFAULT_DEVICES == {'cpu'}
+    assert use_fast_path('cpu') and not use_fast_path('cuda')
+    with set_fast_path(True):  # on for every device
+        assert use_fast_path('cuda') and use_fast_path('cpu')
+        with set_fast_path(None):  # the defaults again
+            assert use_fast_path('cpu') and not use_fast_path('cuda')
+    with set_fast_path(False):
+        assert not use_fast_path('cpu') and not use_fast_path('cuda')
+
+
+@pytest.mark.parametrize('value, cpu, cuda', [('auto', True, False), ('1', True, True), ('0', False, False)])
+def test_the_environment_variable_overrides_the_device_defaults(value, cpu, cuda):
+    code = 'import lipsformer.fastpath as f; print(f.use_fast_path("cpu"), f.use_fast_path("cuda"))'
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                            env=dict(os.environ, LIPSFORMER_FAST_PATH=value))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(cpu), str(cuda)]
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_the_block_decides_once_and_its_layers_read_the_decision(name):
+    """The block's fast form engages the layers' faster kernels (SCSA's normalisation); the plain path, a block
+    called outside its fast form and a model whose fast path is off leave them unengaged."""
+    model = _model(name, drop_path_rate=0.0).eval()
+    seen = []
+    for module in model.modules():
+        if type(module).__name__ == 'ScaledCosineAttention':
+            module.register_forward_pre_hook(lambda m, i: seen.append(fastpath.engaged()))
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        model(x)
+        assert seen and all(seen)
+        seen.clear()
+        with set_fast_path(False):
+            model(x)
+        assert seen and not any(seen)
+    assert not fastpath.engaged()
+
+
+def test_model_families_know_nothing_of_the_fast_path():
+    """A family implements its attention before the output projection (``attend``) and nothing else: no fast-path
+    imports, no output scale in its signature."""
+    import inspect
+
+    from lipsformer.models import lipsformer_cswin, lipsformer_swin
+    for module in (lipsformer_swin, lipsformer_cswin):
+        source = inspect.getsource(module)
+        assert 'fastpath' not in source and 'out_scale' not in source, module.__name__
+    for mixer in (lipsformer_swin.WindowAttention, lipsformer_cswin.CrossStripeAttention):
+        assert 'forward' not in vars(mixer) and list(inspect.signature(mixer.attend).parameters) == ['self', 'x']

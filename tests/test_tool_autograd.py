@@ -185,7 +185,7 @@ def test_one_switch_turns_the_fast_paths_off():
         assert use_fast_path()
         set_fast_path(False)
         assert not use_fast_path()
-        set_fast_path(True)
+        set_fast_path(None)
         for config in (dict(exportable=True), dict(scriptable=True)):
             with timm.layers.set_layer_config(**config):
                 assert not use_fast_path(), config

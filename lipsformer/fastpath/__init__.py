@@ -2,10 +2,11 @@
 
 Everything that computes a model's layers other than through their modules is here, behind one switch:
 
-- ``switch``: :func:`set_fast_path` / :func:`use_fast_path` (``LIPSFORMER_FAST_PATH=0`` turns it off; timm's
-  exportable and scriptable layer configs do too), and the tests of where a fast path may run (:func:`active`: not
-  under tracing, export, compilation, ``torch.func`` or forward AD; :func:`plain`: a module with no hooks,
-  parametrization or wrapper);
+- ``switch``: :func:`set_fast_path` / :func:`use_fast_path` (on by default for :data:`DEFAULT_DEVICES`;
+  ``LIPSFORMER_FAST_PATH=0`` turns it off, ``1`` on everywhere; timm's exportable and scriptable layer configs turn it
+  off), and the tests of where a fast path may run (:func:`active`: not under tracing, export, compilation,
+  ``torch.func`` or forward AD; :func:`plain`: a module with no hooks, parametrization or wrapper; :func:`engaged`:
+  inside a block's fast form);
 - ``blocks``: the weighted residual, the token-wise linear layers with alpha folded in, timm's MLP, the conv shortcut;
 - ``lean_autograd``: autograd Functions whose backwards keep fewer activations (twice differentiable, autocast-aware);
 - ``onednn_linear``: token-wise products on CPU through oneDNN's 1x1 convolution;
@@ -15,14 +16,17 @@ Everything that computes a model's layers other than through their modules is he
   (:func:`native_kernels`: which of them this process can use);
 - CenterNorm through LayerNorm's fused kernel (:func:`center_norm`).
 
-The modules in ``lipsformer.layers`` and ``lipsformer.models`` hold the plain path, which reads like the paper, and
-call into here where ``active()`` and ``plain()`` allow. The tests compare the two paths' values and gradients.
+The modules in ``lipsformer.layers`` and ``lipsformer.models`` hold the plain path, which reads like the paper. The
+trunk's block (``lipsformer.models._base.LipsFormerBlock``) decides once per call whether its fast form runs
+(``active()`` for the input's device) and calls into here for each part that ``plain()`` allows; the model families
+know nothing of it. The tests compare the two paths' values and gradients.
 """
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
 from .center_norm import center_norm
 from .lean_autograd import l2_normalize
 from .native import native_kernels
-from .switch import active, plain, set_fast_path, transformed, use_fast_path
+from .switch import DEFAULT_DEVICES, active, engage, engaged, plain, set_fast_path, transformed, use_fast_path
 
-__all__ = ['active', 'center_norm', 'conv_shortcut', 'l2_normalize', 'linear', 'mlp', 'mlp_is_plain', 'native_kernels',
-           'plain', 'set_fast_path', 'transformed', 'use_fast_path', 'weighted_residual']
+__all__ = ['DEFAULT_DEVICES', 'active', 'center_norm', 'conv_shortcut', 'engage', 'engaged', 'l2_normalize', 'linear',
+           'mlp', 'mlp_is_plain', 'native_kernels', 'plain', 'set_fast_path', 'transformed', 'use_fast_path',
+           'weighted_residual']

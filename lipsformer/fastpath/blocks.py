@@ -49,7 +49,7 @@ def linear(module: nn.Linear, x: torch.Tensor, scale: torch.Tensor | None = None
     """``module(x) * scale`` (``scale=None``: ``module(x)``), read from the module where it is a plain ``nn.Linear``,
     called as a module where it is not (a LoRA wrapper, a hook, a parametrization)."""
     if plain(module, nn.Linear):
-        if scale is None and not lean_autograd.needs_backward(x, module.weight, module.bias):
+        if scale is None and not lean_autograd.lean_backward(x, module.weight, module.bias):
             return onednn_linear(x, module.weight, module.bias)
         return lean_autograd.scaled_linear(x, module.weight, module.bias, scale)
     x = module(x)

@@ -14,8 +14,11 @@ is formed again from the parameters, and the l2 normalisation differentiates thr
 
     y = s x / r,  r^2 = max(||x||^2, eps^2):    dL/dx = (s g - <g, y> y / s) / r    (second term only if ||x|| > eps)
 
-Each public function takes its Function only where a backward will run (grad enabled, an input requiring grad);
-elsewhere it evaluates the plain expression, which is also what the tests compare it with. GELU is the exact (erf)
+Each public function takes its Function only on the CPU and where a backward will run (grad enabled, an input
+requiring grad); elsewhere it evaluates the plain expression, which is also what the tests compare it with. On a GPU
+a Function's Python forward and backward cost host time on every call, which a step already bound by kernel launches
+cannot spare, and its backward's extra passes cost kernels: there the plain expressions' kernels run, alpha still
+folded into the weights (docs/performance.md counts both). GELU is the exact (erf)
 form, as ``nn.GELU()``. Every backward is itself differentiable: when autograd records it (``create_graph=True``:
 gradient penalties, ``torch.autograd.functional.jvp`` / ``hvp``), it differentiates the plain expression again
 instead of running its in-place arithmetic and C kernels, so second derivatives are the plain expression's. Each
@@ -29,16 +32,23 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import l2_normalize_op
 from .native import call_kernel, cpu_kernels
 from .onednn_linear import linear, linear_backward
 
-__all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize', 'mlp',
-           'needs_backward', 'scaled_linear']
+__all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize',
+           'lean_backward', 'mlp', 'needs_backward', 'scaled_linear']
 
 
 def needs_backward(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will record an operation on these tensors."""
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def lean_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """Whether an operation on ``x`` (and ``tensors``) takes its lean Function: on the CPU, where a backward will
+    run."""
+    return x.device.type == 'cpu' and needs_backward(x, *tensors)
 
 
 def _without_autocast_cache(function: Callable, device_type: str) -> Callable:
@@ -163,7 +173,7 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     residual's alpha, see ``lipsformer.layers.weighted_residual``). The backward keeps x alone: not gelu(x), and not
     the scaled weight (formed again from the parameters).
     """
-    if needs_backward(x, weight, bias, scale):
+    if lean_backward(x, weight, bias, scale):
         return _ScaledLinear.apply(x, weight, bias, scale, gelu)
     weight, bias = _scaled_weights(weight, bias, scale)
     return linear(F.gelu(x) if gelu else x, weight, bias)
@@ -247,7 +257,7 @@ def _native_gelu_residual_backward(grad: torch.Tensor, z: torch.Tensor, scale: t
 
 def gelu_residual(x: torch.Tensor, z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x + scale * F.gelu(z)``, scale broadcasting over z; the backward keeps z alone, not gelu(z)."""
-    if needs_backward(x, z, scale):
+    if lean_backward(x, z, scale):
         return _GeluResidual.apply(x, z, scale)
     return torch.addcmul(x, F.gelu(z), scale)
 
@@ -301,8 +311,12 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
     """``scale * x / max(||x||, eps)`` over the last dimension (``F.normalize`` times ``scale``), the norm taken in at
     least float32.
 
-    The backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared norm: not x.
+    On a GPU, the ``lipsformer::l2_normalize`` custom op (:mod:`.l2_normalize_op`: one Triton kernel a direction). On
+    the CPU, the backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared norm:
+    not x.
     """
-    if scale != 0.0 and needs_backward(x):
+    if l2_normalize_op.triton_available(x):
+        return l2_normalize_op.l2_normalize(x, eps, scale)
+    if scale != 0.0 and lean_backward(x):
         return _L2Normalize.apply(x, eps, scale)[0]
     return x * (_squared_norm(x, eps).rsqrt() * scale).to(x.dtype)

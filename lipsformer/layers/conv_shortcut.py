@@ -34,9 +34,9 @@ class ConvShortcut(nn.Module):
     """x + DropPath(alpha * act(pw(act(dw(x))))) on NHWC feature maps.
 
     The convs run on the NCHW view of the NHWC map, which is channels-last in memory: no layout copies. With exact
-    GELUs and plain modules the fast path (``lipsformer.fastpath.conv_shortcut``) computes the same with a faster
-    CPU weight gradient for the depthwise conv, the pointwise conv as a linear layer over channels, and a backward
-    that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs.
+    GELUs and plain modules the block's fast form (``lipsformer.fastpath.conv_shortcut``) computes the same with a
+    faster CPU weight gradient for the depthwise conv, the pointwise conv as a linear layer over channels, and a
+    backward that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs (:meth:`fusable`).
     """
 
     def __init__(
@@ -67,16 +67,15 @@ class ConvShortcut(nn.Module):
             y = self.act2(self.pw(y))
         return y.permute(0, 2, 3, 1)
 
-    def _fusable(self) -> bool:
+    def fusable(self) -> bool:
+        """Whether the fast form (``lipsformer.fastpath.conv_shortcut``) computes this shortcut: exact GELUs and
+        plain parts."""
         pointwise_plain = (fastpath.plain(self.act2, nn.Identity) if self.pw is None
                            else fastpath.plain(self.pw, nn.Conv2d) and _exact_gelu(self.act2))
         return (pointwise_plain and fastpath.plain(self.dw, nn.Conv2d) and _exact_gelu(self.act1)
                 and fastpath.plain(self.alpha, ScaleLayer) and fastpath.plain(self.drop_path, DropPath))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.jit.is_scripting():
-            if fastpath.active() and self._fusable():
-                return fastpath.conv_shortcut(x, self.dw, self.pw, self.alpha.gamma, self.drop_path)
         return x + self.drop_path(self.alpha(self.branch(x)))
 
 

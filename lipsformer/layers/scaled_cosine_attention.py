@@ -67,25 +67,27 @@ class ScaledCosineAttention(nn.Module):
                 ) -> torch.Tensor:
         """(..., heads, tokens, head_dim) q, k, v and an additive bias (a relative-position bias, a -inf/-100 mask)
         broadcastable to the logits -> (..., heads, tokens, head_dim)."""
-        # tau scales q, not the (tokens x tokens) logits.
+        # A fixed tau scales the logits inside the attention (SDPA's scale) or, in the fast form, inside q's
+        # normalisation: no pass of its own. A learned one scales q, not the (tokens x tokens) logits.
         fast = False
         if not torch.jit.is_scripting():
-            fast = fastpath.active()
+            fast = fastpath.engaged()  # inside a LipsFormer block's fast form
+        scale = 1.0 if self.tau_learnable else self.tau_init
         if torch.jit.is_scripting() or not fast:
-            q = F.normalize(q, dim=-1, eps=self.eps) * self.tau
+            q = F.normalize(q, dim=-1, eps=self.eps)
             k = F.normalize(k, dim=-1, eps=self.eps)
             if self.v_norm:
                 v = F.normalize(v, dim=-1, eps=self.eps)
         else:
-            # The normalised q, k (and v) as autograd's only saved copies, tau folded into q's normalisation.
-            if self.tau_learnable:
-                q = fastpath.l2_normalize(q, self.eps) * self.tau
-            else:
-                q = fastpath.l2_normalize(q, self.eps, self.tau_init)
+            # The normalised q, k (and v) as autograd's only saved copies.
+            q = fastpath.l2_normalize(q, self.eps, scale)
+            scale = 1.0
             k = fastpath.l2_normalize(k, self.eps)
             if self.v_norm:
                 v = fastpath.l2_normalize(v, self.eps)
-        x = softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn)
+        if self.tau_learnable:
+            q = q * self.tau
+        x = softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn, scale)
         if self.v_norm:
             x = x * self.nu
         return x

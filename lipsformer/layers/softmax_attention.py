@@ -30,13 +30,13 @@ def softmax_attention(
     """softmax(scale q k^T + bias) v, with dropout ``dropout_p`` on the probabilities (pass 0.0 outside training).
 
     ``fused`` uses PyTorch's SDPA, except under ``torch.func`` transforms and forward-mode AD, which its fused
-    kernels do not support (forward AD), and, on the fast path (``lipsformer.fastpath``), on CPU where a backward
-    will run: for windows and stripes (tens to a few hundred tokens) SDPA's CPU backward is slower, and with a bias
-    that needs a gradient (a learned relative-position bias) SDPA falls back to an unfused math path slower than the
-    one below; the explicit expression is also twice differentiable, which SDPA's fused kernels are not.
+    kernels do not support (forward AD), and, in a block's fast form (``lipsformer.fastpath.engaged``), on CPU where
+    a backward will run: for windows and stripes (tens to a few hundred tokens) SDPA's CPU backward is slower, and
+    with a bias that needs a gradient (a learned relative-position bias) SDPA falls back to an unfused math path slower
+    than the one below; the explicit expression is also twice differentiable, which SDPA's fused kernels are not.
     """
     if not torch.jit.is_scripting():
-        if fused and (fastpath.transformed() or q.device.type == 'cpu' and fastpath.active()
+        if fused and (fastpath.transformed() or q.device.type == 'cpu' and fastpath.engaged()
                       and needs_backward(q, k, v, attn_bias)):
             fused = False
     if fused:

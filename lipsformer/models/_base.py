@@ -15,12 +15,20 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple
-from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_function
+from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_function, register_notrace_module
 from timm.models._features import feature_take_indices
 
 from .. import fastpath
 from .._compat import update_model_input_size
-from ..layers import ScaleLayer, create_attention_kernel, create_conv_shortcuts, get_norm_layer, init_weights_
+from ..layers import (
+    CenterNorm,
+    ConvShortcut,
+    ScaleLayer,
+    create_attention_kernel,
+    create_conv_shortcuts,
+    get_norm_layer,
+    init_weights_,
+)
 from ..weight_files import CheckpointError
 
 __all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'TokenMixer',
@@ -41,36 +49,24 @@ class MixerArgs(NamedTuple):
 
 
 class TokenMixer(nn.Module):
-    """A family's attention on NHWC maps: ``forward(x, out_scale=None)``, (B, H, W, C) -> (B, H, W, C), with a
-    ``qkv`` projection in and a ``proj`` projection (and ``proj_drop``) out, both ``nn.Linear`` over channels.
+    """A family's attention on NHWC maps, (B, H, W, C) -> (B, H, W, C): ``proj_drop(proj(attend(x)))``.
 
-    ``out_scale`` is a per-channel factor of the output (the block's alpha), which the fast path folds into the
-    output projection; called as a plain module the mixer gets None. ``fast`` is the caller's
-    ``lipsformer.fastpath.active()``, False under TorchScript.
+    A family implements :meth:`attend`, its attention before the output projection (the ``qkv`` projection called as
+    its module, windows or stripes, the attention kernel, positional terms), and nothing else; ``proj`` (an
+    ``nn.Linear`` over channels) and ``proj_drop`` follow here, so that the block's fast form can fold its alpha into
+    ``proj`` (``lipsformer.fastpath.linear``).
     """
 
     qkv: nn.Linear
     proj: nn.Linear
     proj_drop: nn.Module
 
-    def project_in(self, x: torch.Tensor, fast: bool) -> torch.Tensor:
-        """``qkv(x)``; read from the module on the fast path where it is a plain ``nn.Linear``."""
-        if torch.jit.is_scripting() or not fast:
-            return self.qkv(x)
-        return fastpath.linear(self.qkv, x)
-
-    def project_out(self, x: torch.Tensor, out_scale: torch.Tensor | None, fast: bool) -> torch.Tensor:
-        """``proj_drop(proj(x) * out_scale)``; the fast path folds ``out_scale`` into a plain ``proj``."""
-        if torch.jit.is_scripting() or not fast:
-            x = self.proj(x)
-            if out_scale is not None:
-                x = x * out_scale
-        else:
-            x = fastpath.linear(self.proj, x, out_scale)
-        return self.proj_drop(x)
-
-    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C): the attention's output before ``proj``."""
         raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_drop(self.proj(self.attend(x)))
 
 
 MixerFactory = Callable[[MixerArgs], nn.Module]
@@ -126,43 +122,73 @@ class LipsFormerBlock(nn.Module):
         self.norm2 = norm_layer(dim, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            if fastpath.active(x.device.type):
+                return self._fast_forward(x)
         for shortcut in self.conv_shortcuts:
             x = shortcut(x)
-        fast = False
-        if not torch.jit.is_scripting():
-            fast = fastpath.active()
-        if torch.jit.is_scripting() or not fast:
-            if self.pre_norm:
-                x = x + self.drop_path1(self.alpha1(self.attn(self.norm1(x))))
-                return x + self.drop_path2(self.alpha2(self.mlp(self.norm2(x))))
-            x = self.norm1(x + self.drop_path1(self.alpha1(self.attn(x))))
-            return self.norm2(x + self.drop_path2(self.alpha2(self.mlp(x))))
         if self.pre_norm:
-            x = self._attention_residual(x, self.norm1(x))
-            return self._mlp_residual(x, self.norm2(x))
-        x = self.norm1(self._attention_residual(x, x))
-        return self.norm2(self._mlp_residual(x, x))
+            x = x + self.drop_path1(self.alpha1(self.attn(self.norm1(x))))
+            return x + self.drop_path2(self.alpha2(self.mlp(self.norm2(x))))
+        x = self.norm1(x + self.drop_path1(self.alpha1(self.attn(x))))
+        return self.norm2(x + self.drop_path2(self.alpha2(self.mlp(x))))
+
+    @torch.jit.unused
+    def _fast_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's fast form: the same function as :meth:`forward`'s plain path, each part through
+        ``lipsformer.fastpath`` where its modules are plain (no hooks, wrappers or parametrizations) and called as its
+        modules where not."""
+        with fastpath.engage():
+            x = x.contiguous()  # a permuted view (timm's PatchEmbed output) would reach the convolutions channels-first
+            for shortcut in self.conv_shortcuts:
+                x = _fast_conv_shortcut(shortcut, x)
+            if self.pre_norm:
+                x = self._attention_residual(x, _fast_norm(self.norm1, x))
+                return self._mlp_residual(x, _fast_norm(self.norm2, x))
+            x = _fast_norm(self.norm1, self._attention_residual(x, x))
+            return _fast_norm(self.norm2, self._mlp_residual(x, x))
 
     @torch.jit.unused
     def _attention_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
-        """The fast path of ``x + drop_path1(alpha1(attn(branch_input)))``: alpha folded into the attention's output
-        projection, drop path and sum one multiply-add (``lipsformer.fastpath.blocks``)."""
+        """``x + drop_path1(alpha1(attn(branch_input)))`` with alpha folded into the attention's output projection,
+        drop path and sum one multiply-add."""
         if not (fastpath.plain(self.alpha1, ScaleLayer) and fastpath.plain(self.drop_path1, DropPath)):
             return x + self.drop_path1(self.alpha1(self.attn(branch_input)))
         if isinstance(self.attn, TokenMixer) and fastpath.plain(self.attn, type(self.attn)):
-            return fastpath.weighted_residual(x, self.attn(branch_input, self.alpha1.gamma), None, self.drop_path1)
+            branch = self.attn.proj_drop(fastpath.linear(self.attn.proj, self.attn.attend(branch_input),
+                                                         self.alpha1.gamma))
+            return fastpath.weighted_residual(x, branch, None, self.drop_path1)
         return fastpath.weighted_residual(x, self.attn(branch_input), self.alpha1.gamma, self.drop_path1)
 
     @torch.jit.unused
     def _mlp_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
-        """The fast path of ``x + drop_path2(alpha2(mlp(branch_input)))``: alpha folded into fc2, GELU's output not
-        kept, drop path and sum one multiply-add."""
+        """``x + drop_path2(alpha2(mlp(branch_input)))`` with alpha folded into fc2, GELU's output not kept, drop path
+        and sum one multiply-add."""
         if not (fastpath.plain(self.alpha2, ScaleLayer) and fastpath.plain(self.drop_path2, DropPath)):
             return x + self.drop_path2(self.alpha2(self.mlp(branch_input)))
         if fastpath.mlp_is_plain(self.mlp):
             return fastpath.weighted_residual(x, fastpath.mlp(self.mlp, branch_input, self.alpha2.gamma), None,
                                               self.drop_path2)
         return fastpath.weighted_residual(x, self.mlp(branch_input), self.alpha2.gamma, self.drop_path2)
+
+
+def _fast_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block's norm in its fast form: CenterNorm through LayerNorm's fused kernel where it is a plain CenterNorm."""
+    if fastpath.plain(norm, CenterNorm):
+        return fastpath.center_norm(x, norm.weight, norm.bias, norm.scale)
+    return norm(x)
+
+
+def _fast_conv_shortcut(shortcut: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A conv shortcut in its fast form where it and its parts are plain, else called as its module."""
+    if fastpath.plain(shortcut, ConvShortcut) and shortcut.fusable():
+        return fastpath.conv_shortcut(x, shortcut.dw, shortcut.pw, shortcut.alpha.gamma, shortcut.drop_path)
+    return shortcut(x)
+
+
+# The block is a leaf of timm's FX tracer: a traced model calls it as a module, so that the traced graph runs the
+# same code as eager, fast form included, and gives the same bits.
+register_notrace_module(LipsFormerBlock)
 
 
 class LipsFormerStage(nn.Module):

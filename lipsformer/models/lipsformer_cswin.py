@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 from timm.models import generate_default_cfgs, register_model
 
-from .. import fastpath
 from ..layers import (
     pad_to_multiple,
     padded_size,
@@ -132,24 +131,18 @@ class CrossStripeAttention(TokenMixer):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel when given (the fast path folds it into
-        ``proj``)."""
-        fast = False
-        if not torch.jit.is_scripting():
-            fast = fastpath.active()
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C), the attention before ``proj``."""
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
-        qkv = self.project_in(x, fast).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
+        qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
         if self.two_branches:
             vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
-            x = torch.cat([
+            return torch.cat([
                 self.branches[0](vertical, height, self.split_size),
                 self.branches[1](horizontal, self.split_size, width),
             ], dim=-1)
-        else:
-            x = self.branches[0](qkv.squeeze(4), height, width)
-        return self.project_out(x, out_scale, fast)
+        return self.branches[0](qkv.squeeze(4), height, width)
 
 
 class ConvMerge(nn.Module):

@@ -17,7 +17,6 @@ from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
-from .. import fastpath
 from ..layers import pad_to_multiple, split_heads, window_partition, window_reverse
 from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_checkpoint_depths, default_cfg
 
@@ -109,12 +108,8 @@ class WindowAttention(TokenMixer):
         mask = region.unsqueeze(1) - region.unsqueeze(2)
         return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, C), times ``out_scale`` per channel when given (the fast path folds it into
-        ``proj``)."""
-        fast = False
-        if not torch.jit.is_scripting():
-            fast = fastpath.active()
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) -> (B, H, W, C), the attention before ``proj``."""
         height, width = x.shape[1], x.shape[2]
         window_h, window_w = self.window_size
         shifted = self.shift_size[0] > 0 or self.shift_size[1] > 0
@@ -123,7 +118,7 @@ class WindowAttention(TokenMixer):
         x = pad_to_multiple(x, window_h, window_w)
         padded_h, padded_w = x.shape[1], x.shape[2]
         tokens = window_partition(x, window_h, window_w)
-        projections = split_heads(self.project_in(tokens, fast), 1 if self.tied_qkv else 3, self.num_heads)
+        projections = split_heads(self.qkv(tokens), 1 if self.tied_qkv else 3, self.num_heads)
         q = k = v = projections[0]
         if not self.tied_qkv:
             k, v = projections[1], projections[2]
@@ -142,7 +137,7 @@ class WindowAttention(TokenMixer):
         x = window_reverse(x.transpose(1, 2), window_h, window_w, height, width).flatten(3)
         if shifted:
             x = torch.roll(x, shifts=(self.shift_size[0], self.shift_size[1]), dims=(1, 2))
-        return self.project_out(x, out_scale, fast)
+        return x
 
 
 class LipsFormerSwin(LipsFormer):
