@@ -1,7 +1,9 @@
 """The GPU checks in one command, ``python -m pytest tests/test_cuda.py`` (every test skips without CUDA).
 
-Both families at their default size (224): forward and backward in float32 and under bf16 autocast equal to the
-plain path (``lipsformer.layers.set_fast_path(False)``), ``torch.compile`` equal to eager, a 20-step training run
+Both families at their default size (224): forward and backward through the blocks' fast form (switched on for
+CUDA with ``set_fast_path(True)``: off there by default), in float32 and under bf16 autocast, equal to the plain
+path (``lipsformer.layers.set_fast_path(False)``), the Triton normalisation kernels against PyTorch's,
+``torch.compile`` equal to eager, a 20-step training run
 through ``lipsformer.training`` whose loss falls, and the benchmark's CUDA path.
 """
 import contextlib
@@ -18,6 +20,7 @@ from image_data import make_image_folder
 from tool_support import FAMILIES, plain_path
 from training_support import tiny_overrides
 
+from lipsformer.fastpath import set_fast_path
 from lipsformer.training import load_config, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
@@ -75,10 +78,28 @@ def _assert_same_step(actual, expected, tolerance: float) -> None:
 def test_forward_backward_equal_the_plain_path(name, precision):
     model = _default_model(name).train()
     x, y = _batch()
-    fast = _step(model, x, y, precision)
+    with set_fast_path(True):
+        fast = _step(model, x, y, precision)
     with plain_path():
         plain = _step(model, x, y, precision)
     _assert_same_step(fast, plain, TOLERANCES[precision])
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_triton_l2_normalize_equals_f_normalize(dtype):
+    from lipsformer.fastpath import l2_normalize_op
+    qkv = torch.randn(256, 49, 3, 4, 32, device=DEVICE, dtype=dtype)
+    q = qkv.permute(2, 0, 3, 1, 4)[0].requires_grad_()
+    reference = q.detach().float().requires_grad_()
+    assert l2_normalize_op.triton_available(q)
+    y = l2_normalize_op.l2_normalize(q, 1e-12, 12.0)
+    expected = F.normalize(reference, dim=-1) * 12.0
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance * 12)
+    grad = torch.randn_like(expected)
+    y.backward(grad.to(dtype))
+    expected.backward(grad)
+    torch.testing.assert_close(q.grad.float(), reference.grad, rtol=tolerance * 10, atol=tolerance * 10)
 
 
 @pytest.mark.parametrize('name', FAMILIES)
