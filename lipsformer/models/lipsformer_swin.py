@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
@@ -68,8 +69,11 @@ class WindowAttention(TokenMixer):
         self.relative_position_bias_table = nn.Parameter(
             torch.empty((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads, **dd))
         area = window_size[0] * window_size[1]
-        self.register_buffer(
-            'relative_position_index', torch.empty(area * area, device=device, dtype=torch.long), persistent=False)
+        # Each row of the bias padded to a multiple of 16 entries (pads index entry 0 and are sliced off): the layout
+        # PyTorch's memory-efficient attention takes without padding a copy of the bias in every call.
+        self.padded_area = -(-area // 16) * 16
+        self.register_buffer('relative_position_index',
+                             torch.empty(area * self.padded_area, device=device, dtype=torch.long), persistent=False)
         self.kernel = kernel
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -85,14 +89,18 @@ class WindowAttention(TokenMixer):
         """Fill the relative-position index, which state dicts do not hold (after ``to_empty`` of a model built on
         the meta device; timm's ``reinit_non_persistent_buffers`` calls this)."""
         with torch.no_grad():
-            self.relative_position_index.copy_(
-                get_relative_position_index(*self.window_size, device=self.relative_position_index.device).view(-1))
+            index = get_relative_position_index(*self.window_size, device=self.relative_position_index.device)
+            self.relative_position_index.copy_(F.pad(index, (0, self.padded_area - index.shape[1])).view(-1))
 
-    def relative_position_bias(self) -> torch.Tensor:
-        """(heads, window area, window area) bias gathered from the table."""
+    def relative_position_bias(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(heads, window area, window area) bias gathered from the table, in ``dtype`` (the queries': attention
+        takes its bias in their dtype), each row a view into a row padded to a multiple of 16 entries."""
         area = self.window_size[0] * self.window_size[1]
-        bias = self.relative_position_bias_table[self.relative_position_index].view(area, area, -1)
-        return bias.permute(2, 0, 1)
+        table = self.relative_position_bias_table
+        if dtype is not None:
+            table = table.to(dtype)
+        bias = table.t().index_select(1, self.relative_position_index).view(-1, area, self.padded_area)
+        return bias[:, :, :area]
 
     def shift_mask(self, height: int, width: int, device: torch.device) -> torch.Tensor:
         """Swin's (num_windows, 1, area, area) mask (-100 between tokens from different regions of a shifted map)."""
@@ -122,7 +130,7 @@ class WindowAttention(TokenMixer):
         q = k = v = projections[0]
         if not self.tied_qkv:
             k, v = projections[1], projections[2]
-        attn_bias = self.relative_position_bias()
+        attn_bias = self.relative_position_bias(q.dtype)
         if shifted:
             # The mask differs per window and is the same for every image: the windows' (B * num_windows) dimension
             # is viewed as (B, num_windows), so that nothing depends on the batch size.
