@@ -239,6 +239,8 @@ def _native_gelu_residual_backward(grad: torch.Tensor, z: torch.Tensor, scale: t
     """(dL/dz, dL/dscale) in one pass through ``cpu_kernels.c``, for a per-channel or per-image-and-channel scale of
     a channels-last z; None where the kernels do not apply (then the PyTorch expressions run)."""
     library = cpu_kernels(grad, z, scale)
+    if library is None or z.numel() == 0:  # an empty batch: the PyTorch expressions give its empty gradients
+        return None
     batch, channels = z.shape[0], z.shape[-1]
     per_image = scale.shape == (batch, *[1] * (z.dim() - 2), channels)  # alpha times drop path's keep mask
     if (library is None or channels % library.channel_block() or grad.shape != z.shape
