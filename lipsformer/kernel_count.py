@@ -1,0 +1,605 @@
+"""Kernels, bytes and dispatched ops of one eager CUDA step, counted without a GPU: ``python -m lipsformer.kernel_count``.
+
+Example (the table of ``docs/performance.md``)::
+
+    python -m lipsformer.kernel_count --models 'swin_tiny_patch4_window7_224,lipsformer_swin_tiny' --batch-size 128
+
+The model is built on the meta device and its parameters and buffers are replaced by fake CUDA tensors
+(``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no storage and no compute), so the
+model's code takes the branches it takes on a GPU (``x.device.type == 'cuda'``), and ``torch.autocast('cuda')`` runs
+with CUDA's op lists. One step runs as the benchmark's (:func:`lipsformer.benchmark._make_step`) does: for ``train``
+a forward under autocast, the loss, a backward and the AdamW step as the benchmark builds it; for ``infer`` a forward
+without gradients. A ``TorchDispatchMode`` under the fake mode records every aten op that reaches a backend.
+
+What is counted (the rules, also in ``docs/performance.md``):
+
+- **dispatched ops**: every aten op the dispatch mode sees, views, allocations and host-side ops included.
+- **kernels**: ops that launch GPU work. An op launches nothing if none of its tensors is on CUDA (the optimizer's
+  step counters live on the host), if it only makes a view (every return aliases an input without writing it:
+  ``view``, ``transpose``, ``expand``, ``split``, ``detach``, ...), or if it only allocates or reinterprets
+  (:data:`NON_KERNEL_OPS`: ``empty``, ``empty_strided``, ``_unsafe_view``, ...). A multi-tensor ``_foreach_*`` or
+  fused optimizer op counts the launches that CUDA's ``multi_tensor_apply`` makes for its tensor lists
+  (:func:`multi_tensor_launches`); every other op counts one kernel.
+- **bytes moved by non-matmul ops**: the sizes of every input and output tensor of a kernel (an in-place op's tensor
+  once read and once written) other than the matmul, convolution and attention ops of :data:`MATMUL_OPS`, whose
+  traffic depends on tiling: the elementwise, reduction, copy and normalisation traffic that a fusion would remove.
+- **backward**: run by a small engine here, since autograd's own engine needs a real CUDA device: the graph's nodes
+  are called in autograd's dependency order, gradients for one input summed (one add each), and each gradient cast
+  or summed to the shape and dtype its input recorded, as the engine's ``validate_outputs`` does.
+- **parts**: a forward op belongs to the innermost module of the model on the Python stack when it dispatched (no
+  hooks: hooks would make the package's fast path step aside); a backward op to the forward part whose op created
+  the autograd node being run (by its sequence number); the loss, the optimizer and the gradient accumulation into
+  ``.grad`` are parts of their own.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from timm.optim import create_optimizer_v2
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lipsformer.benchmark import PRECISIONS, ModelSpec, parse_model_specs
+from lipsformer.complexity import build_model
+from lipsformer.fastpath import set_fast_path
+from lipsformer.utils.cli import command_name
+
+__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_step', 'format_count_table', 'group_of',
+           'multi_tensor_launches', 'main']
+
+MODES = ('infer', 'train')
+_aten = torch.ops.aten
+# Ops whose traffic depends on their tiling (matmuls, convolutions, attention): no bytes are counted for them.
+MATMUL_OPS = frozenset({
+    'mm', 'addmm', 'bmm', 'baddbmm', 'addbmm', '_addmm_activation', '_scaled_mm', 'convolution',
+    'convolution_backward', 'cudnn_convolution', 'cudnn_convolution_transpose', '_convolution',
+    '_scaled_dot_product_flash_attention', '_scaled_dot_product_flash_attention_backward',
+    '_scaled_dot_product_efficient_attention', '_scaled_dot_product_efficient_attention_backward',
+    '_scaled_dot_product_cudnn_attention', '_scaled_dot_product_cudnn_attention_backward',
+    '_flash_attention_forward', '_flash_attention_backward', '_efficient_attention_forward',
+    '_efficient_attention_backward', '_scaled_dot_product_fused_attention_overrideable',
+    '_scaled_dot_product_fused_attention_overrideable_backward',
+})
+SDPA_OPS = frozenset(name for name in MATMUL_OPS if 'attention' in name)
+# Ops that allocate or reinterpret memory without launching a kernel (views are found from their schemas).
+NON_KERNEL_OPS = frozenset({
+    'empty', 'empty_strided', 'empty_like', 'new_empty', 'new_empty_strided', '_unsafe_view', 'lift_fresh',
+    'resize_', 'set_', 'record_stream', '_local_scalar_dense', 'sym_size', 'sym_stride', 'sym_numel',
+    'sym_storage_offset', 'is_same_size', '_has_compatible_shallow_copy_type', 'is_pinned', '_fused_sdp_choice',
+})
+# CUDA's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): tensors and blocks per launch, by the number
+# of tensor lists; every tensor is cut into chunks of 65536 elements, one block each.
+_MAX_TENSORS = (110, 64, 48, 36, 30)
+_MAX_TENSORS_SCALAR_LIST = (96, 64, 48, 36, 30)
+_MAX_BLOCKS = 320
+_CHUNK = 65536
+
+
+def multi_tensor_launches(numels: list[int], depth: int, scalar_list: bool = False) -> int:
+    """Kernels that CUDA's ``multi_tensor_apply`` launches for ``depth`` tensor lists of tensors of ``numels``.
+
+    A launch takes up to a depth-dependent number of tensors and up to 320 chunks of 65536 elements; it is launched
+    when either is full, and once more for what is left at the end.
+    """
+    max_tensors = (_MAX_TENSORS_SCALAR_LIST if scalar_list else _MAX_TENSORS)[min(depth, 5) - 1]
+    launches = tensors = blocks = 0
+    for numel in numels:
+        if numel == 0:
+            continue
+        tensors += 1
+        chunks = math.ceil(numel / _CHUNK)
+        for chunk in range(chunks):
+            blocks += 1
+            tensors_full = tensors == max_tensors and chunk == chunks - 1
+            if tensors_full or blocks == _MAX_BLOCKS:
+                launches += 1
+                blocks = 0
+                # A tensor cut between two launches starts the next one.
+                tensors = 0 if chunk == chunks - 1 else 1
+    return launches + (blocks > 0)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _is_view(func: torch._ops.OpOverload) -> bool:
+    """Every return aliases an input without writing it (``view``, ``split``, ``detach``...)."""
+    returns = func._schema.returns
+    return bool(returns) and all(ret.alias_info is not None and not ret.alias_info.is_write for ret in returns)
+
+
+def _op_kernels(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> int:
+    """GPU kernels one dispatched op launches (the rules of the module docstring)."""
+    name = func._schema.name.split('::')[-1]
+    inputs = _tensors((args, kwargs))
+    if not any(tensor.device.type == 'cuda' for tensor in inputs + _tensors(out)):
+        return 0
+    if name in NON_KERNEL_OPS or _is_view(func):
+        return 0
+    if name.startswith('_foreach_') or name.startswith('_fused_'):
+        lists = [arg for arg in args if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor)]
+        if not lists:
+            return 1
+        in_place = name.endswith('_') or name.startswith('_fused_')
+        depth = len(lists) + (0 if in_place else 1)
+        scalar_list = any(isinstance(arg, (list, tuple)) and arg and not isinstance(arg[0], torch.Tensor)
+                          for arg in args)
+        return multi_tensor_launches([tensor.numel() for tensor in lists[0]], depth, scalar_list)
+    return 1
+
+
+def _op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> int:
+    """Bytes read and written by a non-matmul kernel: its input and output tensors (an in-place op's once each)."""
+    inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+    return sum(_nbytes(tensor) for tensor in inputs + outputs if tensor.device.type == 'cuda')
+
+
+def collapse(name: str) -> str:
+    """A module name with its stage and block indices replaced by ``*`` (``stages.*.blocks.*.attn.qkv``)."""
+    return re.sub(r'(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)', '*', name)
+
+
+# Coarse groups, by the collapsed module name (first match wins); the loss and the optimizer are named directly.
+GROUPS = (
+    ('attention kernel', r'\.attn(\.kernel|\.branches\.\*)?#sdpa$'),
+    ('conv shortcuts', r'conv_shortcuts'),
+    ('qkv', r'\.qkv$'),
+    ('proj', r'\.attn\.proj(_drop)?$'),
+    ('LePE / stripes', r'\.attn\.branches'),
+    ('attention (other)', r'\.attn(\.|$)'),
+    ('mlp', r'\.mlp(\.|$)'),
+    ('norms', r'\.norm\d?$|^norm$'),
+    ('residual / alpha', r'\.(alpha\d?|drop_path\d?)$|blocks\.\*$'),
+    ('downsample', r'downsample'),
+    ('stem', r'^patch_embed'),
+    ('head', r'^head|^fc$|^global_pool'),
+)
+
+
+def group_of(part: str) -> str:
+    """The coarse group of a part (a collapsed module name, ``loss``, ``optimizer``); ``#sdpa`` marks the attention
+    op itself."""
+    if part in ('loss', 'optimizer', 'grad accumulation'):
+        return part
+    for group, pattern in GROUPS:
+        if re.search(pattern, part):
+            return group
+    return 'other' if part else 'model (top level)'
+
+
+@dataclasses.dataclass
+class Tally:
+    """Counts of one part or phase."""
+
+    ops: int = 0
+    kernels: int = 0
+    bytes: int = 0
+
+    def add(self, ops: int, kernels: int, nbytes: int) -> None:
+        self.ops += ops
+        self.kernels += kernels
+        self.bytes += nbytes
+
+
+@dataclasses.dataclass
+class StepCount:
+    """What one step dispatched: totals, by phase, by part and by coarse group, and the SDPA ops called."""
+
+    model: str
+    mode: str
+    batch_size: int
+    img_size: int
+    precision: str
+    fast_path: bool
+    total: Tally = dataclasses.field(default_factory=Tally)
+    phases: dict[str, Tally] = dataclasses.field(default_factory=lambda: defaultdict(Tally))
+    parts: dict[str, Tally] = dataclasses.field(default_factory=lambda: defaultdict(Tally))
+    groups: dict[str, Tally] = dataclasses.field(default_factory=lambda: defaultdict(Tally))
+    op_kernels: Counter = dataclasses.field(default_factory=Counter)
+    sdpa: Counter = dataclasses.field(default_factory=Counter)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (the tallies as dicts of ops, kernels, bytes)."""
+        def tallies(table: dict[str, Tally]) -> dict:
+            return {key: dataclasses.asdict(value) for key, value in
+                    sorted(table.items(), key=lambda item: -item[1].kernels)}
+        return {'model': self.model, 'mode': self.mode, 'batch_size': self.batch_size, 'img_size': self.img_size,
+                'precision': self.precision, 'fast_path': self.fast_path, 'ops': self.total.ops,
+                'kernels': self.total.kernels, 'non_matmul_bytes': self.total.bytes,
+                'phases': tallies(self.phases), 'groups': tallies(self.groups), 'parts': tallies(self.parts),
+                'op_kernels': dict(self.op_kernels.most_common()), 'sdpa': dict(self.sdpa),
+                'seconds': self.seconds}
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every dispatched op into a :class:`StepCount`, attributed to the part ``locate()`` names."""
+
+    def __init__(self, count: StepCount, locate: Callable[[], tuple[str, str]]) -> None:
+        super().__init__()
+        self.count, self.locate = count, locate
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split('::')[-1]
+        kernels = _op_kernels(func, args, kwargs, out)
+        nbytes = _op_bytes(func, args, kwargs, out) if kernels and name not in MATMUL_OPS else 0
+        phase, part = self.locate()
+        if name in SDPA_OPS and kernels:
+            self.count.sdpa[f'{phase}: {name}'] += 1
+            part += '#sdpa'
+        for table, key in ((self.count.phases, phase), (self.count.parts, part),
+                           (self.count.groups, group_of(part))):
+            table[key].add(1, kernels, nbytes)
+        self.count.total.add(1, kernels, nbytes)
+        if kernels:
+            self.count.op_kernels[name] += kernels
+        return out
+
+
+class _GradFnRecorder(TorchFunctionMode):
+    """Maps each autograd node the forward creates (by sequence number) to the part whose op created it."""
+
+    def __init__(self, part_of_stack: Callable[[], str], node_parts: dict[int, str]) -> None:
+        super().__init__()
+        self.part_of_stack, self.node_parts = part_of_stack, node_parts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        _record_nodes(out, self.node_parts, self.part_of_stack)
+        return out
+
+
+def _record_nodes(out: Any, node_parts: dict[int, str], part_of_stack: Callable[[], str]) -> None:
+    for tensor in _tensors(out):
+        node = tensor.grad_fn
+        if node is not None and node._sequence_nr() not in node_parts:
+            node_parts[node._sequence_nr()] = part_of_stack()
+
+
+@contextlib.contextmanager
+def _function_apply_recorded(node_parts: dict[int, str], part_of_stack: Callable[[], str],
+                             tensor_positions: dict[int, list[int]]) -> Iterator[None]:
+    """``torch.autograd.Function.apply`` records the node it creates (function modes do not see it) and which of
+    its arguments were tensors (the backward returns a gradient for every argument, the graph has edges only for
+    tensors)."""
+    original = torch.autograd.Function.__dict__['apply']  # a C classmethod
+
+    def apply(cls, *args, **kwargs):
+        out = original.__get__(None, cls)(*args, **kwargs)
+        for tensor in _tensors(out):
+            if tensor.grad_fn is not None and tensor.grad_fn._sequence_nr() not in node_parts:
+                node_parts[tensor.grad_fn._sequence_nr()] = part_of_stack()
+                tensor_positions[tensor.grad_fn._sequence_nr()] = [
+                    index for index, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        return out
+
+    with mock.patch.object(torch.autograd.Function, 'apply', classmethod(apply)):
+        yield
+
+
+@contextlib.contextmanager
+def _cuda_autocast_without_a_gpu() -> Iterator[None]:
+    """Let ``torch.autocast('cuda', ...)`` switch autocast on without a GPU: it only sets thread-local flags, but
+    refuses when no device is present."""
+    with mock.patch('torch.cuda.amp.common.amp_definitely_not_available', return_value=False), \
+            mock.patch('torch.cuda.is_bf16_supported', return_value=True):
+        yield
+
+
+def _fakify(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device) -> None:
+    """Replace every parameter and buffer of a meta-built model by a fake tensor on ``device``."""
+    with fake_mode:
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    fake = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=device)
+                    module._parameters[name] = nn.Parameter(fake, requires_grad=param.requires_grad)
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = torch.empty_strided(buffer.shape, buffer.stride(), dtype=buffer.dtype,
+                                                                device=device)
+
+
+def _backward(loss: torch.Tensor, run_node: Callable[[Any, Callable[[], Any]], Any],
+              tensor_positions: dict[int, list[int]]) -> None:
+    """Autograd's backward of ``loss``, run node by node here (the engine itself needs a real CUDA device).
+
+    Nodes run when all their gradients have arrived, the most recently created first (as the engine's queue orders
+    them); gradients arriving at one input are summed; each gradient is summed to its input's shape and cast to its
+    dtype where they differ, as ``validate_outputs`` does.
+    """
+    import heapq
+
+    root = loss.grad_fn
+    dependencies: Counter = Counter()
+    seen, stack = {id(root)}, [root]
+    nodes = {id(root): root}
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            dependencies[id(child)] += 1
+            if id(child) not in seen:
+                seen.add(id(child))
+                nodes[id(child)] = child
+                stack.append(child)
+    buffers: dict[int, list] = {id(root): [torch.ones_like(loss, memory_format=torch.preserve_format)]}
+    ready = [(-root._sequence_nr(), 0, id(root))]
+    order = 1
+    with torch.no_grad():
+        while ready:
+            _, _, key = heapq.heappop(ready)
+            node = nodes[key]
+            grads = buffers.pop(key)
+            outputs = run_node(node, lambda node=node, grads=grads: _call_node(node, grads, tensor_positions))
+            for (child, input_nr), grad in zip(node.next_functions, outputs):
+                if child is None:
+                    continue
+                child_key = id(child)
+                slots = buffers.setdefault(child_key, [None] * len(child._input_metadata))
+                if grad is not None:
+                    grad = run_node(node, lambda grad=grad, child=child, input_nr=input_nr: _validate(
+                        grad, child._input_metadata[input_nr]))
+                    slots[input_nr] = grad if slots[input_nr] is None else run_node(
+                        child, lambda old=slots[input_nr], grad=grad: old + grad)
+                dependencies[child_key] -= 1
+                if dependencies[child_key] == 0:
+                    heapq.heappush(ready, (-child._sequence_nr(), order, child_key))
+                    order += 1
+
+
+def _validate(grad: torch.Tensor, metadata: Any) -> torch.Tensor:
+    shape = tuple(metadata.shape)
+    if tuple(grad.shape) != shape:  # at::sum_to: one sum over the broadcast dimensions
+        lead = grad.dim() - len(shape)
+        dims = [*range(lead), *(lead + index for index, size in enumerate(shape)
+                                if size == 1 and grad.shape[lead + index] != 1)]
+        grad = grad.sum(dims, keepdim=True).view(shape)
+    if grad.dtype != metadata.dtype:
+        grad = grad.to(metadata.dtype)
+    return grad
+
+
+def _call_node(node: Any, grads: list, tensor_positions: dict[int, list[int]]) -> tuple:
+    """One node's backward on its gradients: C++ nodes are called; a Python ``autograd.Function`` node runs its
+    ``backward`` with missing gradients as zeros (``ctx.materialize_grads``) and its gradients of non-tensor
+    arguments dropped."""
+    if callable(node):
+        outputs = node(*grads)  # one tensor for a node of one output, else a tuple
+        return (outputs,) if outputs is None or isinstance(outputs, torch.Tensor) else tuple(outputs)
+    if getattr(node, 'materialize_grads', True) is not False:
+        grads = [torch.zeros(metadata.shape, dtype=metadata.dtype, device=metadata.device) if grad is None else grad
+                 for grad, metadata in zip(grads, node._input_metadata)]
+    outputs = node.apply(*grads)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    positions = tensor_positions.get(node._sequence_nr())
+    if positions is not None and len(outputs) != len(node.next_functions):
+        outputs = tuple(outputs[index] for index in positions)
+    return outputs
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(module): name for name, module in model.named_modules()}
+
+
+def _stack_part(module_names: dict[int, str], outside: str) -> str:
+    """The collapsed name of the innermost module of the model on the Python stack, or ``outside``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == 'self':
+            name = module_names.get(id(frame.f_locals.get('self')))
+            if name is not None:
+                return collapse(name)
+        frame = frame.f_back
+    return outside
+
+
+def _build_fake(spec: ModelSpec, img_size: int, fake_mode: FakeTensorMode, device: torch.device) -> nn.Module:
+    kwargs = {key: value for key, value in spec.kwargs.items() if key != 'img_size'}
+    model = build_model(spec.factory(), img_size=img_size, device='meta', **kwargs)
+    _fakify(model, fake_mode, device)
+    return model
+
+
+def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128, img_size: int | None = None,
+               precision: str = 'bf16') -> StepCount:
+    """Count the ops, kernels and non-matmul bytes of one eager CUDA step of a model, on fake CUDA tensors.
+
+    Args:
+        spec: a model spec as the benchmark parses them (``lipsformer_swin_tiny[fast_path=False]``), or one parsed.
+        mode: ``train`` (forward, loss, backward, AdamW step) or ``infer`` (forward without gradients).
+        batch_size: images per step.
+        img_size: input height and width (default: the spec's ``img_size``, else 224).
+        precision: ``bf16`` or ``fp16`` autocast, or ``fp32``.
+
+    Returns:
+        The counts, by phase, part and group.
+    """
+    if mode not in MODES:
+        raise ValueError(f'unknown mode {mode!r}; choose from {MODES}')
+    if precision not in PRECISIONS:
+        raise ValueError(f'unknown precision {precision!r}; choose from {sorted(PRECISIONS)}')
+    spec = parse_model_specs(spec)[0] if isinstance(spec, str) else spec
+    img_size = spec.kwargs.get('img_size', img_size or 224)
+    begin = time.perf_counter()
+    device = torch.device('cuda', 0)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _build_fake(spec, img_size, fake_mode, device)
+    module_names = _module_names(model)
+    count = StepCount(spec.text, mode, batch_size, img_size, precision, spec.fast_path)
+    state = {'phase': 'forward', 'part': None}
+    node_parts: dict[int, str] = {}
+    tensor_positions: dict[int, list[int]] = {}
+
+    def locate() -> tuple[str, str]:
+        if state['part'] is not None:
+            return state['phase'], state['part']
+        return state['phase'], _stack_part(module_names, 'loss')
+
+    def part_of_stack() -> str:
+        return _stack_part(module_names, 'loss')
+
+    dtype = PRECISIONS[precision]
+    with fake_mode:
+        in_chans = spec.kwargs.get('in_chans', (getattr(model, 'pretrained_cfg', None) or {}).get(
+            'input_size', (3,))[0])
+        inputs = torch.empty(batch_size, in_chans, img_size, img_size, device=device)
+    optimizer = None
+    if mode == 'train':
+        model.train()
+        optimizer = _steady_optimizer(model, fake_mode)
+    else:
+        model.eval()
+    with _cuda_autocast_without_a_gpu(), fake_mode, set_fast_path(spec.fast_path), \
+            _Recorder(count, locate):
+        autocast = torch.autocast('cuda', dtype=dtype, enabled=dtype != torch.float32)
+        if mode == 'infer':
+            with torch.no_grad(), autocast:
+                model(inputs)
+        else:
+            with _GradFnRecorder(part_of_stack, node_parts), \
+                    _function_apply_recorded(node_parts, part_of_stack, tensor_positions), autocast:
+                output = model(inputs)
+                logits = output[0] if isinstance(output, (tuple, list)) else output
+                state['part'] = 'loss'
+                labels = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
+                loss = F.cross_entropy(logits.float(), labels)
+            _record_nodes(loss, node_parts, lambda: 'loss')
+            state['phase'] = 'backward'
+            params = {param: collapse(name.rpartition('.')[0]) for name, param in model.named_parameters()}
+
+            def run_node(node: Any, call: Callable[[], Any]) -> Any:
+                if type(node).__name__ == 'AccumulateGrad':
+                    state['part'] = params.get(node.variable, 'grad accumulation')
+                else:
+                    state['part'] = node_parts.get(node._sequence_nr(), state['part'] or 'loss')
+                return call()
+            _backward(loss, run_node, tensor_positions)
+            state['phase'] = state['part'] = 'optimizer'
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    count.seconds = time.perf_counter() - begin
+    return count
+
+
+def _steady_optimizer(model: nn.Module, fake_mode: FakeTensorMode) -> torch.optim.Optimizer:
+    """The benchmark's AdamW (``create_optimizer_v2``) with its state as after the first step, so that one counted
+    step is a steady one: moments on the device, step counters on the host (CUDA's default without ``capturable``),
+    and the multi-tensor (``foreach``) implementation that torch picks for CUDA parameters (it cannot tell fake
+    CUDA tensors from others)."""
+    optimizer = create_optimizer_v2(model, opt='adamw', lr=1e-4, weight_decay=0.05)
+    for group in optimizer.param_groups:
+        if group.get('foreach') is None and not group.get('fused'):
+            group['foreach'] = True
+        for param in group['params']:
+            with fake_mode:  # the host's step counter as a fake tensor that keeps its value (.item() works)
+                optimizer.state[param] = {'step': torch.tensor(1.0), 'exp_avg': torch.zeros_like(param),
+                                          'exp_avg_sq': torch.zeros_like(param)}
+    return optimizer
+
+
+def format_count_table(counts: list[StepCount], markdown: bool = False) -> str:
+    """Kernels, non-matmul GB and dispatched ops per model and mode, with ratios to the first model of each mode."""
+    header = ['model', 'mode', 'kernels', 'ratio', 'non-matmul GB', 'ratio', 'ops', 'ratio', 'SDPA']
+    firsts: dict[str, StepCount] = {}
+    lines = []
+    for count in counts:
+        first = firsts.setdefault(count.mode, count)
+        sdpa = ', '.join(sorted({key.split(': ')[1].removeprefix('_scaled_dot_product_')
+                                 for key in count.sdpa if key.startswith('forward')})) or '-'
+        lines.append([count.model, count.mode, str(count.total.kernels),
+                      f'{count.total.kernels / first.total.kernels:.2f}x', f'{count.total.bytes / 1e9:.1f}',
+                      f'{count.total.bytes / first.total.bytes:.2f}x' if first.total.bytes else '-',
+                      str(count.total.ops), f'{count.total.ops / first.total.ops:.2f}x', sdpa])
+    if markdown:
+        return '\n'.join(['| ' + ' | '.join(header) + ' |', '|---|---|' + '---:|' * (len(header) - 3) + '---|'] +
+                         ['| ' + ' | '.join(line) + ' |' for line in lines])
+    widths = [max(len(line[col]) for line in [header] + lines) for col in range(len(header))]
+    return '\n'.join('  '.join(cell.ljust(width) if col in (0, 1, 8) else cell.rjust(width)
+                               for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
+
+
+def format_parts(count: StepCount, top: int = 12, by: str = 'groups') -> str:
+    """The ``top`` groups (or parts) of one count by kernels: kernels, GB, ops."""
+    table = getattr(count, by)
+    rows = sorted(table.items(), key=lambda item: -item[1].kernels)[:top]
+    width = max(len(key) for key, _ in rows) if rows else 0
+    return '\n'.join(f'  {key.ljust(width)}  {tally.kernels:6d} kernels  {tally.bytes / 1e9:6.1f} GB  '
+                     f'{tally.ops:6d} ops' for key, tally in rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=command_name('lipsformer.kernel_count'),
+        description='Kernels, bytes moved by non-matmul ops and dispatched ops of one eager CUDA step, counted on '
+                    'fake CUDA tensors (no GPU needed), with ratios to the first model.')
+    parser.add_argument('--models', required=True,
+                        help='comma list of model specs as the benchmark takes them (name[key=value,...], '
+                             'fast_path=False included)')
+    parser.add_argument('--mode', default='infer,train', help='comma list of infer, train (default: both)')
+    parser.add_argument('--batch-size', type=int, default=128)
+    parser.add_argument('--img-size', type=int, default=224)
+    parser.add_argument('--precision', choices=sorted(PRECISIONS), default='bf16')
+    parser.add_argument('--parts', type=int, default=8, help='groups to list per model and mode (0: none)')
+    parser.add_argument('--json', type=Path, help='write every count, by phase, part and group, here')
+    parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
+    return parser
+
+
+def count_models(specs: list[ModelSpec], modes: list[str], batch_size: int, img_size: int,
+                 precision: str) -> list[StepCount]:
+    """:func:`count_step` for every mode and model, modes outermost (the order of the benchmark's rows)."""
+    return [count_step(spec, mode, batch_size, img_size, precision) for mode in modes for spec in specs]
+
+
+def main(argv: list[str] | None = None) -> list[StepCount]:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
+    if args.batch_size < 1 or args.img_size < 1:
+        parser.error('--batch-size and --img-size must be at least 1')
+    try:
+        specs = parse_model_specs(args.models)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    counts = count_models(specs, modes, args.batch_size, args.img_size, args.precision)
+    print(format_count_table(counts, markdown=args.markdown))
+    if args.parts:
+        for count in counts:
+            print(f'\n{count.model} {count.mode}: top groups by kernels')
+            print(format_parts(count, args.parts))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([count.to_json() for count in counts], indent=1) + '\n')
+    return counts
+
+
+if __name__ == '__main__':
+    main()
