@@ -60,7 +60,8 @@ from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path
 from lipsformer.utils.cli import command_name
 
-__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_step', 'format_count_table', 'group_of',
+__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_step', 'cuda_sdp_choice', 'format_count_table',
+           'group_of',
            'multi_tensor_launches', 'main']
 
 MODES = ('infer', 'train')
@@ -155,6 +156,96 @@ def _op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) 
     return sum(_nbytes(tensor) for tensor in inputs + outputs if tensor.device.type == 'cuda')
 
 
+def cuda_sdp_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                    scale: float | None = None, enable_gqa: bool = False) -> int:
+    """The SDPA backend that ``scaled_dot_product_attention`` picks on a CUDA GPU of compute capability 8.0 or more
+    (A100, H100, H200), as ``torch._C._SDPBackend``'s value: the first of torch's priority order
+    (``torch._C._get_sdp_priority_order()``: flash, memory-efficient, math, cuDNN) that is enabled and takes the
+    inputs. Without a GPU, torch itself would answer math.
+
+    Flash takes fp16 or bf16 inputs without a mask, head dims equal, at most 256 and a multiple of 8; the
+    memory-efficient kernel also takes fp32 and a mask (no grouped-query attention), head dims a multiple of 8
+    (of 4 in fp32); both need the last dimension contiguous.
+    """
+    tensors = (query, key, value)
+    dense = all(tensor.dim() == 4 and tensor.stride(-1) == 1 for tensor in tensors)
+    same_dtype = len({tensor.dtype for tensor in tensors}) == 1
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    fits = {
+        int(torch._C._SDPBackend.FLASH_ATTENTION): (
+            torch.backends.cuda.flash_sdp_enabled() and dense and same_dtype and half and attn_mask is None
+            and head_dim == key.shape[-1] == value_dim and head_dim <= 256 and head_dim % 8 == 0),
+        int(torch._C._SDPBackend.EFFICIENT_ATTENTION): (
+            torch.backends.cuda.mem_efficient_sdp_enabled() and dense and same_dtype and not enable_gqa
+            and (half or query.dtype == torch.float32) and head_dim == key.shape[-1]
+            and head_dim % (8 if half else 4) == 0 and value_dim % (8 if half else 4) == 0),
+        int(torch._C._SDPBackend.MATH): torch.backends.cuda.math_sdp_enabled(),
+    }
+    for backend in torch._C._get_sdp_priority_order():
+        if fits.get(int(backend), False):
+            return int(backend)
+    return int(torch._C._SDPBackend.MATH)
+
+
+def _preprocess_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The mask as the memory-efficient kernel takes it (``preprocess_mask`` of ATen's ``attention.cpp``): boolean
+    masks as additive float masks, expanded to four dimensions, the last padded to a multiple of 16, made contiguous
+    where a stride is not a multiple of 16 (a broadcast mask becomes a full-size copy)."""
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask.logical_not(), -math.inf, torch.scalar_tensor(0.0, dtype=query.dtype,
+                                                                               device=mask.device))
+    mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if mask.stride(-2) % 16:
+        length = mask.shape[-1]
+        mask = F.pad(mask, (0, 16 - length % 16))[..., :length]
+    if any(stride % 16 or stride == 0 for stride in mask.stride()):
+        mask = mask.contiguous()
+    return mask
+
+
+def cuda_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                      is_causal: bool = False, scale: float | None = None,
+                                      enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as it runs on a CUDA GPU, for fake CUDA tensors.
+
+    Without a GPU, torch's choice of kernel (a CUDA function called directly, not an op a mode could answer) is
+    math; this runs the kernel :func:`cuda_sdp_choice` picks, with CUDA autocast's casts and the composite's
+    preparation of the mask.
+    """
+    if torch.is_autocast_enabled('cuda'):  # scaled_dot_product_attention is on autocast's lower-precision list
+        dtype = torch.get_autocast_dtype('cuda')
+
+        def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            eligible = tensor is not None and tensor.is_floating_point() and tensor.dtype not in (dtype, torch.float64)
+            return tensor.to(dtype) if eligible else tensor
+        query, key, value, attn_mask = cast(query), cast(key), cast(value), cast(attn_mask)
+    with torch.autocast('cuda', enabled=False):
+        choice = cuda_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if choice == int(torch._C._SDPBackend.FLASH_ATTENTION):
+            return _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                             scale=scale)[0]
+        if choice == int(torch._C._SDPBackend.EFFICIENT_ATTENTION):
+            if attn_mask is not None:
+                attn_mask = _preprocess_mask(attn_mask, query, key)
+            log_sumexp = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
+            return _aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, log_sumexp, dropout_p,
+                                                                 is_causal, scale=scale)[0]
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+class _CudaAttention(TorchFunctionMode):
+    """Runs ``F.scaled_dot_product_attention`` through :func:`cuda_scaled_dot_product_attention`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._C._nn.scaled_dot_product_attention:
+            return cuda_scaled_dot_product_attention(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 def collapse(name: str) -> str:
     """A module name with its stage and block indices replaced by ``*`` (``stages.*.blocks.*.attn.qkv``)."""
     return re.sub(r'(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)', '*', name)
@@ -242,7 +333,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if func.namespace == 'prim':  # a tensor subclass's metadata query (prim::device): no op on a real tensor
+            return func(*args, **kwargs)
+        if func is _aten._fused_sdp_choice.default:
+            out = cuda_sdp_choice(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         name = func._schema.name.split('::')[-1]
         kernels = _op_kernels(func, args, kwargs, out)
         nbytes = _op_bytes(func, args, kwargs, out) if kernels and name not in MATMUL_OPS else 0
@@ -476,7 +572,7 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     else:
         model.eval()
     with _cuda_autocast_without_a_gpu(), fake_mode, set_fast_path(spec.fast_path), \
-            _Recorder(count, locate):
+            _Recorder(count, locate), _CudaAttention():
         autocast = torch.autocast('cuda', dtype=dtype, enabled=dtype != torch.float32)
         if mode == 'infer':
             with torch.no_grad(), autocast:
