@@ -50,12 +50,13 @@ import torch
 import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from torch import nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lipsformer.benchmark import PRECISIONS, ModelSpec, parse_model_specs
+from lipsformer.benchmark import PRECISIONS, ModelSpec, _loss, parse_model_specs
 from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path
 from lipsformer.utils.cli import command_name
@@ -333,7 +334,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == 'prim':  # a tensor subclass's metadata query (prim::device): no op on a real tensor
+        if func.namespace in ('prim', 'profiler'):  # a subclass's metadata query (prim::device), a profiler range
             return func(*args, **kwargs)
         if func is _aten._fused_sdp_choice.default:
             out = cuda_sdp_choice(*args, **kwargs)
@@ -375,6 +376,10 @@ def _record_nodes(out: Any, node_parts: dict[int, str], part_of_stack: Callable[
             node_parts[node._sequence_nr()] = part_of_stack()
 
 
+# ``ctx.set_materialize_grads(value)`` of the Function nodes of a counted step, by id (the node has no getter).
+_MATERIALIZE_GRADS: dict[int, bool] = {}
+
+
 @contextlib.contextmanager
 def _function_apply_recorded(node_parts: dict[int, str], part_of_stack: Callable[[], str],
                              tensor_positions: dict[int, list[int]]) -> Iterator[None]:
@@ -392,7 +397,13 @@ def _function_apply_recorded(node_parts: dict[int, str], part_of_stack: Callable
                     index for index, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
         return out
 
-    with mock.patch.object(torch.autograd.Function, 'apply', classmethod(apply)):
+    def set_materialize_grads(ctx: Any, value: bool) -> None:
+        _MATERIALIZE_GRADS[id(ctx)] = value
+        ctx.materialize_grads = value
+
+    _MATERIALIZE_GRADS.clear()
+    with mock.patch.object(torch.autograd.Function, 'apply', classmethod(apply)), \
+            mock.patch.object(torch.autograd.function.FunctionCtx, 'set_materialize_grads', set_materialize_grads):
         yield
 
 
@@ -451,6 +462,11 @@ def _backward(loss: torch.Tensor, run_node: Callable[[Any, Callable[[], Any]], A
             _, _, key = heapq.heappop(ready)
             node = nodes[key]
             grads = buffers.pop(key)
+            if type(node).__name__ == 'AccumulateGrad':
+                shared = any(grads[0] is other for slots in buffers.values() for other in slots)
+                run_node(node, lambda node=node, grads=grads, shared=shared: _accumulate_grad(
+                    node.variable, grads[0], shared))
+                continue
             outputs = run_node(node, lambda node=node, grads=grads: _call_node(node, grads, tensor_positions))
             for (child, input_nr), grad in zip(node.next_functions, outputs):
                 if child is None:
@@ -468,9 +484,36 @@ def _backward(loss: torch.Tensor, run_node: Callable[[Any, Callable[[], Any]], A
                     order += 1
 
 
+def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor | None, shared: bool) -> None:
+    """``AccumulateGrad``: the first gradient is stolen (a ``detach``) when nothing else holds it and its strides are
+    the parameter's, else copied into the parameter's layout; later ones are added in place. (Called from Python,
+    the node itself would always copy: the call holds a reference of its own.)"""
+    if grad is None:
+        return
+    if param.grad is not None:
+        param.grad += grad
+    elif not shared and _obeys_layout_contract(grad, param):
+        param.grad = grad.detach()
+    elif is_non_overlapping_and_dense(param):
+        param.grad = grad.new_empty_strided(param.shape, param.stride()).copy_(grad)
+    else:
+        param.grad = grad.clone(memory_format=torch.contiguous_format)
+
+
+def _obeys_layout_contract(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """autograd's ``obeys_layout_contract``: the gradient has the parameter's strides (where a size is not 1), or is
+    contiguous for a parameter that is not dense."""
+    if not is_non_overlapping_and_dense(param):
+        return grad.is_contiguous()
+    return all(size == 1 or grad_stride == param_stride
+               for size, grad_stride, param_stride in zip(param.shape, grad.stride(), param.stride()))
+
+
 def _validate(grad: torch.Tensor, metadata: Any) -> torch.Tensor:
     shape = tuple(metadata.shape)
-    if tuple(grad.shape) != shape:  # at::sum_to: one sum over the broadcast dimensions
+    if tuple(grad.shape) != shape and not shape:  # at::sum_to: one sum over the broadcast dimensions
+        grad = grad.sum()
+    elif tuple(grad.shape) != shape:
         lead = grad.dim() - len(shape)
         dims = [*range(lead), *(lead + index for index, size in enumerate(shape)
                                 if size == 1 and grad.shape[lead + index] != 1)]
@@ -487,7 +530,7 @@ def _call_node(node: Any, grads: list, tensor_positions: dict[int, list[int]]) -
     if callable(node):
         outputs = node(*grads)  # one tensor for a node of one output, else a tuple
         return (outputs,) if outputs is None or isinstance(outputs, torch.Tensor) else tuple(outputs)
-    if getattr(node, 'materialize_grads', True) is not False:
+    if _MATERIALIZE_GRADS.get(id(node), True):
         grads = [torch.zeros(metadata.shape, dtype=metadata.dtype, device=metadata.device) if grad is None else grad
                  for grad, metadata in zip(grads, node._input_metadata)]
     outputs = node.apply(*grads)
@@ -566,6 +609,8 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
             'input_size', (3,))[0])
         inputs = torch.empty(batch_size, in_chans, img_size, img_size, device=device)
     optimizer = None
+    with fake_mode:  # drawn once, outside the step, as the benchmark draws them
+        labels = torch.zeros(batch_size, dtype=torch.long, device=device)
     if mode == 'train':
         model.train()
         optimizer = _steady_optimizer(model, fake_mode)
@@ -581,10 +626,8 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
             with _GradFnRecorder(part_of_stack, node_parts), \
                     _function_apply_recorded(node_parts, part_of_stack, tensor_positions), autocast:
                 output = model(inputs)
-                logits = output[0] if isinstance(output, (tuple, list)) else output
                 state['part'] = 'loss'
-                labels = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
-                loss = F.cross_entropy(logits.float(), labels)
+                loss = _benchmark_loss(output, labels)
             _record_nodes(loss, node_parts, lambda: 'loss')
             state['phase'] = 'backward'
             params = {param: collapse(name.rpartition('.')[0]) for name, param in model.named_parameters()}
@@ -601,6 +644,11 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
             optimizer.zero_grad(set_to_none=True)
     count.seconds = time.perf_counter() - begin
     return count
+
+
+def _benchmark_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The benchmark's loss (:func:`lipsformer.benchmark._loss`) with its labels given."""
+    return _loss(output, {'labels': labels})
 
 
 def _steady_optimizer(model: nn.Module, fake_mode: FakeTensorMode) -> torch.optim.Optimizer:
