@@ -61,8 +61,8 @@ from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path
 from lipsformer.utils.cli import command_name
 
-__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_step', 'cuda_sdp_choice', 'format_count_table',
-           'group_of',
+__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_models', 'count_step', 'cuda_sdp_choice',
+           'format_count_json_table', 'format_count_table', 'group_of',
            'multi_tensor_launches', 'main']
 
 MODES = ('infer', 'train')
@@ -669,23 +669,28 @@ def _steady_optimizer(model: nn.Module, fake_mode: FakeTensorMode) -> torch.opti
 
 def format_count_table(counts: list[StepCount], markdown: bool = False) -> str:
     """Kernels, non-matmul GB and dispatched ops per model and mode, with ratios to the first model of each mode."""
+    return format_count_json_table([count.to_json() for count in counts], markdown)
+
+
+def format_count_json_table(rows: list[dict], markdown: bool = False) -> str:
+    """:func:`format_count_table` of counts as :meth:`StepCount.to_json` gives them (a report's ``kernel_counts``)."""
     header = ['model', 'mode', 'kernels', 'ratio', 'non-matmul GB', 'ratio', 'ops', 'ratio', 'SDPA']
-    firsts: dict[str, StepCount] = {}
+    firsts: dict[str, dict] = {}
     lines = []
-    for count in counts:
-        first = firsts.setdefault(count.mode, count)
+    for row in rows:
+        first = firsts.setdefault(row['mode'], row)
         sdpa = ', '.join(sorted({key.split(': ')[1].removeprefix('_scaled_dot_product_')
-                                 for key in count.sdpa if key.startswith('forward')})) or '-'
-        lines.append([count.model, count.mode, str(count.total.kernels),
-                      f'{count.total.kernels / first.total.kernels:.2f}x', f'{count.total.bytes / 1e9:.1f}',
-                      f'{count.total.bytes / first.total.bytes:.2f}x' if first.total.bytes else '-',
-                      str(count.total.ops), f'{count.total.ops / first.total.ops:.2f}x', sdpa])
+                                 for key in row['sdpa'] if key.startswith('forward')})) or 'none'
+        lines.append([row['model'], row['mode'], str(row['kernels']), f'{row["kernels"] / first["kernels"]:.2f}x',
+                      f'{row["non_matmul_bytes"] / 1e9:.1f}',
+                      f'{row["non_matmul_bytes"] / first["non_matmul_bytes"]:.2f}x' if first['non_matmul_bytes']
+                      else '-', str(row['ops']), f'{row["ops"] / first["ops"]:.2f}x', sdpa])
     if markdown:
         return '\n'.join(['| ' + ' | '.join(header) + ' |', '|---|---|' + '---:|' * (len(header) - 3) + '---|'] +
-                         ['| ' + ' | '.join(line) + ' |' for line in lines])
+                          ['| ' + ' | '.join(line) + ' |' for line in lines])
     widths = [max(len(line[col]) for line in [header] + lines) for col in range(len(header))]
     return '\n'.join('  '.join(cell.ljust(width) if col in (0, 1, 8) else cell.rjust(width)
-                               for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
+                                for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
 
 
 def format_parts(count: StepCount, top: int = 12, by: str = 'groups') -> str:
