@@ -55,6 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lipsformer.benchmark import PRECISIONS, ModelSpec, _loss, parse_model_specs
 from lipsformer.complexity import build_model
@@ -328,9 +329,10 @@ class StepCount:
 class _Recorder(TorchDispatchMode):
     """Records every dispatched op into a :class:`StepCount`, attributed to the part ``locate()`` names."""
 
-    def __init__(self, count: StepCount, locate: Callable[[], tuple[str, str]]) -> None:
+    def __init__(self, count: StepCount, locate: Callable[[list[torch.Tensor]], tuple[str, str]],
+                 owners: '_ParameterOwners') -> None:
         super().__init__()
-        self.count, self.locate = count, locate
+        self.count, self.locate, self.owners = count, locate, owners
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -343,7 +345,9 @@ class _Recorder(TorchDispatchMode):
         name = func._schema.name.split('::')[-1]
         kernels = _op_kernels(func, args, kwargs, out)
         nbytes = _op_bytes(func, args, kwargs, out) if kernels and name not in MATMUL_OPS else 0
-        phase, part = self.locate()
+        inputs = _tensors((args, kwargs))
+        phase, part = self.locate(inputs)
+        self.owners.propagate(inputs, _tensors(out))
         if name in SDPA_OPS and kernels:
             self.count.sdpa[f'{phase}: {name}'] += 1
             part += '#sdpa'
@@ -359,21 +363,51 @@ class _Recorder(TorchDispatchMode):
 class _GradFnRecorder(TorchFunctionMode):
     """Maps each autograd node the forward creates (by sequence number) to the part whose op created it."""
 
-    def __init__(self, part_of_stack: Callable[[], str], node_parts: dict[int, str]) -> None:
+    def __init__(self, part_of: Callable[[list[torch.Tensor]], str], node_parts: dict[int, str]) -> None:
         super().__init__()
-        self.part_of_stack, self.node_parts = part_of_stack, node_parts
+        self.part_of, self.node_parts = part_of, node_parts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        _record_nodes(out, self.node_parts, self.part_of_stack)
+        _record_nodes(out, self.node_parts, lambda: self.part_of(_tensors((args, kwargs))))
         return out
 
 
-def _record_nodes(out: Any, node_parts: dict[int, str], part_of_stack: Callable[[], str]) -> None:
+def _record_nodes(out: Any, node_parts: dict[int, str], part: Callable[[], str]) -> list[int]:
+    """Record the part of the nodes of ``out`` not yet recorded (``part()`` is asked once, if needed); returns their
+    sequence numbers."""
+    recorded, name = [], None
     for tensor in _tensors(out):
         node = tensor.grad_fn
         if node is not None and node._sequence_nr() not in node_parts:
-            node_parts[node._sequence_nr()] = part_of_stack()
+            name = part() if name is None else name
+            node_parts[node._sequence_nr()] = name
+            recorded.append(node._sequence_nr())
+    return recorded
+
+
+class _ParameterOwners:
+    """The module of the model each parameter belongs to, and the casts and views of parameters (ops of one tensor
+    input) after them: an op a function runs on a submodule's weights, called from an enclosing module's code
+    (the fast path's functions take a block and use its layers' weights), belongs to that submodule."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.owners = WeakIdKeyDictionary()
+        for name, param in model.named_parameters():
+            self.owners[param] = collapse(name.rpartition('.')[0])
+
+    def refine(self, part: str, tensors: list[torch.Tensor]) -> str:
+        """``part`` narrowed to the submodule of it whose parameter one of ``tensors`` is (or is made from)."""
+        for tensor in tensors:
+            owner = self.owners.get(tensor)
+            if owner is not None and owner != part and (part == '' or owner.startswith(part + '.')):
+                return owner
+        return part
+
+    def propagate(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        if len(inputs) == 1 and (owner := self.owners.get(inputs[0])) is not None:
+            for output in outputs:
+                self.owners[output] = owner
 
 
 # ``ctx.set_materialize_grads(value)`` of the Function nodes of a counted step, by id (the node has no getter).
@@ -381,7 +415,7 @@ _MATERIALIZE_GRADS: dict[int, bool] = {}
 
 
 @contextlib.contextmanager
-def _function_apply_recorded(node_parts: dict[int, str], part_of_stack: Callable[[], str],
+def _function_apply_recorded(node_parts: dict[int, str], part_of: Callable[[list[torch.Tensor]], str],
                              tensor_positions: dict[int, list[int]]) -> Iterator[None]:
     """``torch.autograd.Function.apply`` records the node it creates (function modes do not see it) and which of
     its arguments were tensors (the backward returns a gradient for every argument, the graph has edges only for
@@ -390,11 +424,9 @@ def _function_apply_recorded(node_parts: dict[int, str], part_of_stack: Callable
 
     def apply(cls, *args, **kwargs):
         out = original.__get__(None, cls)(*args, **kwargs)
-        for tensor in _tensors(out):
-            if tensor.grad_fn is not None and tensor.grad_fn._sequence_nr() not in node_parts:
-                node_parts[tensor.grad_fn._sequence_nr()] = part_of_stack()
-                tensor_positions[tensor.grad_fn._sequence_nr()] = [
-                    index for index, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        positions = [index for index, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        for sequence_nr in _record_nodes(out, node_parts, lambda: part_of(_tensors((args, kwargs)))):
+            tensor_positions[sequence_nr] = positions
         return out
 
     def set_materialize_grads(ctx: Any, value: bool) -> None:
@@ -595,13 +627,15 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     node_parts: dict[int, str] = {}
     tensor_positions: dict[int, list[int]] = {}
 
-    def locate() -> tuple[str, str]:
+    owners = _ParameterOwners(model)
+
+    def part_of(tensors: list[torch.Tensor]) -> str:
+        return owners.refine(_stack_part(module_names, 'loss'), tensors)
+
+    def locate(tensors: list[torch.Tensor]) -> tuple[str, str]:
         if state['part'] is not None:
             return state['phase'], state['part']
-        return state['phase'], _stack_part(module_names, 'loss')
-
-    def part_of_stack() -> str:
-        return _stack_part(module_names, 'loss')
+        return state['phase'], part_of(tensors)
 
     dtype = PRECISIONS[precision]
     with fake_mode:
@@ -617,14 +651,14 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     else:
         model.eval()
     with _cuda_autocast_without_a_gpu(), fake_mode, set_fast_path(spec.fast_path), \
-            _Recorder(count, locate), _CudaAttention():
+            _Recorder(count, locate, owners), _CudaAttention():
         autocast = torch.autocast('cuda', dtype=dtype, enabled=dtype != torch.float32)
         if mode == 'infer':
             with torch.no_grad(), autocast:
                 model(inputs)
         else:
-            with _GradFnRecorder(part_of_stack, node_parts), \
-                    _function_apply_recorded(node_parts, part_of_stack, tensor_positions), autocast:
+            with _GradFnRecorder(part_of, node_parts), \
+                    _function_apply_recorded(node_parts, part_of, tensor_positions), autocast:
                 output = model(inputs)
                 state['part'] = 'loss'
                 loss = _benchmark_loss(output, labels)

@@ -158,7 +158,7 @@ def test_backward_runs_the_ops_autograd_runs(name, shape):
     for engine in ('autograd', 'counter'):
         positions = {}
         torch.manual_seed(0)  # the same drop-path draws in both forwards
-        with kernel_count._function_apply_recorded({}, lambda: '', positions), \
+        with kernel_count._function_apply_recorded({}, lambda tensors: '', positions), \
                 torch.autocast('cpu', dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(inputs).float(), labels)
         model.zero_grad(set_to_none=True)
@@ -189,6 +189,14 @@ def test_lipsformer_attention_is_attributed_to_its_kernel():
     assert count.groups['attention kernel'].kernels == 12
     cswin = count_step('lipsformer_cswin_tiny', 'infer', batch_size=2)
     assert set(cswin.sdpa) == {'forward: _scaled_dot_product_flash_attention'}  # stripes: no mask
+
+
+def test_ops_on_a_submodule_s_weights_belong_to_it_when_a_function_runs_them():
+    """The fast path's functions take a block and run its layers' weights: those ops go to the layer, not to the
+    block on the stack. Either path, each block's qkv projection runs at least its matmul in the qkv part."""
+    for spec in ('lipsformer_swin_tiny', 'lipsformer_swin_tiny[fast_path=False]'):
+        count = count_step(spec, 'infer', batch_size=2)
+        assert count.parts['stages.*.blocks.*.attn.qkv'].kernels >= 12, spec  # 12 blocks
 
 
 def test_bad_arguments_say_what_is_wrong(capsys):
