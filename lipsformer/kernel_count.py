@@ -255,7 +255,8 @@ def collapse(name: str) -> str:
 
 # Coarse groups, by the collapsed module name (first match wins); the loss and the optimizer are named directly.
 GROUPS = (
-    ('attention kernel', r'\.attn(\.kernel|\.branches\.\*)?#sdpa$'),
+    ('attention kernel', r'#sdpa$'),
+    ('q/k normalisation (attention kernel module)', r'\.attn(\.branches\.\*)?\.kernel$'),
     ('conv shortcuts', r'conv_shortcuts'),
     ('qkv', r'\.qkv$'),
     ('proj', r'\.attn\.proj(_drop)?$'),

@@ -131,6 +131,8 @@ def test_parts_collapse_indices_and_group():
     assert group_of('stages.*.blocks.*.conv_shortcuts.*.dw') == 'conv shortcuts'
     assert group_of('stages.*.blocks.*.attn.qkv') == 'qkv'
     assert group_of('stages.*.blocks.*.attn.kernel#sdpa') == 'attention kernel'
+    assert group_of('stages.*.blocks.*.attn.branches.*.kernel') == 'q/k normalisation (attention kernel module)'
+    assert group_of('stages.*.blocks.*.attn.branches.*.lepe') == 'LePE / stripes'
     assert group_of('stages.*.blocks.*.norm1') == 'norms' and group_of('norm') == 'norms'
     assert group_of('stages.*.blocks.*.alpha1') == 'residual / alpha'
     assert group_of('patch_embed.proj') == 'stem' and group_of('head.fc') == 'head'
