@@ -50,7 +50,10 @@ import torch
 import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from torch import nn
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+try:  # torch < 2.7 names it without the suffix
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+except ImportError:
+    from torch._prims_common import is_non_overlapping_and_dense
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -158,6 +161,15 @@ def _op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) 
     return sum(_nbytes(tensor) for tensor in inputs + outputs if tensor.device.type == 'cuda')
 
 
+def _sdp_priority_order() -> list[int]:
+    """torch's order of preference among the SDPA kernels (settable since torch 2.7; before, this fixed one)."""
+    if hasattr(torch._C, '_get_sdp_priority_order'):
+        return [int(backend) for backend in torch._C._get_sdp_priority_order()]
+    backends = torch._C._SDPBackend
+    return [int(backend) for backend in (backends.FLASH_ATTENTION, backends.EFFICIENT_ATTENTION, backends.MATH,
+                                         backends.CUDNN_ATTENTION)]
+
+
 def cuda_sdp_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                     scale: float | None = None, enable_gqa: bool = False) -> int:
@@ -185,7 +197,7 @@ def cuda_sdp_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             and head_dim % (8 if half else 4) == 0 and value_dim % (8 if half else 4) == 0),
         int(torch._C._SDPBackend.MATH): torch.backends.cuda.math_sdp_enabled(),
     }
-    for backend in torch._C._get_sdp_priority_order():
+    for backend in _sdp_priority_order():
         if fits.get(int(backend), False):
             return int(backend)
     return int(torch._C._SDPBackend.MATH)

@@ -222,18 +222,26 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, toy_spec, capsys):
 
 # The budget: kernels, non-matmul bytes and dispatched ops of each family's tiny model (default, fast path as it is
 # on by default) over timm's Swin-T's, one step at batch 128, 224x224, bf16. Held at the measured ratios rounded up
-# by about 1%, so that a change that adds kernels or bytes fails; tighten them as the CUDA path gets leaner.
+# by about 1%, so that a change that adds kernels or bytes fails; tighten them as the CUDA path gets leaner. Another
+# torch release dispatches other ops (decompositions, autograd formulas): the budget holds for the release it was
+# measured with, the newest the suite runs on.
 BUDGET = json.loads((FIXTURES / 'kernel_budget.json').read_text())
+TORCH_RELEASE = '.'.join(torch.__version__.split('+')[0].split('.')[:2])
+measured_torch_only = pytest.mark.skipif(
+    TORCH_RELEASE != BUDGET['torch'],
+    reason=f'the kernel budget was measured with torch {BUDGET["torch"]}, this is {TORCH_RELEASE}: re-measure it '
+           '(python -m lipsformer.kernel_count, docs/performance.md) when the suite moves to a new torch')
 
 
 @pytest.fixture(scope='module')
-def budget_counts():
+def budget_counts():  # computed only where the budget applies
     settings = BUDGET['settings']
     names = [BUDGET['reference'], *BUDGET['models']]
     return {(name, mode): count_step(name, mode, settings['batch_size'], settings['img_size'], settings['precision'])
             for mode in ('infer', 'train') for name in names}
 
 
+@measured_torch_only
 @pytest.mark.parametrize('mode', ['infer', 'train'])
 @pytest.mark.parametrize('name', list(BUDGET['models']))
 def test_each_family_holds_its_kernel_budget(budget_counts, name, mode):
