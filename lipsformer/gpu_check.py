@@ -237,8 +237,12 @@ def _eager_table(report: dict) -> str:
         cells = []
         for rows in (train, infer):
             row = rows.get(model)
-            cells.append('-' if row is None else f'{row["images_per_s"]:.0f}: {row["ratio"]:.2f}x '
-                         f'({row["ratio_median"]:.2f}, {row["ratio_quartiles"][0]:.2f}-{row["ratio_quartiles"][1]:.2f})')
+            if row is None:
+                cells.append('-')
+                continue
+            low, high = row['ratio_quartiles']
+            cells.append(f'{row["images_per_s"]:.0f}: {row["ratio"]:.2f}x '
+                         f'({row["ratio_median"]:.2f}, {low:.2f}-{high:.2f})')
         profile = (train.get(model) or {}).get('profile') or {}
         busy = profile.get('busy_fraction_of_timed_step')
         ops = sorted({name.removeprefix('aten::') for rows in (train, infer) if model in rows
@@ -313,7 +317,8 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
     card = environment.get('gpu') or environment.get('nvidia_smi') or 'no GPU'
     md = [f'# GPU check{" (CPU smoke run)" if cpu_smoke else ""}', '',
           f'{card}; driver {environment.get("driver", "-")}; torch {environment.get("torch", "-")}, CUDA '
-          f'{environment.get("cuda", "-")}, cuDNN {environment.get("cudnn", "-")}, timm {environment.get("timm", "-")}, '
+          f'{environment.get("cuda", "-")}, cuDNN {environment.get("cudnn", "-")}, '
+          f'timm {environment.get("timm", "-")}, '
           f'Python {environment.get("python", "-")}; {report["date"]}; {elapsed_s:.0f} s of a {budget_s:.0f} s budget.',
           '', '| step | status | seconds | note |', '|---|---|---:|---|']
     md += [f'| {result.name} | {result.status} | {result.seconds:.0f} | {result.note} |' for result in results]
@@ -375,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = plan_steps(Path(work), args.cpu_smoke, kinds)
         if args.dry_run:
             for step in steps:
-                print(f'{step.name}: about {step.estimate_s:.0f} s, limit {step.timeout_s:.0f} s\n  {" ".join(step.argv)}')
+                print(f'{step.name}: about {step.estimate_s:.0f} s, limit {step.timeout_s:.0f} s')
+                print(f'  {" ".join(step.argv)}')
             return 0
         args.out.mkdir(parents=True, exist_ok=True)
         log_path = args.out / 'gpu_check.log'

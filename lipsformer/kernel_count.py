@@ -1,4 +1,5 @@
-"""Kernels, bytes and dispatched ops of one eager CUDA step, counted without a GPU: ``python -m lipsformer.kernel_count``.
+"""Kernels, bytes and dispatched ops of one eager CUDA step, counted without a GPU (``python -m
+lipsformer.kernel_count``).
 
 Example (the table of ``docs/performance.md``)::
 
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from torch import nn
+
 try:  # torch < 2.7 names it without the suffix
     from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 except ImportError:

@@ -16,7 +16,8 @@ import torch
 __all__ = ['TimedEvent', 'busy_time', 'profile_steps', 'summarize']
 
 # Host-side ops of the attention kernels (their names say which kernel: flash, memory-efficient, cuDNN, math's parts).
-SDPA_OP = re.compile(r'^aten::_(scaled_dot_product_\w+|flash_attention_\w+|efficient_attention_\w+|cudnn_attention\w*)$')
+SDPA_OP = re.compile(
+    r'^aten::_(scaled_dot_product_\w+|flash_attention_\w+|efficient_attention_\w+|cudnn_attention\w*)$')
 # Device kernels of attention: FlashAttention's, CUTLASS's memory-efficient FMHA, cuDNN's SDPA engines.
 SDPA_KERNEL = re.compile(r'flash|fmha|attention|sdpa|cudnn_generated_fort_native_sdpa', re.IGNORECASE)
 

@@ -116,7 +116,8 @@ def test_report_tables(tmp_path):
     results = [
         StepResult('environment', 'environment', 'ok', 3, 0, data={'gpu': 'NVIDIA H100 80GB HBM3', 'torch': '2.11'}),
         StepResult('eager benchmark', 'eager', 'ok', 100, 0, data=eager),
-        StepResult('tests/test_cuda.py', 'pytest', 'failed', 90, 1, 'exit status 1', '...\n1 failed, 7 passed in 80s\n'),
+        StepResult('tests/test_cuda.py', 'pytest', 'failed', 90, 1, 'exit status 1',
+                   '...\n1 failed, 7 passed in 80s\n'),
         StepResult(f'compiled {gpu_check.TIMM_SWIN} (default)', 'compiled', 'ok', 100, 0,
                    data=_benchmark_report([gpu_check.TIMM_SWIN], {'train': [3000], 'infer': [9000]}),
                    compile_mode='default'),
@@ -131,7 +132,8 @@ def test_report_tables(tmp_path):
     assert 'NVIDIA H100 80GB HBM3' in md and '480 s of a 540 s budget' in md
     assert '| tests/test_cuda.py | failed | 90 | exit status 1 |' in md
     assert 'tests/test_cuda.py: 1 failed, 7 passed in 80s' in md
-    assert '| `lipsformer_swin_tiny` | 1000: 0.50x (0.50, 0.50-0.50) | 3000: 0.60x (0.60, 0.60-0.60) | 1300, 0.90 |' in md
+    assert ('| `lipsformer_swin_tiny` | 1000: 0.50x (0.50, 0.50-0.50) | 3000: 0.60x (0.60, 0.60-0.60) | 1300, 0.90 |'
+            in md)
     assert '| `sm90_gemm` | 50.0 | 12.500 | 40.0% |' in md
     # Compiled: ratios to timm's Swin-T compiled, and to the same model eager.
     assert '| `lipsformer_swin_tiny` | default | 30.0 | 30.0 | 2400: 0.80x | 6000: 0.67x | 2.40x, 2.00x | 9000 |' in md
