@@ -123,7 +123,7 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                                  '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
              estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
         Step('tests/test_cuda.py', [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py'],
-             estimates['pytest'], 300, 'pytest'),
+             estimates['pytest'], 200, 'pytest'),  # held short: the compiled runs come after it
     ]
     for index, (model, mode) in enumerate(compiled):
         path = str(work_dir / f'compiled_{index}.json')
