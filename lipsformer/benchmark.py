@@ -94,6 +94,7 @@ class BenchmarkConfig:
     img_size: int = 224
     precision: str = 'fp32'
     compile: bool = False
+    compile_mode: str | None = None  # torch.compile's mode (default, reduce-overhead, max-autotune...); None: default
     channels_last: bool = False
     device: str = 'cpu'
     # Without retained memory (--no-retain-cpu-memory) a model page-faults its activations in again for its first few
@@ -104,6 +105,8 @@ class BenchmarkConfig:
     memory: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
     retain_cpu_memory: bool = True  # lipsformer.cpu_memory.retain_freed_memory() in every process on CPU
+    profile_steps: int = 0  # steps of each model and mode profiled after its timed runs (lipsformer.step_profile)
+    count_kernels: bool = False  # lipsformer.kernel_count's counts of each model and mode, as CUDA eager runs them
 
     def steps_per_run(self) -> int:
         return self.steps or (10 if self.device.startswith('cuda') else 1)
@@ -260,7 +263,7 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
     """One inference forward, or one training step (forward, loss, backward, AdamW)."""
     device_type = torch.device(config.device).type
     dtype = PRECISIONS[config.precision]
-    runner = torch.compile(model) if config.compile else model
+    runner = torch.compile(model, mode=config.compile_mode) if config.compile else model
     if mode == 'infer':
         model.eval()
 
@@ -371,25 +374,56 @@ def _log(message: str) -> None:
     print(f'[benchmark] {message}', file=sys.stderr, flush=True)
 
 
+@dataclass
+class ModeRuns:
+    """What :func:`_time_mode` measured of every model in one mode (lists in the models' order)."""
+
+    runs: list[list[tuple[float, float]]]  # (seconds, page faults per step) of every timed run
+    first_step_s: list[float | None]  # the first warm-up step (compilation included when compiled)
+    profiles: list[dict | None]  # lipsformer.step_profile summaries, if asked for
+    cuda_peak_memory_mb: float | None  # torch.cuda.max_memory_allocated over the mode (all its models)
+
+
+def _synchronize(device: str) -> None:
+    if torch.device(device).type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
 def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: BenchmarkConfig,
-               specs: list[ModelSpec]) -> list[list[tuple[float, float]]]:
-    """(seconds, page faults per step) of every timed run of every model, models interleaved within each repeat."""
+               specs: list[ModelSpec]) -> ModeRuns:
+    """Every timed run of every model, models interleaved within each repeat; then, if asked, each model's profile."""
     steps = [spec.running(_make_step(model, inputs, mode, config)) for spec, (model, inputs) in zip(specs, models)]
     names = [spec.text for spec in specs]
+    cuda = torch.device(config.device).type == 'cuda'
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(config.device)
     # Warmed up in the timed runs' order: a model warmed up alone, then left idle while the others warm up, runs its
     # first timed training step slower than its median (docs/performance.md).
     _log(f'warm-up: {mode}, {config.warmup} step(s) of each of {", ".join(names)}, interleaved')
-    for order in interleaved_order(len(models), config.warmup):
+    first_step_s: list[float | None] = [None] * len(models)
+    for round_index, order in enumerate(interleaved_order(len(models), config.warmup)):
         for index in order:
+            begin = time.perf_counter()
             steps[index]()
+            if round_index == 0:  # a host clock around a synchronized step: compilation runs on the host
+                _synchronize(config.device)
+                first_step_s[index] = time.perf_counter() - begin
     runs: list[list[tuple[float, float]]] = [[] for _ in models]
     for repeat, order in enumerate(interleaved_order(len(models), config.repeats)):
         _log(f'{mode}: repeat {repeat + 1}/{config.repeats}')
         for index in order:
             runs[index].append(_time_run(steps[index], config.steps_per_run(), config.device))
+    profiles: list[dict | None] = [None] * len(models)
+    if config.profile_steps:
+        from lipsformer.step_profile import profile_steps
+        for index, (step, spec) in enumerate(zip(steps, specs)):
+            _log(f'profile: {mode}, {config.profile_steps} step(s) of {spec.text}')
+            step_ms = 1e3 * statistics.median(seconds for seconds, _ in runs[index]) / config.steps_per_run()
+            profiles[index] = profile_steps(step, config.profile_steps, config.device, step_ms)
+    peak_mb = torch.cuda.max_memory_allocated(config.device) / 2 ** 20 if cuda else None
     for model, _ in models:
         model.zero_grad(set_to_none=True)  # the optimizer and its state go with the step closures
-    return runs
+    return ModeRuns(runs, first_step_s, profiles, peak_mb)
 
 
 def _quartiles(samples: list[float]) -> list[float]:
@@ -443,9 +477,15 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
         built.append((model, inputs))
     results = []
     for mode in modes:
-        runs = _time_mode(built, mode, config, specs)
+        measured = _time_mode(built, mode, config, specs)
         rows = [_result_row(spec, mode, count, model_runs, config)
-                for spec, count, model_runs in zip(specs, counts, runs)]
+                for spec, count, model_runs in zip(specs, counts, measured.runs)]
+        for row, first_step_s, profile in zip(rows, measured.first_step_s, measured.profiles):
+            row['first_step_s'] = first_step_s
+            # One model per process: its own peak; with several, the largest of them (they share the process).
+            row['cuda_peak_memory_mb_in_process'] = measured.cuda_peak_memory_mb
+            if config.profile_steps:
+                row['profile'] = profile
         for row, saved_mb in zip(rows, activations):
             row['ratio'] = row['images_per_s'] / rows[0]['images_per_s']
             # Paired: the models of one repeat ran back to back, so the machine's drift cancels in their quotient.
@@ -460,11 +500,22 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
             # A model too small to move the resident size has no meaningful ratio (and no zero division).
             row['memory_ratio'] = row['peak_memory_mb'] / first_memory if config.memory and first_memory else None
         results += rows
-    return {'config': asdict(config) | {'steps': config.steps_per_run(), 'modes': list(modes),
-                                         'models': [spec.text for spec in specs]},
-            'environment': environment(config.device) | {'load_average_start': load_at_start,
-                                                         'cpu_freed_memory_retained': retained},
-            'results': results}
+    report = {'config': asdict(config) | {'steps': config.steps_per_run(), 'modes': list(modes),
+                                           'models': [spec.text for spec in specs]},
+              'environment': environment(config.device) | {'load_average_start': load_at_start,
+                                                           'cpu_freed_memory_retained': retained},
+              'results': results}
+    if config.count_kernels:
+        report['kernel_counts'] = [count.to_json() for count in _kernel_counts(specs, modes, config)]
+    return report
+
+
+def _kernel_counts(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> list:
+    """lipsformer.kernel_count's counts of one step of each model and mode at the benchmark's batch, input size and
+    precision, as eager CUDA runs them (counted on fake tensors, whatever the benchmark's device)."""
+    from lipsformer.kernel_count import count_models  # it imports this module
+    _log('counting kernels (fake CUDA tensors)')
+    return count_models(specs, modes, config.batch_size, config.img_size, config.precision)
 
 
 def _configure_process(config: BenchmarkConfig) -> bool:
@@ -525,6 +576,34 @@ def format_table(report: dict, markdown: bool = False) -> str:
                                for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
 
 
+def format_profile_table(report: dict, markdown: bool = False) -> str:
+    """The profile of each row (``--profile``): device kernels per step, busy fraction of the timed step and of the
+    profiled window, the attention kernels, the kernel that takes the most time."""
+    header = ['model', 'mode', 'kernels/step', 'busy (timed step)', 'busy (profiled)', 'SDPA ops', 'top kernel']
+    lines = []
+    for row in report['results']:
+        profile = row.get('profile') or {}
+        top = profile.get('top_kernels') or [{}]
+
+        def fraction(key: str) -> str:
+            return '-' if profile.get(key) is None else f'{profile[key]:.2f}'
+        lines.append([row['model'], row['mode'], f'{profile.get("kernels_per_step", 0):.0f}',
+                      fraction('busy_fraction_of_timed_step'), fraction('busy_fraction_of_profiled_window'),
+                      ', '.join(name.removeprefix('aten::') for name in profile.get('sdpa_ops', [])) or '-',
+                      (top[0].get('name') or '-')[:60]])
+    return _table(header, lines, markdown, left=(0, 1, 5, 6))
+
+
+def _table(header: list[str], lines: list[list[str]], markdown: bool, left: tuple[int, ...] = (0, 1)) -> str:
+    if markdown:
+        return '\n'.join(['| ' + ' | '.join(header) + ' |',
+                          '|' + ''.join('---|' if col in left else '---:|' for col in range(len(header)))] +
+                         ['| ' + ' | '.join(line) + ' |' for line in lines])
+    widths = [max(len(line[col]) for line in [header] + lines) for col in range(len(header))]
+    return '\n'.join('  '.join(cell.ljust(width) if col in left else cell.rjust(width)
+                               for col, (cell, width) in enumerate(zip(line, widths))) for line in [header] + lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=command_name('lipsformer.benchmark'),
@@ -539,6 +618,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--precision', choices=sorted(PRECISIONS), default='fp32',
                         help='fp32, or autocast to bf16 / fp16 (fp16 training uses a GradScaler)')
     parser.add_argument('--compile', action='store_true', help='torch.compile every model (warm-up compiles)')
+    parser.add_argument('--compile-mode', default=None,
+                        help="torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs), "
+                             'max-autotune, max-autotune-no-cudagraphs (default: default)')
     parser.add_argument('--channels-last', action='store_true', help='channels-last model and input')
     parser.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
     parser.add_argument('--json', type=Path, help='write the full report (every timed sample included) here')
@@ -557,11 +639,22 @@ def _parser() -> argparse.ArgumentParser:
                              '(default: on; --no-retain-cpu-memory measures glibc\'s defaults)')
     parser.add_argument('--no-memory', dest='memory', action='store_false',
                         help='skip the peak-memory child processes')
+    parser.add_argument('--profile', type=int, default=0, metavar='STEPS',
+                        help='after the timed runs, profile STEPS steps of each model and mode with torch.profiler '
+                             '(kernels per step, device busy fraction, top kernels, attention kernels; default: 0, '
+                             'none)')
+    parser.add_argument('--count-kernels', action='store_true',
+                        help='also count the kernels, non-matmul bytes and dispatched ops of one step of each model '
+                             'and mode as eager CUDA runs them (lipsformer.kernel_count; no GPU needed)')
     parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
     return parser
 
 
 def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:
+    if args.compile_mode is not None and not args.compile:
+        parser.error('--compile-mode needs --compile')
+    if args.profile < 0:
+        parser.error(f'--profile must be 0 or more, got {args.profile}')
     for name in ('batch_size', 'img_size', 'repeats', 'steps', 'threads'):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
@@ -573,9 +666,11 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error(f'--device {args.device}: CUDA is not available (torch.cuda.is_available() is False); use '
                      f'--device cpu')
     return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
-                           compile=args.compile, channels_last=args.channels_last, device=args.device,
+                           compile=args.compile, compile_mode=args.compile_mode,
+                           channels_last=args.channels_last, device=args.device,
                            warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,
-                           threads=args.threads, retain_cpu_memory=args.retain_cpu_memory)
+                           threads=args.threads, retain_cpu_memory=args.retain_cpu_memory,
+                           profile_steps=args.profile, count_kernels=args.count_kernels)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -592,6 +687,11 @@ def main(argv: list[str] | None = None) -> dict:
     report = run_benchmark(specs, modes, config)
     report['command'] = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
     print(format_table(report, markdown=args.markdown))
+    if config.profile_steps:
+        print('\n' + format_profile_table(report, markdown=args.markdown))
+    if config.count_kernels:
+        from lipsformer.kernel_count import format_count_json_table
+        print('\n' + format_count_json_table(report['kernel_counts'], markdown=args.markdown))
     if args.json is not None:
         write_json(args.json, report)
         _log(f'wrote {args.json}')

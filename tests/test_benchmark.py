@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import timm
 import torch
 
 from lipsformer import benchmark
@@ -159,7 +160,9 @@ def test_warm_up_steps_are_interleaved_like_the_timed_ones(monkeypatch):
     runs = benchmark._time_mode([(first, None), (second, None)], 'train', config,
                                    [ModelSpec('a', 'a'), ModelSpec('b', 'b')])
     assert calls == ['a', 'b', 'b', 'a', 'a', 'b'] + ['a', 'b', 'b', 'a']  # three warm-up rounds, then the repeats
-    assert [len(model_runs) for model_runs in runs] == [2, 2]
+    assert [len(model_runs) for model_runs in runs.runs] == [2, 2]
+    assert all(seconds >= 0 for seconds in runs.first_step_s) and runs.profiles == [None, None]
+    assert runs.cuda_peak_memory_mb is None  # on the CPU
 
 
 def test_train_step_updates_weights_and_infer_step_does_not():
@@ -301,3 +304,33 @@ def test_memory_ratio_is_none_when_the_first_model_moved_no_memory(monkeypatch):
     rows = run_benchmark('test_vit,resnet10t', ['infer'], config)['results']
     assert [row['peak_memory_mb'] for row in rows] == [0.0, 12.0]
     assert [row['memory_ratio'] for row in rows] == [None, None]
+
+
+def test_profile_and_kernel_counts_join_the_report(tmp_path):
+    """``--profile`` adds a torch.profiler summary to every row (on the CPU: host ops only, no device kernels) and
+    ``--count-kernels`` the counts of lipsformer.kernel_count, printed beside the speed table."""
+    out = tmp_path / 'report.json'
+    completed = subprocess.run(
+        [sys.executable, '-m', 'lipsformer.benchmark', '--models', 'test_vit[img_size=32]', '--mode', 'infer,train',
+         '--batch-size', '2', '--img-size', '32', '--warmup', '1', '--repeats', '1', '--threads', '1', '--no-memory',
+         '--profile', '2', '--count-kernels', '--json', str(out)],
+        check=True, capture_output=True, text=True)
+    report = json.loads(out.read_text())
+    for row in report['results']:
+        assert row['profile']['steps'] == 2 and row['profile']['kernels_per_step'] == 0
+        assert row['profile']['timed_step_ms'] == pytest.approx(row['ms_per_step'])
+        flash = 'aten::_scaled_dot_product_flash_attention_for_cpu'  # timm's ViT on the CPU
+        assert row['profile']['sdpa_ops'] == [flash] + ([f'{flash}_backward'] if row['mode'] == 'train' else [])
+        assert row['first_step_s'] > 0 and row['cuda_peak_memory_mb_in_process'] is None
+    counts = {(row['model'], row['mode']): row for row in report['kernel_counts']}
+    assert counts.keys() == {('test_vit[img_size=32]', mode) for mode in ('infer', 'train')}
+    # test_vit's head dim (8) in fp32: the memory-efficient kernel, once a block
+    assert counts['test_vit[img_size=32]', 'infer']['sdpa'] == {
+        'forward: _scaled_dot_product_efficient_attention': len(timm.create_model('test_vit').blocks)}
+    assert 'kernels/step' in completed.stdout and 'non-matmul GB' in completed.stdout
+
+
+def test_compile_mode_needs_compile(capsys):
+    with pytest.raises(SystemExit):
+        main(['--models', 'resnet10t', '--compile-mode', 'reduce-overhead'])
+    assert '--compile-mode needs --compile' in capsys.readouterr().err

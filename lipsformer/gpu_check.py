@@ -1,0 +1,407 @@
+"""The GPU check in one command, sized for a short loan of a GPU: ``scripts/gpu_check.sh OUT_DIR``.
+
+Steps, in order of what matters most, each a subprocess under its own time limit (``timeout``), each failure recorded
+while the check goes on, and a time guard that skips a step whose usual duration would not fit in what is left of
+the budget (and says so in the report):
+
+1. the environment: GPU, driver, torch, CUDA, cuDNN, timm, Python;
+2. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
+   224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
+   mode (``python -m lipsformer.benchmark --profile``);
+3. ``python -m pytest tests/test_cuda.py``;
+4. the compiled runs: timm's Swin-T and both tiny models ``torch.compile``\\ d in the default mode, and
+   LipsFormer-CSwin-T also with ``mode='reduce-overhead'``, one process each: compile time (the first step),
+   steady-state training and inference images/s, peak memory;
+5. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process.
+
+It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
+``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
+still leaves its report. ``--cpu-smoke`` runs the same steps with tiny models on the CPU; ``--dry-run`` prints the
+plan.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ['Step', 'StepResult', 'environment_facts', 'guard', 'main', 'plan_steps', 'run_steps', 'write_report']
+
+TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
+EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', 'lipsformer_swin_tiny[fast_path=False]',
+                'lipsformer_cswin_tiny[fast_path=False]']
+COMPILED = [(TIMM_SWIN, 'default'), ('lipsformer_cswin_tiny', 'default'), ('lipsformer_swin_tiny', 'default'),
+            ('lipsformer_cswin_tiny', 'reduce-overhead')]
+MEMORY_MODELS = EAGER_MODELS[:3]
+KINDS = ('environment', 'eager', 'pytest', 'compiled', 'memory')
+DEFAULT_BUDGET_S = 540  # under the 10 minutes a loaned GPU command may run, with room for the start
+RESERVE_S = 15  # kept for writing the report
+# Tiny shapes for --cpu-smoke: every step's code path in seconds on a CPU.
+SMOKE_SWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[1,1,1,1],window_size=4,img_size=32'
+SMOKE_CSWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[2,2,4,4],split_size=[1,2,2,2],img_size=32'
+SMOKE_MODELS = ['test_vit[img_size=32]', f'lipsformer_swin_tiny[{SMOKE_SWIN}]', f'lipsformer_cswin_tiny[{SMOKE_CSWIN}]',
+                f'lipsformer_swin_tiny[{SMOKE_SWIN},fast_path=False]']
+
+
+@dataclasses.dataclass
+class Step:
+    """One step of the check: a command, its usual duration (for the time guard) and its time limit."""
+
+    name: str
+    argv: list[str]
+    estimate_s: float
+    timeout_s: float
+    kind: str  # environment, eager, pytest, compiled, memory: how the report reads its output
+    json_path: str | None = None  # the JSON file the command writes, merged into the report
+    compile_mode: str | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What became of a step: ok, failed, timed out or skipped, with why, its time and its output's tail."""
+
+    name: str
+    kind: str
+    status: str
+    seconds: float = 0.0
+    returncode: int | None = None
+    note: str = ''
+    output_tail: str = ''
+    data: Any = None
+    compile_mode: str | None = None
+
+
+def guard(estimate_s: float, elapsed_s: float, budget_s: float, reserve_s: float = RESERVE_S) -> tuple[bool, float]:
+    """Whether a step that usually takes ``estimate_s`` fits in what is left of the budget, and the time limit it
+    then runs under (all that is left, so that a slow run is cut at the budget, not the check)."""
+    left = budget_s - elapsed_s - reserve_s
+    return estimate_s <= left, max(left, 0.0)
+
+
+def _python() -> str:
+    return sys.executable or 'python3'
+
+
+def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None = None) -> list[Step]:
+    """The check's steps (those of ``kinds``, default all: environment, eager, pytest, compiled, memory), their
+    benchmark reports written into ``work_dir``."""
+    python = _python()
+    if cpu_smoke:
+        common = ['--batch-size', '2', '--img-size', '32', '--precision', 'fp32', '--device', 'cpu', '--threads', '1']
+        timed = {'eager': ['--warmup', '1', '--repeats', '2', '--steps', '1'],
+                 'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
+        eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default')], SMOKE_MODELS[:1]
+        # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
+        estimates = {'environment': 20, 'eager': 60, 'pytest': 60, 'compiled': 900, 'memory': 60}
+        profile = '1'
+    else:
+        common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
+        timed = {'eager': ['--warmup', '5', '--repeats', '5', '--steps', '5'],
+                 'compiled': ['--warmup', '3', '--repeats', '3', '--steps', '5']}
+        eager_models, compiled, memory_models = EAGER_MODELS, COMPILED, MEMORY_MODELS
+        # Seconds on an H100 or H200, with margin: 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each;
+        # a compiled model's first steps (training and inference graphs) take most of its time.
+        estimates = {'environment': 20, 'eager': 150, 'pytest': 150, 'compiled': 110, 'memory': 60}
+        profile = '3'
+    benchmark = [python, '-m', 'lipsformer.benchmark']
+    steps = [
+        Step('environment', [python, '-m', 'lipsformer.gpu_check', '--environment', str(work_dir / 'environment.json')],
+             estimates['environment'], 60, 'environment', str(work_dir / 'environment.json')),
+        Step('eager benchmark', [*benchmark, '--models', ','.join(eager_models), '--mode', 'infer,train', *common,
+                                 *timed['eager'],
+                                 '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
+             estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
+        Step('tests/test_cuda.py', [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py'],
+             estimates['pytest'], 200, 'pytest'),  # held short: the compiled runs come after it
+    ]
+    for index, (model, mode) in enumerate(compiled):
+        path = str(work_dir / f'compiled_{index}.json')
+        steps.append(Step(
+            f'compiled {model} ({mode})',
+            [*benchmark, '--models', model, '--mode', 'infer,train', *common,
+             *timed['compiled'], '--compile',
+             *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--json', path],
+            estimates['compiled'], 300, 'compiled', path, mode))
+    steps.append(Step('peak memory (eager training, fresh process each)',
+                      [*benchmark, '--models', ','.join(memory_models), '--mode', 'train', *common, '--warmup', '2',
+                       '--repeats', '1', '--steps', '1', '--json', str(work_dir / 'memory.json')],
+                      estimates['memory'], 180, 'memory', str(work_dir / 'memory.json')))
+    return [step for step in steps if kinds is None or step.kind in kinds]
+
+
+def _tail(text: str, chars: int = 3000) -> str:
+    return text[-chars:]
+
+
+def _run_command(argv: list[str], timeout_s: float, log: Callable[[str], None]) -> tuple[int | None, bool, str]:
+    """Run ``argv`` under ``timeout`` (coreutils, where present) and a backstop of Python's own, in its own process
+    group so that a step's children end with it. Returns (return code, timed out, output)."""
+    command = argv
+    if shutil.which('timeout'):
+        command = ['timeout', '-k', '10', f'{max(int(timeout_s), 1)}', *argv]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s + 20)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        log(output)
+        return None, True, output
+    log(output)
+    # coreutils timeout exits 124 when it stopped the command, 137 when it had to kill it
+    return process.returncode, process.returncode in (124, 137), output
+
+
+def run_steps(steps: list[Step], budget_s: float, log: Callable[[str], None] = lambda text: None,
+              clock: Callable[[], float] = time.monotonic, after_step: Callable[[list[StepResult]], None] = None,
+              runner: Callable[[list[str], float, Callable[[str], None]], tuple[int | None, bool, str]] = _run_command,
+              reserve_s: float = RESERVE_S) -> list[StepResult]:
+    """Run the steps in order under the time guard; a failed step is recorded and the next one runs."""
+    begin = clock()
+    results: list[StepResult] = []
+    for step in steps:
+        elapsed = clock() - begin
+        fits, left = guard(step.estimate_s, elapsed, budget_s, reserve_s)
+        if not fits:
+            results.append(StepResult(step.name, step.kind, 'skipped', note=(
+                f'skipped by the time guard: usually takes about {step.estimate_s:.0f} s, {max(left, 0):.0f} s of '
+                f'the {budget_s:.0f} s budget left'), compile_mode=step.compile_mode))
+        else:
+            timeout_s = min(step.timeout_s, left)
+            log(f'\n===== {step.name}: {" ".join(step.argv)} (limit {timeout_s:.0f} s)\n')
+            started = clock()
+            returncode, timed_out, output = runner(step.argv, timeout_s, log)
+            seconds = clock() - started
+            status = 'timed out' if timed_out else 'ok' if returncode == 0 else 'failed'
+            note = f'stopped at its limit of {timeout_s:.0f} s' if timed_out else (
+                '' if returncode == 0 else f'exit status {returncode}')
+            data = None
+            if step.json_path and Path(step.json_path).is_file():
+                try:
+                    data = json.loads(Path(step.json_path).read_text())
+                except json.JSONDecodeError as error:
+                    note = (note + '; ' if note else '') + f'its JSON is unreadable: {error}'
+            results.append(StepResult(step.name, step.kind, status, seconds, returncode, note, _tail(output), data,
+                                      step.compile_mode))
+        if after_step is not None:
+            after_step(results)
+    return results
+
+
+def environment_facts() -> dict[str, Any]:
+    """The GPU, driver and software versions (``nvidia-smi`` where present)."""
+    import timm
+    import torch
+    facts: dict[str, Any] = {'python': platform.python_version(), 'torch': torch.__version__,
+                             'timm': timm.__version__, 'cuda': torch.version.cuda,
+                             'cudnn': torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                             'cuda_available': torch.cuda.is_available(), 'platform': platform.platform(),
+                             'cpu_count': os.cpu_count()}
+    if torch.cuda.is_available():
+        facts['gpu'] = torch.cuda.get_device_name(0)
+        facts['compute_capability'] = '.'.join(map(str, torch.cuda.get_device_capability(0)))
+        facts['gpu_memory_gib'] = round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 1)
+    if shutil.which('nvidia-smi'):
+        try:
+            query = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total,clocks.max.sm',
+                                    '--format=csv,noheader'], capture_output=True, text=True, timeout=30)
+            facts['nvidia_smi'] = query.stdout.strip() or query.stderr.strip()
+            facts['driver'] = query.stdout.split(',')[1].strip() if query.stdout.count(',') >= 1 else None
+        except (OSError, subprocess.TimeoutExpired) as error:
+            facts['nvidia_smi'] = f'failed: {error}'
+    return facts
+
+
+def _rows(report: dict | None, mode: str) -> list[dict]:
+    return [row for row in (report or {}).get('results', []) if row['mode'] == mode]
+
+
+def _eager_table(report: dict) -> str:
+    lines = ['| model | training (img/s) | inference (img/s) | training, profiled: kernels/step, device busy '
+             '(of the timed step) | attention ops |', '|---|---|---|---|---|']
+    train, infer = {row['model']: row for row in _rows(report, 'train')}, {
+        row['model']: row for row in _rows(report, 'infer')}
+    for model in report['config']['models']:
+        cells = []
+        for rows in (train, infer):
+            row = rows.get(model)
+            if row is None:
+                cells.append('-')
+                continue
+            low, high = row['ratio_quartiles']
+            cells.append(f'{row["images_per_s"]:.0f}: {row["ratio"]:.2f}x '
+                         f'({row["ratio_median"]:.2f}, {low:.2f}-{high:.2f})')
+        profile = (train.get(model) or {}).get('profile') or {}
+        busy = profile.get('busy_fraction_of_timed_step')
+        ops = sorted({name.removeprefix('aten::') for rows in (train, infer) if model in rows
+                      for name in ((rows[model].get('profile') or {}).get('sdpa_ops') or [])})
+        cells.append(f'{profile.get("kernels_per_step", 0):.0f}, {"-" if busy is None else f"{busy:.2f}"}'
+                     if profile else '-')
+        cells.append(', '.join(ops) or '-')
+        lines.append(f'| `{model}` | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def _top_kernels(report: dict) -> str:
+    parts = []
+    for row in report.get('results', []):
+        profile = row.get('profile') or {}
+        if not profile.get('top_kernels'):
+            continue
+        parts.append(f'\n`{row["model"]}`, {row["mode"]}: {profile["kernels_per_step"]:.0f} kernels a step; SDPA '
+                     f'kernels: {", ".join(profile["sdpa_kernels"]) or "none"}\n')
+        parts.append('| kernel | calls/step | ms/step | share |\n|---|---:|---:|---:|')
+        parts += [f'| `{kernel["name"][:100]}` | {kernel["calls_per_step"]:.1f} | {kernel["ms_per_step"]:.3f} | '
+                  f'{kernel["share"] or 0:.1%} |' for kernel in profile['top_kernels']]
+    return '\n'.join(parts)
+
+
+def _compiled_table(results: list[StepResult], eager: dict | None) -> str:
+    eager_rows = {mode: {row['model']: row for row in _rows(eager, mode)} for mode in ('train', 'infer')}
+    reference: dict[str, dict] = {}
+    lines = ['| model | mode | first training step (s) | first inference step (s) | training (img/s) | '
+             'inference (img/s) | over eager: training, inference | training peak (MiB) |',
+             '|---|---|---:|---:|---|---|---|---:|']
+    for result in results:
+        if result.kind != 'compiled':
+            continue
+        model = result.name.removeprefix('compiled ').rsplit(' (', 1)[0]
+        rows = {mode: (_rows(result.data, mode) or [None])[0] for mode in ('train', 'infer')}
+        if rows['train'] is None or rows['infer'] is None:
+            lines.append(f'| `{model}` | {result.compile_mode} | {result.note or result.status} | | | | | |')
+            continue
+        if not reference and model == TIMM_SWIN and result.compile_mode == 'default':
+            reference = rows
+
+        def speed(mode: str) -> str:
+            ratio = f': {rows[mode]["images_per_s"] / reference[mode]["images_per_s"]:.2f}x' if reference else ''
+            return f'{rows[mode]["images_per_s"]:.0f}{ratio}'
+
+        over_eager = ', '.join(f'{rows[mode]["images_per_s"] / eager_rows[mode][model]["images_per_s"]:.2f}x'
+                               if model in eager_rows[mode] else '-' for mode in ('train', 'infer'))
+        peak = rows['train'].get('cuda_peak_memory_mb_in_process')
+        lines.append(f'| `{model}` | {result.compile_mode} | {rows["train"]["first_step_s"]:.1f} | '
+                     f'{rows["infer"]["first_step_s"]:.1f} | {speed("train")} | {speed("infer")} | {over_eager} | '
+                     f'{"-" if peak is None else f"{peak:.0f}"} |')
+    return '\n'.join(lines)
+
+
+def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elapsed_s: float,
+                 cpu_smoke: bool = False) -> tuple[Path, Path]:
+    """Write ``gpu_check.json`` (every step, the benchmark reports included) and ``gpu_check.md`` (tables)."""
+    by_kind: dict[str, list[StepResult]] = {}
+    for result in results:
+        by_kind.setdefault(result.kind, []).append(result)
+    environment = (by_kind.get('environment') or [StepResult('', '', '')])[0].data or {}
+    eager = (by_kind.get('eager') or [StepResult('', '', '')])[0].data
+    memory = (by_kind.get('memory') or [StepResult('', '', '')])[0].data
+    report = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'), 'cpu_smoke': cpu_smoke,
+              'budget_s': budget_s, 'elapsed_s': round(elapsed_s, 1), 'environment': environment,
+              'steps': [dataclasses.asdict(result) | {'data': None} for result in results],
+              'eager': eager, 'compiled': [result.data for result in by_kind.get('compiled', [])],
+              'peak_memory': memory}
+    json_path, md_path = out_dir / 'gpu_check.json', out_dir / 'gpu_check.md'
+    json_path.write_text(json.dumps(report, indent=1) + '\n')
+    card = environment.get('gpu') or environment.get('nvidia_smi') or 'no GPU'
+    md = [f'# GPU check{" (CPU smoke run)" if cpu_smoke else ""}', '',
+          f'{card}; driver {environment.get("driver", "-")}; torch {environment.get("torch", "-")}, CUDA '
+          f'{environment.get("cuda", "-")}, cuDNN {environment.get("cudnn", "-")}, '
+          f'timm {environment.get("timm", "-")}, '
+          f'Python {environment.get("python", "-")}; {report["date"]}; {elapsed_s:.0f} s of a {budget_s:.0f} s budget.',
+          '', '| step | status | seconds | note |', '|---|---|---:|---|']
+    md += [f'| {result.name} | {result.status} | {result.seconds:.0f} | {result.note} |' for result in results]
+    pytest_result = (by_kind.get('pytest') or [None])[0]
+    if pytest_result is not None and pytest_result.output_tail:
+        summary = [line for line in pytest_result.output_tail.splitlines() if line.strip()][-1:]
+        md += ['', f'tests/test_cuda.py: {summary[0] if summary else "-"}']
+    if eager:
+        md += ['', '## Eager, interleaved in one process', '',
+               'Images/s with the ratio to the first model and, in brackets, the median (interquartile range) of the '
+               'per-repeat ratios.', '', _eager_table(eager)]
+        if top_kernels := _top_kernels(eager):
+            md += ['', '### Top kernels by time', top_kernels]
+    if by_kind.get('compiled'):
+        md += ['', '## Compiled (torch.compile), one process per model', '',
+               'The first step includes compilation; ratios to timm\'s Swin-T compiled in the default mode, and of '
+               'training to the same model eager.', '', _compiled_table(results, eager)]
+    if memory:
+        md += ['', '## Peak memory of an eager training step (fresh process each)', '',
+               '| model | peak (MiB) | ratio |', '|---|---:|---:|']
+        for row in _rows(memory, 'train'):
+            if row.get('peak_memory_mb') is not None:
+                ratio = '-' if row['memory_ratio'] is None else f'{row["memory_ratio"]:.2f}x'
+                md.append(f'| `{row["model"]}` | {row["peak_memory_mb"]:.0f} | {ratio} |')
+    md_path.write_text('\n'.join(md) + '\n')
+    return md_path, json_path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog='scripts/gpu_check.sh OUT_DIR',
+        description='The GPU check: environment, eager benchmark with profiles, tests/test_cuda.py, compiled runs, '
+                    'peak memory, under a time guard; writes gpu_check.md, gpu_check.json and gpu_check.log.')
+    parser.add_argument('--out', type=Path, help='the folder for the report (created)')
+    parser.add_argument('--budget', type=float, default=DEFAULT_BUDGET_S,
+                        help='seconds for the whole check; a step that would not fit is skipped (default: %(default)s)')
+    parser.add_argument('--cpu-smoke', action='store_true', help='tiny models on the CPU: every step, in little time')
+    parser.add_argument('--dry-run', action='store_true', help='print the steps and their commands, run nothing')
+    parser.add_argument('--steps', default=','.join(KINDS),
+                        help='comma list of the steps to run, of %(default)s (default: all)')
+    parser.add_argument('--environment', type=Path, help=argparse.SUPPRESS)  # the environment step's own entry
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.environment is not None:
+        args.environment.write_text(json.dumps(environment_facts(), indent=1) + '\n')
+        return 0
+    if args.out is None:
+        parser.error('give the folder for the report: --out OUT_DIR')
+    if args.budget <= RESERVE_S:
+        parser.error(f'--budget must be more than {RESERVE_S} s, got {args.budget}')
+    kinds = {kind.strip() for kind in args.steps.split(',') if kind.strip()}
+    if not kinds or kinds - set(KINDS):
+        parser.error(f'--steps must be a comma list of {", ".join(KINDS)}, got {args.steps!r}')
+    with tempfile.TemporaryDirectory(prefix='gpu_check_') as work:
+        steps = plan_steps(Path(work), args.cpu_smoke, kinds)
+        if args.dry_run:
+            for step in steps:
+                print(f'{step.name}: about {step.estimate_s:.0f} s, limit {step.timeout_s:.0f} s')
+                print(f'  {" ".join(step.argv)}')
+            return 0
+        args.out.mkdir(parents=True, exist_ok=True)
+        log_path = args.out / 'gpu_check.log'
+        log_path.write_text('')
+
+        def log(text: str) -> None:
+            with log_path.open('a') as file:
+                file.write(text)
+            print(text, end='' if text.endswith('\n') else '\n', flush=True)
+
+        begin = time.monotonic()
+
+        def report(results: list[StepResult]) -> None:
+            write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
+
+        results = run_steps(steps, args.budget, log, after_step=report)
+        md_path, _ = write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
+    print(md_path.read_text())
+    return 0 if all(result.status in ('ok', 'skipped') for result in results) else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())

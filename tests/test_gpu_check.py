@@ -1,0 +1,195 @@
+"""The GPU check's parts that run on a CPU: the profile summary (lipsformer.step_profile), the time guard and the
+step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lipsformer import gpu_check
+from lipsformer.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_report
+from lipsformer.step_profile import TimedEvent, busy_time, profile_steps, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / 'scripts' / 'gpu_check.sh'
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    events = [TimedEvent('a', 0, 10, True), TimedEvent('b', 5, 15, True), TimedEvent('c', 20, 25, True),
+              TimedEvent('d', 21, 22, True)]
+    assert busy_time(events) == 15 + 5
+    assert busy_time([]) == 0
+
+
+def test_profile_summary_per_step():
+    kernel = 'void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>'
+    events = [
+        TimedEvent('aten::_scaled_dot_product_flash_attention', 0, 50, False),
+        TimedEvent('aten::add', 50, 60, False),
+        TimedEvent(kernel, 10, 40, True), TimedEvent('elementwise_add', 40, 50, True),
+        TimedEvent(kernel, 110, 140, True), TimedEvent('elementwise_add', 150, 160, True),
+        TimedEvent('aten::add', 150, 200, False),
+    ]
+    summary = summarize(events, steps=2, step_ms=0.1)
+    assert summary['kernels_per_step'] == 2
+    assert summary['device_busy_ms_per_step'] == pytest.approx((30 + 10 + 30 + 10) / 2 / 1e3)
+    assert summary['busy_fraction_of_profiled_window'] == pytest.approx(80 / 200)
+    assert summary['busy_fraction_of_timed_step'] == pytest.approx(0.04 / 0.1)
+    first, second = summary['top_kernels']
+    assert first == {'name': kernel, 'calls_per_step': 1, 'ms_per_step': 0.03, 'share': 60 / 80}
+    assert second['name'] == 'elementwise_add' and second['share'] == pytest.approx(20 / 80)
+    assert summary['sdpa_ops'] == ['aten::_scaled_dot_product_flash_attention'] and summary['sdpa_kernels'] == [kernel]
+    with pytest.raises(ValueError, match='steps must be at least 1'):
+        summarize(events, steps=0)
+
+
+def test_profile_steps_on_the_cpu_sees_the_attention_op():
+    query = torch.randn(2, 2, 8, 16)
+    summary = profile_steps(lambda: F.scaled_dot_product_attention(query, query, query), steps=2)
+    assert summary['steps'] == 2 and summary['kernels_per_step'] == 0  # no device, no kernels
+    assert summary['sdpa_ops'] == ['aten::_scaled_dot_product_flash_attention_for_cpu']
+    assert summary['profiled_window_ms_per_step'] > 0 and summary['busy_fraction_of_timed_step'] is None
+
+
+def test_guard_runs_a_step_only_where_it_fits():
+    assert guard(100, elapsed_s=0, budget_s=200, reserve_s=10) == (True, 190)
+    assert guard(100, elapsed_s=95, budget_s=200, reserve_s=10) == (False, 95)
+    assert guard(10, elapsed_s=250, budget_s=200, reserve_s=10) == (False, 0)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_run_steps_records_failures_and_skips_what_would_not_fit(tmp_path):
+    """Steps take their estimated time on a fake clock: the failing one is recorded and the next runs; a step whose
+    estimate exceeds what is left is skipped; a step runs under all that is left when that is under its limit."""
+    clock, calls = FakeClock(), []
+    (tmp_path / 'ok.json').write_text('{"results": []}')
+
+    def runner(argv, timeout_s, log):
+        calls.append((argv[0], timeout_s))
+        clock.now += {'ok': 50, 'fails': 30, 'slow': 200, 'late': 10}[argv[0]]
+        return {'ok': (0, False, 'fine'), 'fails': (3, False, 'boom'), 'slow': (None, True, 'cut'),
+                'late': (0, False, '')}[argv[0]]
+
+    steps = [Step('first', ['ok'], 40, 100, 'eager', str(tmp_path / 'ok.json')),
+             Step('second', ['fails'], 30, 100, 'pytest'),
+             Step('third', ['slow'], 60, 500, 'compiled', compile_mode='default'),
+             Step('fourth', ['late'], 20, 100, 'memory')]  # 10 s left of 300: 280 elapsed, 10 reserved
+    reported = []
+    results = run_steps(steps, budget_s=300, clock=clock, runner=runner, reserve_s=10,
+                        after_step=lambda done: reported.append(len(done)))
+    assert [result.status for result in results] == ['ok', 'failed', 'timed out', 'skipped']
+    assert calls == [('ok', 100), ('fails', 100), ('slow', 210)]  # the third: 300 - 80 elapsed - 10 reserved
+    assert results[0].data == {'results': []} and results[1].note == 'exit status 3'
+    assert results[2].note == 'stopped at its limit of 210 s' and results[2].compile_mode == 'default'
+    assert 'time guard' in results[3].note and results[3].seconds == 0
+    assert reported == [1, 2, 3, 4]  # the report is rewritten after every step
+
+
+def _benchmark_report(models, mode_speeds, **extra):
+    rows = []
+    for mode, speeds in mode_speeds.items():
+        for model, speed in zip(models, speeds):
+            rows.append({'model': model, 'mode': mode, 'images_per_s': speed, 'ratio': speed / speeds[0],
+                         'ratio_median': speed / speeds[0], 'ratio_quartiles': [speed / speeds[0]] * 2,
+                         'first_step_s': 30.0, 'cuda_peak_memory_mb_in_process': 9000.0,
+                         'peak_memory_mb': 9000.0 + speed, 'memory_ratio': 1.0, **extra})
+    return {'config': {'models': models}, 'results': rows}
+
+
+def test_report_tables(tmp_path):
+    models = [gpu_check.TIMM_SWIN, 'lipsformer_swin_tiny']
+    eager = _benchmark_report(models, {'train': [2000, 1000], 'infer': [5000, 3000]}, profile={
+        'kernels_per_step': 1300, 'busy_fraction_of_timed_step': 0.9, 'sdpa_ops': ['aten::_efficient_attention'],
+        'sdpa_kernels': ['fmha_cutlassF'], 'top_kernels': [{'name': 'sm90_gemm', 'calls_per_step': 50,
+                                                            'ms_per_step': 12.5, 'share': 0.4}]})
+    results = [
+        StepResult('environment', 'environment', 'ok', 3, 0, data={'gpu': 'NVIDIA H100 80GB HBM3', 'torch': '2.11'}),
+        StepResult('eager benchmark', 'eager', 'ok', 100, 0, data=eager),
+        StepResult('tests/test_cuda.py', 'pytest', 'failed', 90, 1, 'exit status 1',
+                   '...\n1 failed, 7 passed in 80s\n'),
+        StepResult(f'compiled {gpu_check.TIMM_SWIN} (default)', 'compiled', 'ok', 100, 0,
+                   data=_benchmark_report([gpu_check.TIMM_SWIN], {'train': [3000], 'infer': [9000]}),
+                   compile_mode='default'),
+        StepResult('compiled lipsformer_swin_tiny (default)', 'compiled', 'ok', 100, 0,
+                   data=_benchmark_report(['lipsformer_swin_tiny'], {'train': [2400], 'infer': [6000]}),
+                   compile_mode='default'),
+        StepResult('compiled lipsformer_cswin_tiny (reduce-overhead)', 'compiled', 'skipped',
+                   note='skipped by the time guard', compile_mode='reduce-overhead'),
+    ]
+    md_path, json_path = write_report(results, tmp_path, budget_s=540, elapsed_s=480)
+    md = md_path.read_text()
+    assert 'NVIDIA H100 80GB HBM3' in md and '480 s of a 540 s budget' in md
+    assert '| tests/test_cuda.py | failed | 90 | exit status 1 |' in md
+    assert 'tests/test_cuda.py: 1 failed, 7 passed in 80s' in md
+    assert ('| `lipsformer_swin_tiny` | 1000: 0.50x (0.50, 0.50-0.50) | 3000: 0.60x (0.60, 0.60-0.60) | 1300, 0.90 |'
+            in md)
+    assert '| `sm90_gemm` | 50.0 | 12.500 | 40.0% |' in md
+    # Compiled: ratios to timm's Swin-T compiled, and to the same model eager.
+    assert '| `lipsformer_swin_tiny` | default | 30.0 | 30.0 | 2400: 0.80x | 6000: 0.67x | 2.40x, 2.00x | 9000 |' in md
+    assert '| `lipsformer_cswin_tiny` | reduce-overhead | skipped by the time guard |' in md
+    saved = json.loads(json_path.read_text())
+    assert saved['eager'] == eager and len(saved['compiled']) == 3 and saved['compiled'][2] is None
+    assert [step['status'] for step in saved['steps']] == ['ok', 'ok', 'failed', 'ok', 'ok', 'skipped']
+
+
+def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
+    steps = {step.name: step for step in plan_steps(tmp_path)}
+    eager = steps['eager benchmark'].argv
+    assert eager[eager.index('--models') + 1].split(',') == gpu_check.EAGER_MODELS
+    assert ['--batch-size', '128'] == eager[eager.index('--batch-size'):][:2] and '--profile' in eager
+    assert [(step.argv[step.argv.index('--models') + 1], step.compile_mode) for step in steps.values()
+            if step.kind == 'compiled'] == gpu_check.COMPILED
+    assert '--compile-mode' in steps['compiled lipsformer_cswin_tiny (reduce-overhead)'].argv
+    assert sum(step.estimate_s for step in steps.values() if step.kind != 'compiled') < gpu_check.DEFAULT_BUDGET_S
+
+
+def test_script_dry_run_prints_the_plan(tmp_path):
+    completed = subprocess.run([str(SCRIPT), str(tmp_path / 'out'), '--dry-run'], capture_output=True, text=True,
+                               env=os.environ | {'PYTHON': sys.executable}, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.count('-m lipsformer.benchmark') == 1 + 4 + 1
+    assert 'tests/test_cuda.py' in completed.stdout
+
+
+def test_script_needs_an_out_dir():
+    completed = subprocess.run([str(SCRIPT), '--dry-run'], capture_output=True, text=True)
+    assert completed.returncode == 2 and 'usage' in completed.stderr
+
+
+def test_script_cpu_smoke_writes_its_report(tmp_path):
+    """The environment and the eager benchmark (with profiles) of tiny models on the CPU, through the script."""
+    out = tmp_path / 'out'
+    completed = subprocess.run([str(SCRIPT), str(out), '--cpu-smoke', '--steps', 'environment,eager'],
+                               capture_output=True, text=True, env=os.environ | {'PYTHON': sys.executable})
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == ['gpu_check.json', 'gpu_check.log', 'gpu_check.md']
+    report = json.loads((out / 'gpu_check.json').read_text())
+    assert [step['status'] for step in report['steps']] == ['ok', 'ok']
+    assert report['environment']['torch'] == torch.__version__ and report['cpu_smoke']
+    assert {row['model'] for row in report['eager']['results']} == set(gpu_check.SMOKE_MODELS)
+    assert all(row['profile']['steps'] == 1 for row in report['eager']['results'])
+    assert '## Eager, interleaved in one process' in (out / 'gpu_check.md').read_text()
+
+
+@pytest.mark.slow
+def test_script_cpu_smoke_every_step(tmp_path):
+    """Every step on the CPU; inductor's compilation does not fit the budget and is skipped by the time guard."""
+    out = tmp_path / 'out'
+    completed = subprocess.run([str(SCRIPT), str(out), '--cpu-smoke', '--budget', '400'], capture_output=True,
+                               text=True, env=os.environ | {'PYTHON': sys.executable})
+    assert completed.returncode == 0, completed.stdout[-3000:]
+    report = json.loads((out / 'gpu_check.json').read_text())
+    assert [(step['kind'], step['status']) for step in report['steps']] == [
+        ('environment', 'ok'), ('eager', 'ok'), ('pytest', 'ok'), ('compiled', 'skipped'), ('memory', 'ok')]
+    assert report['peak_memory']['results'][0]['peak_memory_mb'] > 0
