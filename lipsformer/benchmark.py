@@ -6,15 +6,15 @@ Example (the CPU comparison of ``docs/performance.md``)::
         --mode infer,train --batch-size 16 --img-size 224 --precision fp32 --device cpu --json cpu.json
 
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
-window_size=12]``; ``img_size`` there also sets that model's input size, and ``fast_path=False`` runs that model with
-``lipsformer.fastpath`` switched off, so that both paths of one model are timed in one process), or
-``file:/path/module.py:factory[...]`` for
-a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only
-name files you trust). Per model and mode it reports images/s (models interleaved in the warm-up and in every
-repeat, median of the repeats), the median and interquartile range of its per-repeat ratios to the first model
-(paired within each repeat: the steadier figure when another job disturbs some repeats), the process's minor page
-faults per timed step, peak memory (each model in a fresh process), activations saved for backward per image,
-params, GMACs and TFLOP/s, with ratios to the first model; ``docs/performance.md`` says how each is measured.
+window_size=12]``; ``img_size`` there also sets that model's input size, and ``fast_path=False`` or ``True`` runs
+that model with ``lipsformer.fastpath`` switched off or on whatever the device's default, so that both paths of one
+model are timed in one process), or ``file:/path/module.py:factory[...]`` for a model outside timm (the factory is
+any callable returning an ``nn.Module``; the file is imported and run, so only name files you trust). Per model and
+mode it reports images/s (models interleaved in the warm-up and in every repeat, median of the repeats), the median
+and interquartile range of its per-repeat ratios to the first model (paired within each repeat: the steadier figure
+when another job disturbs some repeats), the process's minor page faults per timed step, peak memory (each model in
+a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with ratios to the first
+model; ``docs/performance.md`` says how each is measured.
 """
 
 import argparse
@@ -65,7 +65,7 @@ class ModelSpec:
     text: str
     source: str  # timm name, or 'file:/path.py:factory'
     kwargs: dict[str, Any] = field(default_factory=dict)
-    fast_path: bool = True  # lipsformer.fastpath's switch while this model runs
+    fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
 
     def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
         """``step`` with the fast paths switched as this spec asks."""
@@ -171,8 +171,8 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
         if not isinstance(kwargs.get('img_size', 1), int):
             raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
-        fast_path = kwargs.pop('fast_path', True)
-        if not isinstance(fast_path, bool):
+        fast_path = kwargs.pop('fast_path', None)
+        if fast_path is not None and not isinstance(fast_path, bool):
             raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
         if source.startswith('file:'):
             if source.count(':') < 2:
@@ -543,7 +543,8 @@ def environment(device: str) -> dict:
         'cpu_details': cpu_details(),  # CPUs sold under one name differ in generation and flags, and so in ratios
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
         'native_kernels': native_kernels(),  # the C kernels in use: without them the CPU backward is slower
-        'fast_path': use_fast_path(),  # the switch (LIPSFORMER_FAST_PATH); a model spec's fast_path=False overrides it
+        # the switch for the device (LIPSFORMER_FAST_PATH, the device defaults); a model spec's fast_path overrides it
+        'fast_path': use_fast_path(device.split(':')[0]),
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',
         'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     }

@@ -39,8 +39,9 @@ from typing import Any
 __all__ = ['Step', 'StepResult', 'environment_facts', 'guard', 'main', 'plan_steps', 'run_steps', 'write_report']
 
 TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
-EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', 'lipsformer_swin_tiny[fast_path=False]',
-                'lipsformer_cswin_tiny[fast_path=False]']
+# The blocks' fast form named on (fast_path=True: off on CUDA by default until this check measures it) and off.
+EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]',
+                'lipsformer_swin_tiny[fast_path=False]', 'lipsformer_cswin_tiny[fast_path=False]']
 COMPILED = [(TIMM_SWIN, 'default'), ('lipsformer_cswin_tiny', 'default'), ('lipsformer_swin_tiny', 'default'),
             ('lipsformer_cswin_tiny', 'reduce-overhead')]
 MEMORY_MODELS = EAGER_MODELS[:3]
@@ -50,7 +51,8 @@ RESERVE_S = 15  # kept for writing the report
 # Tiny shapes for --cpu-smoke: every step's code path in seconds on a CPU.
 SMOKE_SWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[1,1,1,1],window_size=4,img_size=32'
 SMOKE_CSWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[2,2,4,4],split_size=[1,2,2,2],img_size=32'
-SMOKE_MODELS = ['test_vit[img_size=32]', f'lipsformer_swin_tiny[{SMOKE_SWIN}]', f'lipsformer_cswin_tiny[{SMOKE_CSWIN}]',
+SMOKE_MODELS = ['test_vit[img_size=32]', f'lipsformer_swin_tiny[{SMOKE_SWIN},fast_path=True]',
+                f'lipsformer_cswin_tiny[{SMOKE_CSWIN},fast_path=True]',
                 f'lipsformer_swin_tiny[{SMOKE_SWIN},fast_path=False]']
 
 

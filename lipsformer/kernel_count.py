@@ -64,7 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lipsformer.benchmark import PRECISIONS, ModelSpec, _loss, parse_model_specs
 from lipsformer.complexity import build_model
-from lipsformer.fastpath import set_fast_path
+from lipsformer.fastpath import set_fast_path, use_fast_path
 from lipsformer.utils.cli import command_name
 
 __all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_models', 'count_step', 'cuda_sdp_choice',
@@ -637,7 +637,8 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _build_fake(spec, img_size, fake_mode, device)
     module_names = _module_names(model)
-    count = StepCount(spec.text, mode, batch_size, img_size, precision, spec.fast_path)
+    fast_path = use_fast_path('cuda') if spec.fast_path is None else spec.fast_path  # None: CUDA's default
+    count = StepCount(spec.text, mode, batch_size, img_size, precision, fast_path)
     state = {'phase': 'forward', 'part': None}
     node_parts: dict[int, str] = {}
     tensor_positions: dict[int, list[int]] = {}

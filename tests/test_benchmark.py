@@ -220,14 +220,17 @@ def test_bad_model_specs_say_what_is_wrong(text, message):
 
 def test_a_model_spec_can_switch_the_fast_paths_off_for_its_model():
     """``fast_path=False`` times the plain module graph of a model beside its fast path, in one process: it is no
-    constructor argument, and it switches lipsformer.fastpath off only while that model runs."""
+    constructor argument, and it switches lipsformer.fastpath off only while that model runs; ``fast_path=True``
+    switches it on whatever the device's default, and a spec without it follows the device's default."""
     from tiny_models import TINY_CSWIN
 
     from lipsformer.fastpath import use_fast_path
     shape = ','.join(f'{key}={list(value) if isinstance(value, tuple) else value}' for key, value in TINY_CSWIN.items())
     fast, plain = parse_model_specs(f'lipsformer_cswin_tiny[{shape}],lipsformer_cswin_tiny[{shape},fast_path=False]')
-    assert fast.fast_path and not plain.fast_path and 'fast_path' not in plain.kwargs
+    assert fast.fast_path is None and plain.fast_path is False and 'fast_path' not in plain.kwargs
     assert plain.running(use_fast_path)() is False and fast.running(use_fast_path)() is True and use_fast_path()
+    (forced,) = parse_model_specs('lipsformer_cswin_tiny[fast_path=True]')
+    assert forced.running(lambda: use_fast_path('cuda'))() is True and not fast.running(lambda: use_fast_path('cuda'))()
     config = BenchmarkConfig(batch_size=2, img_size=64, memory=False)
     report = run_benchmark([fast, plain], ['train'], config)
     assert report['environment']['fast_path'] is True
