@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from timm.data import create_dataset
+from timm.data import ImageDataset, create_dataset
 from timm.data.readers.class_map import load_class_map
 from torch.utils.data import Dataset, IterableDataset
 from torchvision import transforms
 
-from .datasets import ImageMode, RobustDataset, class_map_of
+from .datasets import RobustDataset, class_map_of
 from .fashion_mnist import prepare_dataset
+from .images import ImageMode
 from .splits import (
     DatasetError,
     DatasetNotFoundError,
@@ -102,7 +103,11 @@ def open_split(source: DataSource, split: str, option: str, is_training: bool, t
         dataset = _open_folder_split(source, split, option, is_training, class_map, num_samples)
     else:
         dataset = _create(source, split, option, is_training, source.data_dir, source.class_map, num_samples)
-    if name.lower().startswith('torch/'):
+    if isinstance(dataset, ImageDataset):
+        # timm's readers hand over the file's bytes and the package's reader decodes them: high-bit-depth images are
+        # scaled, not clipped, and a decoding error reaches RobustDataset's log with its reason.
+        dataset.load_bytes, dataset.input_img_mode = True, None
+    if isinstance(dataset, ImageDataset) or name.lower().startswith('torch/'):
         transform = transforms.Compose([ImageMode(source.image_mode), *getattr(transform, 'transforms', [transform])])
     dataset.transform = transform
     if isinstance(dataset, IterableDataset):
