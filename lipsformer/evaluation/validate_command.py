@@ -16,10 +16,9 @@ import sys
 import torch
 from accelerate import Accelerator
 from timm.data import resolve_input_data_config
-from timm.utils import ParseKwargs
 
 from ..model_names import UnknownModelError, expand_model_names
-from ..utils.cli import command_name
+from ..utils.cli import ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason
 from ..utils.processes import end_processes, select_device, wants_cpu_group
 from ..weight_files import CheckpointError
@@ -89,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     'first value)')
     model.add_argument('--gp', metavar='POOL', help='global pool type of the head (avg, max, avgmax, ...), if not the '
                                                     'model default')
-    model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+    model.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                        help='extra model constructor arguments')
     data = parser.add_argument_group('data')
     data.add_argument('--data-dir', help='ImageNet val in synset folders (any subset of the 1000 folders and of '

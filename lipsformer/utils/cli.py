@@ -1,9 +1,13 @@
-"""What the package's command lines share: the command's name as the user ran it, and help with real defaults."""
+"""What the package's command lines share: the command's name as the user ran it, help with real defaults, and
+``--model-kwargs`` read one way everywhere."""
 import argparse
 import os
 import sys
+from typing import Any
 
-__all__ = ['HelpFormatter', 'command_name']
+from timm.utils import ParseKwargs
+
+__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name']
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,3 +34,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default in ([], {}, ''):
             return action.help
         return super()._get_help_string(action)
+
+
+class ModelKwargs(ParseKwargs):
+    """``--model-kwargs KEY=VALUE ...`` as timm's scripts read it (each value a Python literal, else a string:
+    ``depths=2,2,6,2`` is a tuple, ``attn_type=l2`` a string); an item that is not KEY=VALUE is a usage error naming
+    it, not a traceback."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        bad = [item for item in values if item and ('=' not in item or not item.partition('=')[0].isidentifier())]
+        if bad:
+            parser.error(f'{option_string} {bad[0]!r} is not KEY=VALUE (e.g. depths=2,2,6,2 attn_type=l2)')
+        super().__call__(parser, namespace, values, option_string)
