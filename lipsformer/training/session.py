@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +76,12 @@ class Session:
     last_checkpoint: str | None = None
     saved_at: tuple[int, int, int] | None = None  # the progress position of this run's last checkpoint
     tally: Any = None  # the running totals of the epoch in training (loop.EpochTally)
+    started_at: float = field(default_factory=time.perf_counter)  # this start's, on time.perf_counter's clock
+    earlier_wall_time_s: float = 0.0  # what the earlier starts took, up to the checkpoint resumed from
+
+    def wall_time_s(self) -> float:
+        """Wall time of the run so far: the earlier starts' and this one's."""
+        return self.earlier_wall_time_s + time.perf_counter() - self.started_at
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
