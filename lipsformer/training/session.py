@@ -106,6 +106,7 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
 
     Raises:
         LaunchError: The processes launched would each train alone.
+        ConfigError: fp16 on a CPU (which would train in fp32), or a device that is not there.
     """
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
@@ -121,6 +122,10 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
         project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     check_process_group(accelerator)
+    if accelerator.mixed_precision == 'fp16' and accelerator.device.type == 'cpu':
+        raise ConfigError('train.mixed_precision fp16 (--amp) runs only on a GPU: on a CPU Accelerate trains in fp32 '
+                          'while the run would record fp16. Use bf16 (--amp --amp-dtype bfloat16, or '
+                          'train.mixed_precision=bf16), or fp32 (--no-amp)')
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
         retain_freed_memory()
     return accelerator

@@ -279,6 +279,9 @@ def checkpoints_to_resume(run_dir: str, resume: str | None) -> list[str]:
         found = [folder for _, folder in reversed(list_checkpoints(run_dir))]
         _logger.info('resume auto: %s', f'continuing from {found[0]}' if found else 'no checkpoint yet, starting fresh')
         return found
+    if os.path.isfile(resume):
+        raise CheckpointError(f'--resume {resume!r} is a file; give the checkpoint folder that holds it '
+                              f'({os.path.dirname(os.path.abspath(resume))!r}), a run folder or auto')
     if not os.path.isdir(resume):
         raise CheckpointError(f'--resume {resume!r}: no such folder; give a checkpoint folder, a run folder or auto')
     if os.path.isfile(os.path.join(resume, META_FILE)):

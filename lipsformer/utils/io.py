@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 __all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'fsync_dir', 'os_error_in_chain',
            'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
-           'unwritable_file_reason', 'write_json', 'write_text']
+           'unusable_folder_reason', 'unwritable_file_reason', 'write_json', 'write_text']
 
 _logger = logging.getLogger(__name__)
 
@@ -84,9 +84,7 @@ def unwritable_file_reason(path: str | os.PathLike) -> str | None:
     path = os.path.abspath(path)
     if os.path.isdir(path):
         return 'it is a folder; name a file in it'
-    existing = os.path.dirname(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = _nearest_existing(os.path.dirname(path))
     if not os.path.isdir(existing):
         return f'{existing!r} is a file, not a folder'
     try:
@@ -96,6 +94,23 @@ def unwritable_file_reason(path: str | os.PathLike) -> str | None:
     os.close(descriptor)
     os.remove(probe)
     return None
+
+
+def unusable_folder_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be (or be made) a folder, or None: a file is there, or where a parent folder should be.
+    Permissions and free space are left to the writes themselves."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return 'it is a file'
+    existing = _nearest_existing(path)
+    return None if os.path.isdir(existing) else f'{existing!r} is a file, not a folder'
+
+
+def _nearest_existing(path: str) -> str:
+    """``path``, or its nearest parent that exists."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
