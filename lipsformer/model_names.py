@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import fnmatch
 import os
+import re
 import socket
 import urllib.error
 import urllib.parse
@@ -33,7 +34,7 @@ from .utils.io import read_json
 from .weight_files import CheckpointError, load_file
 
 __all__ = ['ModelSourceError', 'UnknownModelError', 'check_model_source', 'classifier_reset_note', 'create_model',
-           'expand_model_names', 'hub_errors', 'model_source', 'offline_message', 'unreachable']
+           'expand_model_names', 'hub_errors', 'model_source', 'offline_message', 'unaccepted_kwargs', 'unreachable']
 
 
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
@@ -191,6 +192,13 @@ def _unreadable_weights(folder: str) -> CheckpointError | None:
             except CheckpointError as e:
                 return e
     return None
+
+
+def unaccepted_kwargs(error: TypeError, given: Any) -> list[str]:
+    """The keyword arguments among ``given`` that a constructor's ``error`` rejects: the one Python names (``got an
+    unexpected keyword argument 'window_size'``), else all of them."""
+    named = re.findall(r"unexpected keyword argument '(\w+)'", str(error))
+    return [name for name in named if name in given] or sorted(given)
 
 
 def classifier_reset_note(model: torch.nn.Module) -> str | None:

@@ -204,3 +204,12 @@ def test_an_empty_override_value_says_it_is_empty(caplog):
     assert main(['--print-config', 'data.dataset=']) == 2
     assert ("data.dataset: got an empty value (YAML null); expected a string: data.dataset=\"''\" gives an empty "
             "string") in caplog.records[-1].getMessage()
+
+
+def test_a_rejected_model_keyword_is_the_one_named(tmp_path, caplog):
+    """A Swin recipe's kwargs on CSwin: only window_size is wrong, and only it is named."""
+    data_dir = make_image_folder(str(tmp_path / 'data'))
+    kwargs = "{embed_dim: 16, depths: [1, 1, 1, 1], num_heads: [2, 2, 2, 2], split_size: [1, 2, 2, 2], window_size: 4}"
+    message = _fails_with([*tiny_overrides(data_dir), 'model.name=lipsformer_cswin_tiny', f'model.kwargs={kwargs}',
+                           '--output', str(tmp_path / 'run')], caplog)
+    assert "model.kwargs: lipsformer_cswin_tiny does not accept ['window_size'] (" in message

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 
-from ..model_names import UnknownModelError, expand_model_names
+from ..model_names import UnknownModelError, expand_model_names, unaccepted_kwargs
 from ..utils.cli import ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason
 from ..utils.processes import end_processes, select_device, wants_cpu_group
@@ -206,6 +206,11 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
     try:
         model, model_name = create_eval_model(
             model_name, checkpoint, pretrained=checkpoint is None, model_kwargs=model_kwargs, img_size=args.img_size)
+    except TypeError as e:
+        if 'keyword argument' not in str(e):
+            raise
+        raise EvaluationError(f'--model-kwargs: {model_name or "the model"} does not accept '
+                              f'{unaccepted_kwargs(e, model_kwargs)} ({e})') from e
     except RuntimeError as e:
         if checkpoint is None and 'No pretrained weights exist' in str(e):
             raise EvaluationError(f'{model_name} has no pretrained weights registered with timm; pass --checkpoint '

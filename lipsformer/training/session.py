@@ -33,7 +33,13 @@ from timm.utils import ModelEmaV3
 
 from ..cpu_memory import retain_freed_memory
 from ..data import class_map_of, class_names_of, num_classes_of
-from ..model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
+from ..model_names import (
+    ModelSourceError,
+    check_model_source,
+    classifier_reset_note,
+    model_source,
+    unaccepted_kwargs,
+)
 from ..model_names import create_model as create_timm_model
 from ..utils.processes import check_process_group, select_device, wants_cpu_group
 from ..weight_files import check_state_dict, extract_state_dict, load_file
@@ -208,7 +214,8 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
     try:
         model = create_timm_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
     except TypeError as e:
-        raise ConfigError(f'model.kwargs: {settings.name} does not accept {sorted(settings.kwargs)} ({e})') from e
+        raise ConfigError(f'model.kwargs: {settings.name} does not accept '
+                          f'{unaccepted_kwargs(e, settings.kwargs)} ({e})') from e
     except ModelSourceError as e:
         raise ConfigError(f'model.name: {e}') from e
     except ValueError as e:
