@@ -66,7 +66,8 @@ def _write_png_rgb16(path: str, pixels: np.ndarray) -> None:
 
     header = struct.pack('>IIBBBBB', width, height, 16, 2, 0, 0, 0)
     with open(path, 'wb') as f:
-        f.write(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', header) + chunk(b'IDAT', zlib.compress(rows)) + chunk(b'IEND', b''))
+        f.write(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', header) + chunk(b'IDAT', zlib.compress(rows))
+                + chunk(b'IEND', b''))
 
 
 def _same_images_in_two_depths(root, colour: bool) -> tuple[str, str]:

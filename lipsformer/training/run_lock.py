@@ -4,10 +4,11 @@ the run has ended.
 The lock is an advisory ``flock`` on that file, which the kernel releases when its holder ends however it ends (a kill
 -9, a node that reboots): a later start takes it over and says whose it was. A ``flock`` belongs to the open file, and
 a forked child (a DataLoader worker) would share it and keep the folder locked after the holder died, until it
-noticed (never, if it is stopped); so every child forked from the holder closes its copy of the descriptor at once. The file also names its holder (host,
-pid, start time) for the message that refuses a second start. Where the file system has no ``flock`` (some network and
-FUSE file systems), a warning says so and the file's contents decide: a holder that still runs on this host keeps the
-folder; a dead one's is taken over; one on another host keeps it until the file is removed.
+noticed (never, if it is stopped); so every child forked from the holder closes its copy of the descriptor at once.
+The file also names its holder (host, pid, start time) for the message that refuses a second start. Where the file
+system has no ``flock`` (some network and FUSE file systems), a warning says so and the file's contents decide: a
+holder that still runs on this host keeps the folder; a dead one's is taken over; one on another host keeps it until
+the file is removed.
 
 The file is never replaced or removed (a lock on a replaced file would lock nothing): a holder rewrites its contents.
 """
