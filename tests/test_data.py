@@ -96,6 +96,7 @@ def _same_images_in_two_depths(root, colour: bool) -> tuple[str, str]:
 def test_sixteen_bit_images_read_as_their_eight_bit_copies_everywhere(tmp_path, colour):
     """Training's splits, validate.py's images and the stability experiment's subsets read a 16-bit PNG as its 8-bit
     copy (Pillow's own conversion clips 16-bit grey to 0..255: nearly black and white)."""
+    from lipsformer.evaluation.datasets import DataRequest, open_named_dataset
     from lipsformer.evaluation.predict import EvalImageDataset
     from lipsformer.experiments.stability.subsets import load_image_folder
     eight, sixteen = _same_images_in_two_depths(tmp_path, colour)
@@ -119,6 +120,10 @@ def test_sixteen_bit_images_read_as_their_eight_bit_copies_everywhere(tmp_path, 
         for index in range(len(names)):
             (image8, *_, readable8), (image16, *_, readable16) = evaluated[0][index][:3], evaluated[1][index][:3]
             assert readable8 and readable16 and torch.equal(image16, image8)
+        named = [open_named_dataset(DataRequest(root, 'imagenet', dataset='folder', split='validation'))
+                 for root in (eight, sixteen)]  # validate.py --dataset: timm's create_dataset
+        evaluated = [EvalImageDataset(images.paths, data_config, source=images.source) for images in named]
+        assert all(torch.equal(evaluated[0][i][0], evaluated[1][i][0]) for i in range(len(named[0].paths)))
     subsets8, subsets16 = (load_image_folder(root, 16, 8, 8) for root in (eight, sixteen))
     assert subsets8.in_chans == (3 if colour else 1)
     assert torch.equal(subsets16.train_images, subsets8.train_images)

@@ -26,10 +26,10 @@ from .datasets import (
 )
 from .fashion_mnist import DEBIAN_FASHION_MNIST, prepare_dataset, read_fashion_mnist, read_idx
 from .images import UnreadableImageError, read_image
-from .sources import DataSource, open_split
+from .sources import DataSource, decode_here, open_split
 from .splits import DatasetError, DatasetNotFoundError, check_split_classes, check_torchvision_split, split_folder
 
 __all__ = ['DEBIAN_FASHION_MNIST', 'PAD_INDEX', 'DataSource', 'DatasetError', 'DatasetNotFoundError', 'ImageMode',
            'RobustDataset', 'UnreadableImageError', 'check_split_classes', 'check_torchvision_split', 'class_map_of',
-           'class_names_of', 'num_classes_of', 'open_split', 'prepare_dataset', 'read_fashion_mnist', 'read_idx',
-           'read_image', 'seeded_randomness', 'skipped_images', 'split_folder']
+           'class_names_of', 'decode_here', 'num_classes_of', 'open_split', 'prepare_dataset', 'read_fashion_mnist',
+           'read_idx', 'read_image', 'seeded_randomness', 'skipped_images', 'split_folder']
