@@ -313,6 +313,10 @@ def test_cli_model_kwargs_are_read_as_validate_reads_them(capsys):
     assert 'stages.2.blocks.1.attn' in report and 'stages.2.blocks.2' not in report
     assert build_parser().parse_args(['--model-kwargs', *items]).model_kwargs == dict(
         depths=(1, 1, 2, 1), attn_type='l2', split_size=(1, 2, 2, 2), embed_dim=16)
+    for parse in (main, build_parser().parse_args):  # the string 'false' would be true
+        with pytest.raises(SystemExit, match='2'):
+            parse(['--model', 'lipsformer_cswin_tiny', '--model-kwargs', 'v_norm=false'])
+        assert "'v_norm=false': values are Python literals; write v_norm=False" in capsys.readouterr().err
 
 
 def test_cli_refuses_models_it_cannot_analyse_in_one_line(capsys):
