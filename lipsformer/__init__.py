@@ -15,8 +15,13 @@ The parts, each depending only on those listed before it:
 - :mod:`.training` (train.py), :mod:`.evaluation` (validate.py), :mod:`.hub` (model cards, uploads),
   :mod:`.convert`, :mod:`.benchmark` and :mod:`.experiments` (the paper's claims in miniature).
 """
+import timm
+
 from . import models, weight_files
+from .model_names import explain_pretrained_failures
 from .models import LipsFormerCSwin, LipsFormerSwin
+
+explain_pretrained_failures(timm.list_models('lipsformer_*'))
 
 __version__ = '0.1.0'
 __all__ = ['LipsFormerCSwin', 'LipsFormerSwin', 'models', 'weight_files']

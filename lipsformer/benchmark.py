@@ -685,7 +685,10 @@ def main(argv: list[str] | None = None) -> dict:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    report = run_benchmark(specs, modes, config)
+    try:
+        report = run_benchmark(specs, modes, config)
+    except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
+        parser.error(f'--img-size {config.img_size}: {error}')
     report['command'] = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
     print(format_table(report, markdown=args.markdown))
     if config.profile_steps:

@@ -14,11 +14,13 @@ weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsf
 import contextlib
 import difflib
 import fnmatch
+import functools
 import os
+import re
 import socket
 import urllib.error
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import timm
@@ -28,12 +30,14 @@ from huggingface_hub.utils import LocalEntryNotFoundError, OfflineModeIsEnabled
 from timm.models import is_model, parse_model_name, resolve_pretrained_cfg, split_model_name_tag
 from timm.models._builder import _resolve_pretrained_source
 from timm.models._hub import download_cached_file
+from timm.models._registry import _model_entrypoints
 
 from .utils.io import read_json
 from .weight_files import CheckpointError, load_file
 
 __all__ = ['ModelSourceError', 'UnknownModelError', 'check_model_source', 'classifier_reset_note', 'create_model',
-           'expand_model_names', 'hub_errors', 'model_source', 'offline_message', 'unreachable']
+           'expand_model_names', 'explain_pretrained_failures', 'hub_errors', 'model_source', 'offline_message',
+           'unaccepted_kwargs', 'unreachable']
 
 
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
@@ -182,6 +186,49 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
         raise problem from None  # torch's error, and its weights_only advice, left out of the traceback
 
 
+def explain_pretrained_failures(model_names: Iterable[str]) -> None:
+    """Make ``timm.create_model(NAME, pretrained=True, ...)`` of these registered models fail as the commands do: a
+    host that cannot be reached gives :func:`offline_message`, a ``pretrained_cfg_overlay=dict(file=...)`` that is not
+    there or not a weights file gives :mod:`lipsformer.weight_files`' error, instead of urllib's traceback, an empty
+    ``FileNotFoundError`` or torch's advice to unpickle with ``weights_only=False``.
+
+    Each model's timm entry point is wrapped in place (once); models built without pretrained weights are unaffected.
+    """
+    for name in model_names:
+        entrypoint = _model_entrypoints[name]
+        if not getattr(entrypoint, 'explains_pretrained_failures', False):
+            _model_entrypoints[name] = _explaining(name, entrypoint)
+
+
+def _explaining(name: str, entrypoint: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    @functools.wraps(entrypoint)
+    def create(pretrained: bool = False, **kwargs: Any) -> torch.nn.Module:
+        if not pretrained:
+            return entrypoint(pretrained=pretrained, **kwargs)
+        load_from, location = _pretrained_source(name, kwargs)
+        tag = kwargs.get('pretrained_cfg') if isinstance(kwargs.get('pretrained_cfg'), str) else None
+        asked = f'{name}.{tag}' if tag else name
+        if load_from == 'file' and not os.path.isfile(location):
+            raise CheckpointError(f'{asked}: pretrained_cfg_overlay=dict(file={location!r}): no such file; give the '
+                                  f'path of a downloaded copy of the weights')
+        try:
+            with hub_errors(asked, location if load_from in ('url', 'url-custom', 'hf-hub') else None):
+                return entrypoint(pretrained=True, **kwargs)
+        except ModelSourceError:
+            raise
+        except Exception:
+            if load_from != 'file':
+                raise
+            try:
+                load_file(location)  # if it reads the file, timm's own error stands
+            except CheckpointError as problem:
+                raise problem from None  # torch's error, and its weights_only advice, left out of the traceback
+            raise
+
+    create.explains_pretrained_failures = True
+    return create
+
+
 def _unreadable_weights(folder: str) -> CheckpointError | None:
     """Our error for the first weights file in ``folder`` that :func:`lipsformer.weight_files.load_file` refuses."""
     for name in sorted(os.listdir(folder)):
@@ -191,6 +238,13 @@ def _unreadable_weights(folder: str) -> CheckpointError | None:
             except CheckpointError as e:
                 return e
     return None
+
+
+def unaccepted_kwargs(error: TypeError, given: Any) -> list[str]:
+    """The keyword arguments among ``given`` that a constructor's ``error`` rejects: the one Python names (``got an
+    unexpected keyword argument 'window_size'``), else all of them."""
+    named = re.findall(r"unexpected keyword argument '(\w+)'", str(error))
+    return [name for name in named if name in given] or sorted(given)
 
 
 def classifier_reset_note(model: torch.nn.Module) -> str | None:

@@ -337,3 +337,12 @@ def test_compile_mode_needs_compile(capsys):
     with pytest.raises(SystemExit):
         main(['--models', 'resnet10t', '--compile-mode', 'reduce-overhead'])
     assert '--compile-mode needs --compile' in capsys.readouterr().err
+
+
+def test_cli_an_input_size_a_model_cannot_take_is_a_one_line_error(capsys):
+    tiny = 'lipsformer_swin_tiny[embed_dim=16,depths=(1,1,1,1),num_heads=(1,1,1,1),window_size=4]'
+    with pytest.raises(SystemExit, match='2'):
+        main(['--models', tiny, '--img-size', '100', '--mode', 'infer', '--steps', '1', '--repeats', '1',
+              '--warmup', '0', '--no-memory'])
+    err = capsys.readouterr().err
+    assert 'error: --img-size 100: img_size must be a multiple of 32, got 100x100' in err and 'Traceback' not in err

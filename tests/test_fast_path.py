@@ -253,3 +253,41 @@ def test_model_families_know_nothing_of_the_fast_path():
         assert 'fastpath' not in source and 'out_scale' not in source, module.__name__
     for mixer in (lipsformer_swin.WindowAttention, lipsformer_cswin.CrossStripeAttention):
         assert 'forward' not in vars(mixer) and list(inspect.signature(mixer.attend).parameters) == ['self', 'x']
+
+
+@pytest.mark.parametrize('fast', [True, False], ids=['fast', 'plain'])
+@pytest.mark.parametrize('name', list(TINY_MODELS))
+def test_a_batch_of_zero_images_gives_zero_logits_rows(name, fast):
+    """oneDNN's 1x1 convolution refuses an empty map (``padded input size per channel: (1 x 0)``); the plain graph
+    returns (0, classes)."""
+    model = _model(name).eval()
+    with set_fast_path(fast), torch.no_grad():
+        assert model(torch.randn(0, 3, 64, 64)).shape == (0, model.num_classes)
+
+
+@pytest.mark.parametrize('fast', [True, False], ids=['fast', 'plain'])
+@pytest.mark.parametrize('name', list(TINY_MODELS))
+def test_a_training_step_on_a_batch_of_zero_images(name, fast):
+    model = _model(name).train()
+    with set_fast_path(fast):
+        logits = model(torch.randn(0, 3, 64, 64))
+        logits.logsumexp(-1).sum().backward()
+    assert logits.shape == (0, model.num_classes)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # no image: no gradient
+
+
+def test_the_fast_kernels_take_an_empty_batch():
+    """The token-wise linear (oneDNN's 1x1 convolution) and the 7x7 depthwise convolution's weight gradient (the C
+    kernel) on a batch of 0: empty outputs and zero gradients, as the plain operators give."""
+    from lipsformer.fastpath.depthwise_conv import depthwise_conv2d
+    from lipsformer.fastpath.onednn_linear import linear, linear_backward
+    x, weight, bias = torch.randn(0, 49, 64), torch.randn(32, 64), torch.randn(32)
+    assert linear(x, weight, bias).shape == (0, 49, 32)
+    grad_x, grad_weight, grad_bias = linear_backward(torch.randn(0, 49, 32), x, weight, True, True, True)
+    assert grad_x.shape == x.shape and torch.equal(grad_weight, torch.zeros(32, 64))
+    assert torch.equal(grad_bias, torch.zeros(32))
+    image, kernel = torch.randn(0, 8, 8, 64, requires_grad=True), torch.randn(64, 1, 7, 7, requires_grad=True)
+    out = depthwise_conv2d(image, kernel, None)
+    assert out.shape == (0, 8, 8, 64)
+    out.sum().backward()
+    assert image.grad.shape == image.shape and torch.equal(kernel.grad, torch.zeros_like(kernel))

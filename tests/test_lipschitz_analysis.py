@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.models import save_for_hf
 from tiny_models import TINY_CSWIN, TINY_MODELS
 from torch.autograd.functional import jacobian
 
@@ -258,10 +260,87 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert 'does not exist' in capsys.readouterr().err
     assert main(['--model', 'lipsformer_cswin_huge']) == 2
     assert 'lipsformer_cswin_tiny' in capsys.readouterr().err
-    assert main(_tiny_cli_args() + ['attn_type']) == 2
-    assert 'KEY=VALUE' in capsys.readouterr().err
+    with pytest.raises(SystemExit, match='2'):
+        main(_tiny_cli_args() + ['attn_type'])
+    assert "--model-kwargs 'attn_type' is not KEY=VALUE" in capsys.readouterr().err
     assert main(_tiny_cli_args() + ['--img-size', '70']) == 2
     assert 'multiple of 32' in capsys.readouterr().err
+
+
+def _export_with_ema(folder) -> tuple[float, float]:
+    """A run folder whose export holds raw and EMA weights (the EMA's Linears half the raw ones' norm, as a smoother
+    average would have), as train.py writes it; returns the raw and the EMA product bound."""
+    raw = _tiny('lipsformer_cswin_tiny', attn_type='l2').eval()
+    ema = _tiny('lipsformer_cswin_tiny', attn_type='l2').eval()
+    with torch.no_grad():
+        for module in ema.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.mul_(0.5)
+    export = folder / 'export' / 'best'
+    save_for_hf(raw, str(export), safe_serialization=True)
+    safetensors.torch.save_file(ema.state_dict(), str(export / 'model_ema.safetensors'))
+    return (analyze(raw, empirical=False)['product_bound'], analyze(ema, empirical=False)['product_bound'])
+
+
+def test_cli_reads_run_folders_exports_and_their_ema_weights(tmp_path, capsys):
+    raw_bound, ema_bound = _export_with_ema(tmp_path / 'run')
+    assert ema_bound < raw_bound / 2
+    export = tmp_path / 'run' / 'export' / 'best'
+    for args, bound, weights in (
+            (['--checkpoint', str(tmp_path / 'run'), '--use-ema'], ema_bound,
+             f'EMA weights: {export / "model_ema.safetensors"}'),
+            (['--model', 'lipsformer_cswin_tiny', '--checkpoint', str(tmp_path / 'run')], raw_bound,
+             str(export / 'model.safetensors')),
+            (['--model', f'local-dir:{export}', '--use-ema'], ema_bound,
+             f'EMA weights: {export / "model_ema.safetensors"}'),
+            (['--model', f'local-dir:{export}'], raw_bound, str(export / 'model.safetensors'))):
+        out = tmp_path / 'report.json'
+        assert main([*args, '--no-empirical', '--json', str(out)]) == 0, args
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header == f'Lipschitz analysis of lipsformer_cswin_tiny at 64x64 ({weights})', args
+        report = json.loads(out.read_text())
+        assert report['product_bound'] == pytest.approx(bound, rel=1e-6) and report['weights'] == weights, args
+    assert main(['--model', 'lipsformer_cswin_tiny', '--use-ema']) == 2
+    assert '--use-ema needs --checkpoint (or a local-dir: model)' in capsys.readouterr().err
+
+
+def test_cli_model_kwargs_are_read_as_validate_reads_them(capsys):
+    from lipsformer.evaluation.validate_command import build_parser
+    items = ['depths=1,1,2,1', 'attn_type=l2', 'split_size=(1,2,2,2)', 'embed_dim=16']
+    assert main(['--model', 'lipsformer_cswin_tiny', '--img-size', '64', '--no-empirical', '--model-kwargs',
+                 *items]) == 0
+    report = capsys.readouterr().out
+    assert 'stages.2.blocks.1.attn' in report and 'stages.2.blocks.2' not in report
+    assert build_parser().parse_args(['--model-kwargs', *items]).model_kwargs == dict(
+        depths=(1, 1, 2, 1), attn_type='l2', split_size=(1, 2, 2, 2), embed_dim=16)
+    for parse in (main, build_parser().parse_args):  # the string 'false' would be true
+        with pytest.raises(SystemExit, match='2'):
+            parse(['--model', 'lipsformer_cswin_tiny', '--model-kwargs', 'v_norm=false'])
+        assert "'v_norm=false': values are Python literals; write v_norm=False" in capsys.readouterr().err
+
+
+def test_cli_refuses_models_it_cannot_analyse_in_one_line(capsys):
+    assert main(['--model', 'resnet18', '--no-empirical']) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        'python -m lipsformer.lipschitz: error: resnet18 is not a LipsFormer model: the analysis bounds the weighted '
+        'residual branches of lipsformer_swin_* and lipsformer_cswin_* models only']
+
+
+def test_cli_json_file_is_checked_before_the_analysis_and_a_failed_write_keeps_the_report(tmp_path, capsys,
+                                                                                           monkeypatch):
+    assert main([*_tiny_cli_args(), '--no-empirical', '--json', str(tmp_path)]) == 2
+    assert f'--json {str(tmp_path)!r} cannot be written: it is a folder' in capsys.readouterr().err
+
+    def full_disk(path, data):
+        raise OSError(28, 'No space left on device', path)
+
+    monkeypatch.setattr('lipsformer.lipschitz.report_command.write_json', full_disk)
+    out = str(tmp_path / 'report.json')
+    assert main([*_tiny_cli_args(), '--no-empirical', '--json', out]) == 4
+    printed, err = capsys.readouterr()
+    assert 'Theorem 2 product bound' in printed
+    assert f'could not be written to --json {out!r}: No space left on device; it is printed above' in err
 
 
 def test_module_entry_point_help():

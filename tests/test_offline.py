@@ -18,7 +18,9 @@ from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 import lipsformer
 from lipsformer.evaluation.validate_command import main as validate_main
 from lipsformer.model_folder import save_model_folder
+from lipsformer.model_names import ModelSourceError
 from lipsformer.training.train_command import main as train_main
+from lipsformer.weight_files import CheckpointError, load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -117,3 +119,30 @@ def test_push_without_a_token_or_a_network_leaves_the_export_as_it_was(closed_po
     assert 'no Hugging Face token' in no_token and 'the export is unchanged' in no_token
     assert f'cannot reach the Hugging Face Hub at {closed_port}' in unreachable
     assert {name: (export / name).read_bytes() for name in os.listdir(export)} == before
+
+
+def test_timm_create_model_with_pretrained_weights_offline_says_what_to_do(no_route_out):
+    """README's Python API: ``pretrained=True`` without network is the commands' one explained error, not urllib's
+    traceback."""
+    with pytest.raises(ModelSourceError) as raised:
+        timm.create_model(SMALLEST_MODEL, pretrained=True, **SMALLEST_SWIN)
+    message = str(raised.value)
+    assert message.startswith(f'cannot download the weights of {SMALLEST_MODEL} from {URL}')
+    assert all(way in message for way in OFFLINE_WAYS)
+
+
+def test_a_wrong_or_bad_overlay_file_is_explained(tmp_path):
+    """README's offline way, ``pretrained_cfg_overlay=dict(file=...)``, with a path that is not there (an empty
+    FileNotFoundError) or a file that is not weights (torch's advice to unpickle it with weights_only=False)."""
+    missing = str(tmp_path / 'lipsformer-swin-tiny.pth')
+    with pytest.raises(CheckpointError, match=rf"pretrained_cfg_overlay=dict\(file={missing!r}\): no such file"):
+        timm.create_model(SMALLEST_MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=missing), **SMALLEST_SWIN)
+    garbage = tmp_path / 'garbage.pth'
+    garbage.write_bytes(b'not a checkpoint' * 8)
+    with pytest.raises(CheckpointError) as raised:
+        timm.create_model(SMALLEST_MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(garbage)),
+                          **SMALLEST_SWIN)
+    assert str(garbage) in str(raised.value) and 'weights_only=False' not in str(raised.value)
+    with pytest.raises(CheckpointError) as from_validate:
+        load_file(str(garbage))
+    assert str(raised.value) == str(from_validate.value)  # the words validate.py and convert give

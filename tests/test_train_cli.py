@@ -148,3 +148,68 @@ def test_a_run_from_timm_flags_mixed_with_overrides(tmp_path):
     assert saved['train']['batch_size'] == 4 and saved['optimizer']['lr'] == 1e-3 and not saved['ema']['enabled']
     lines = [json.loads(line) for line in (run / 'metrics.jsonl').read_text().splitlines()]
     assert lines[-1]['epoch'] == 1 and 'ema_val_top1' not in lines[-1]
+
+
+def _fails_with(argv: list[str], caplog) -> str:
+    """train.py's exit status 2 and its last log line."""
+    with single_thread():
+        assert main(argv) == 2
+    return caplog.records[-1].getMessage()
+
+
+def test_fp16_on_a_cpu_is_refused_with_the_bf16_alternative(tmp_path, caplog):
+    """Accelerate trains fp32 on a CPU asked for fp16, while config.yaml would record fp16."""
+    data_dir = make_image_folder(str(tmp_path / 'data'))
+    message = _fails_with([*tiny_overrides(data_dir), '--output', str(tmp_path / 'run'), '--amp', '--device', 'cpu'],
+                          caplog)
+    assert 'train.mixed_precision fp16 (--amp) runs only on a GPU' in message
+    assert '--amp --amp-dtype bfloat16' in message and 'train.mixed_precision=bf16' in message
+    assert not (tmp_path / 'run' / 'config.yaml').exists()
+
+
+def test_an_output_that_is_a_file_is_a_bad_input_not_a_disk_problem(tmp_path, caplog):
+    a_file = tmp_path / 'notes.txt'
+    a_file.write_text('')
+    for output, problem in ((a_file, 'it is a file'), (a_file / 'run', f'{str(a_file)!r} is a file, not a folder')):
+        message = _fails_with([*tiny_overrides(str(tmp_path)), '--output', str(output)], caplog)
+        assert f'--output {str(output)!r} cannot be a run folder: {problem}' in message
+        assert 'free space' not in message
+
+
+def test_resume_naming_a_file_says_what_it_is(tmp_path, caplog):
+    data_dir = make_image_folder(str(tmp_path / 'data'))
+    run = tmp_path / 'run'
+    with single_thread():
+        assert main([*tiny_overrides(data_dir, **{'train.epochs': 1}), '--output', str(run)]) == 0
+    weights = run / 'checkpoints' / 'epoch_0001' / 'model.safetensors'
+    message = _fails_with([*tiny_overrides(data_dir), '--output', str(run), '--resume', str(weights)], caplog)
+    assert 'no such folder' not in message
+    assert (f'--resume {str(weights)!r} is a file; give the checkpoint folder that holds it '
+            f'({str(weights.parent)!r}), a run folder or auto') in message
+
+
+def test_a_ctrl_c_during_set_up_is_not_called_a_second_one(tmp_path, caplog, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr('lipsformer.training.train_command.train', interrupted)
+    with single_thread():
+        assert main([*tiny_overrides(str(tmp_path)), '--output', str(tmp_path / 'run')]) == 130
+    message = caplog.records[-1].getMessage()
+    assert 'second' not in message
+    assert message.startswith('interrupted by Ctrl-C outside the training loop (set-up or the final export)')
+
+
+def test_an_empty_override_value_says_it_is_empty(caplog):
+    assert main(['--print-config', 'data.dataset=']) == 2
+    assert ("data.dataset: got an empty value (YAML null); expected a string: data.dataset=\"''\" gives an empty "
+            "string") in caplog.records[-1].getMessage()
+
+
+def test_a_rejected_model_keyword_is_the_one_named(tmp_path, caplog):
+    """A Swin recipe's kwargs on CSwin: only window_size is wrong, and only it is named."""
+    data_dir = make_image_folder(str(tmp_path / 'data'))
+    kwargs = "{embed_dim: 16, depths: [1, 1, 1, 1], num_heads: [2, 2, 2, 2], split_size: [1, 2, 2, 2], window_size: 4}"
+    message = _fails_with([*tiny_overrides(data_dir), 'model.name=lipsformer_cswin_tiny', f'model.kwargs={kwargs}',
+                           '--output', str(tmp_path / 'run')], caplog)
+    assert "model.kwargs: lipsformer_cswin_tiny does not accept ['window_size'] (" in message

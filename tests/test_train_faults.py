@@ -3,6 +3,7 @@ middle of writing a checkpoint. Nothing already saved may be lost, and the run m
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -59,8 +60,9 @@ def test_persistent_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data
 
 @pytest.mark.parametrize('workers', [0, 1])
 def test_unreadable_images_are_logged_skipped_and_counted(tmp_path, caplog, workers):
-    """Each skip is logged with its file (by the process that reads it) and counted per epoch in metrics.jsonl
-    (training and evaluation) and over the run in summary.json, loader workers' skips included."""
+    """Each skip is logged with its file and why it cannot be read, in train.log too (by the process that reads it),
+    and counted per epoch in metrics.jsonl (training and evaluation) and over the run in summary.json, loader workers'
+    skips included."""
     data_dir = make_image_folder(str(tmp_path / 'images'))
     for name in ('broken.png', 'broken_too.png'):
         (tmp_path / 'images' / 'train' / 'class_0' / name).write_bytes(os.urandom(300))
@@ -74,6 +76,9 @@ def test_unreadable_images_are_logged_skipped_and_counted(tmp_path, caplog, work
     if not workers:  # a worker logs to its own stderr
         assert 'broken.png' in caplog.text and 'truncated.png' in caplog.text
         assert 'skipping unreadable image' in caplog.text
+    log = (tmp_path / 'run' / 'train.log').read_text()
+    assert re.search(r"skipping unreadable image '.*broken.png' \(index \d+\): cannot identify image file", log)
+    assert re.search(r"skipping unreadable image '.*truncated.png' \(index \d+\): .*truncated", log)
     lines = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
     # 50 training images in 5 batches of 10: every image is asked for once an epoch, each broken one skipped
     assert [(line['skipped_images'], line['val_skipped_images']) for line in lines] == [(2, 1), (2, 1)]

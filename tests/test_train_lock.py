@@ -170,6 +170,40 @@ def test_a_dead_holders_lock_is_taken_over_and_said(tmp_path, caplog):
     assert open(os.path.join(run_dir, LOCK_FILE)).read() == ''  # released: nobody named
 
 
+# Takes the run folder's lock as a run does, starts a DataLoader worker (forked, as on Linux by default), prints the
+# worker's pid and waits to be killed.
+_HOLDER_WITH_LOADER_WORKER = """
+import sys, time
+import torch
+from lipsformer.training.run_lock import RunLock
+RunLock(sys.argv[1]).acquire()
+loader = iter(torch.utils.data.DataLoader(torch.arange(100), num_workers=1, prefetch_factor=1))
+next(loader)
+print(loader._workers[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_loader_worker_of_a_killed_run_does_not_hold_its_lock(tmp_path):
+    """kill -9 of a run's main process, then a start at once: its loader workers (forked with every descriptor) must
+    not keep the folder locked, not even one that is stopped and so never notices its parent died."""
+    run_dir = str(tmp_path / 'run')
+    holder = subprocess.Popen([sys.executable, '-c', _HOLDER_WITH_LOADER_WORKER, run_dir], stdout=subprocess.PIPE,
+                              text=True, env=subprocess_env())
+    worker = int(holder.stdout.readline())
+    try:
+        os.kill(worker, signal.SIGSTOP)
+        with pytest.raises(RunFolderInUseError, match=f'in use by process {holder.pid} on host'):
+            RunLock(run_dir).acquire()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        with RunLock(run_dir) as lock:
+            assert json.load(open(lock.path))['pid'] == os.getpid()
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.kill(worker, signal.SIGCONT)
+
+
 def test_a_start_waits_for_the_holder_when_asked(tmp_path, caplog):
     run_dir, release = str(tmp_path / 'run'), str(tmp_path / 'release')
     holder = hold_lock(run_dir, release)

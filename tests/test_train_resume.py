@@ -5,13 +5,15 @@ import json
 import logging
 import os
 import signal
+import time
 
 import pytest
+import torch
 from probe_models import SIGNALS_AT_CALLS
 from training_support import tiny_overrides
 
 from lipsformer.training import load_config, train
-from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
+from lipsformer.training.train_state import Progress, latest_checkpoint, list_checkpoints, read_meta, update_progress
 from lipsformer.weight_files import CheckpointError
 from lipsformer.weight_files import load_file as load_any
 
@@ -137,3 +139,52 @@ def test_a_torn_metrics_line_is_dropped_and_said(data_dir, one_epoch, caplog):
     lines = [json.loads(line) for line in open(os.path.join(one_epoch, 'metrics.jsonl'))]
     assert [line['epoch'] for line in lines] == [1, 2]
     assert read_meta(os.path.join(one_epoch, 'checkpoints', 'epoch_0002'))['progress']['history'] == lines
+
+
+def test_a_finished_run_refuses_changed_keys_and_keeps_its_config(data_dir, one_epoch):
+    """Nothing would train with them, yet config.yaml (the documented way to repeat the run) would claim them."""
+    before = _folder_state(one_epoch)
+    with pytest.raises(CheckpointError, match=r"has finished its 1 epoch\(s\): nothing would train with the changed "
+                                              r"keys \(optimizer.lr: 0.002 -> 0.005\)"):
+        _run(data_dir, one_epoch, resume='auto', **{'train.epochs': 1, 'optimizer.lr': 5e-3})
+    assert _folder_state(one_epoch) == before
+    summary = _run(data_dir, one_epoch, resume='auto', **{'train.epochs': 1})  # unchanged: as before
+    assert summary['status'] == 'finished' and summary['epochs_done'] == 1
+
+
+def test_changed_keys_are_recorded_with_the_step_they_apply_from(data_dir, one_epoch, caplog):
+    steps = read_meta(latest_checkpoint(one_epoch))['progress']['step']
+    original = load_config(os.path.join(one_epoch, 'config.yaml'))
+    _run(data_dir, one_epoch, resume='auto', **{'train.epochs': 2, 'optimizer.lr': 5e-3})
+    assert load_config(os.path.join(one_epoch, 'config.yaml')).optimizer.lr == 5e-3
+    earlier = load_config(os.path.join(one_epoch, f'config.before_step_{steps:08d}.yaml'))
+    assert earlier == original and earlier.optimizer.lr == 2e-3
+    assert (f'resuming with config keys changed since the checkpoint, applied from step {steps}: optimizer.lr: '
+            f'0.002 -> 0.005, train.epochs: 1 -> 2; config.yaml holds them, config.before_step_{steps:08d}.yaml '
+            f'what the steps before used') in caplog.text
+
+
+def test_wall_time_counts_every_start(data_dir, tmp_path):
+    run_dir = tmp_path / 'run'
+    first = _run(data_dir, run_dir, **{'train.epochs': 1})
+    checkpoint = latest_checkpoint(str(run_dir))
+    progress = Progress(**read_meta(checkpoint)['progress'])
+    assert 0 < progress.wall_time_s <= first['wall_time_s']
+    progress.wall_time_s = 1000.0  # as if the first start had taken that long to reach its checkpoint
+    update_progress(checkpoint, progress)
+    start = time.perf_counter()
+    second = _run(data_dir, run_dir, resume='auto', **{'train.epochs': 2})
+    assert 1000.0 < second['wall_time_s'] <= 1000.0 + time.perf_counter() - start
+    assert json.load(open(run_dir / 'summary.json'))['wall_time_s'] == second['wall_time_s']
+    assert read_meta(latest_checkpoint(str(run_dir)))['progress']['wall_time_s'] > 1000.0
+
+
+def test_the_speed_of_a_resumed_epoch_counts_the_time_of_the_images_it_counts():
+    """A mid-epoch resume brings back the epoch's images so far; its speed must not divide them by this start's
+    seconds alone (the first progress lines after a resume showed many times the real img/s)."""
+    from lipsformer.training.loop import EpochTally
+    progress = Progress(epoch=0, batch_in_epoch=10, epoch_totals=[5.0, 10.0, 1000, 10.0, 0])
+    tally = EpochTally.start(torch.device('cpu'), progress, is_main=True)
+    tally.images += 8
+    assert tally.images_per_s() == pytest.approx(1008 / (10.0 + time.perf_counter() - tally.start_time), rel=1e-2)
+    assert tally.images_per_s() < 101

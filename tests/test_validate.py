@@ -542,3 +542,42 @@ def test_a_torchvision_dataset_through_timms_create_dataset(tmp_path, capsys):
     err = _fails(['--model', 'test_vit', '--checkpoint', checkpoint, '--num-classes', '4', '--dataset',
                   'torch/fashion_mnist', '--split', 'dev', '--data-dir', str(tmp_path / 'fm')], capsys)
     assert "--dataset torch/fashion_mnist: data.split: 'dev' is not a split" in err
+
+
+def test_an_unwritable_results_file_is_refused_before_the_evaluation(vit, tmp_path, capsys, monkeypatch):
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError('evaluated although the results file cannot be written')
+
+    monkeypatch.setattr('lipsformer.evaluation.validate_command._evaluate_model', no_evaluation)
+    base = [*vit.args, '--data-dir', vit.val]
+    err = _fails([*base, '--results-file', str(tmp_path)], capsys)
+    assert f'--results-file {str(tmp_path)!r} cannot be written: it is a folder' in err
+    a_file = tmp_path / 'a_file'
+    a_file.write_text('')
+    err = _fails([*base, '--results-file', str(a_file / 'results.json')], capsys)
+    assert f'{str(a_file)!r} is a file, not a folder' in err
+
+
+def test_a_failed_results_write_keeps_the_table_and_exits_as_train_py(vit, tmp_path, capsys, monkeypatch):
+    def read_only(path, records, results_format='json'):
+        raise OSError(30, 'Read-only file system', path)
+
+    monkeypatch.setattr('lipsformer.evaluation.validate_command.write_results', read_only)
+    results_file = str(tmp_path / 'results.json')
+    assert run_main([*vit.args, '--data-dir', vit.val, '--workers', '0', '--results-file', results_file]) == 4
+    out, err = capsys.readouterr()
+    header, row = out.splitlines()
+    assert header.split()[:2] == ['model', 'dataset'] and row.split()[:3] == ['test_vit', 'imagenet', 'val']
+    assert f'--results-file {results_file!r}: Read-only file system; the table above holds them' in err
+    assert 'Traceback' not in err
+
+
+def test_default_workers_fit_the_cpus_the_process_may_use():
+    from lipsformer.evaluation.validate_command import build_parser
+    assert build_parser().parse_args([]).workers == min(4, len(os.sched_getaffinity(0)))
+
+
+def test_a_rejected_model_keyword_is_a_one_line_error_naming_it(vit, capsys):
+    err = _fails(['--model', 'test_vit', '--checkpoint', vit.checkpoint, '--data-dir', vit.val, '--img-size', '32',
+                  '--model-kwargs', 'depth=1', 'window_size=7'], capsys)
+    assert "error: --model-kwargs: test_vit does not accept ['window_size'] (" in err and 'Traceback' not in err

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
+from .images import ImageMode
 from .splits import DatasetError
 
 __all__ = ['PAD_INDEX', 'ImageMode', 'RobustDataset', 'class_map_of', 'class_names_of', 'num_classes_of',
@@ -29,16 +29,6 @@ _MAX_CONSECUTIVE_BAD_IMAGES = 50
 
 # Index the evaluation sampler yields for padding; the dataset wrapper answers it with a sample labelled -1.
 PAD_INDEX = -1
-
-
-class ImageMode:
-    """Convert a PIL image to a colour mode (torchvision datasets hand out Fashion-MNIST as 'L')."""
-
-    def __init__(self, mode: str):
-        self.mode = mode
-
-    def __call__(self, image: Image.Image) -> Image.Image:
-        return image if image.mode == self.mode else image.convert(self.mode)
 
 
 def _mix(*values: int) -> int:

@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from timm.data import create_dataset
+from timm.data import ImageDataset, create_dataset
 from timm.data.readers.class_map import load_class_map
 from torch.utils.data import Dataset, IterableDataset
 from torchvision import transforms
 
-from .datasets import ImageMode, RobustDataset, class_map_of
+from .datasets import RobustDataset, class_map_of
 from .fashion_mnist import prepare_dataset
+from .images import ImageMode
 from .splits import (
     DatasetError,
     DatasetNotFoundError,
@@ -31,7 +32,7 @@ from .splits import (
     split_folder,
 )
 
-__all__ = ['DataSource', 'is_image_folder', 'open_split']
+__all__ = ['DataSource', 'decode_here', 'is_image_folder', 'open_split']
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,16 @@ class DataSource:
     @property
     def image_mode(self) -> str:
         return 'L' if self.in_chans == 1 else 'RGB'
+
+
+def decode_here(dataset: Dataset) -> bool:
+    """Make timm's map-style ``ImageDataset`` (folders, tars, Hugging Face data sets) hand over each file's bytes, for
+    the package's reader (:class:`~.images.ImageMode`) to decode: high-bit-depth images are scaled, not clipped, and a
+    decoding error reaches :class:`~.datasets.RobustDataset`'s log with its reason. Returns whether it did."""
+    if not isinstance(dataset, ImageDataset):
+        return False
+    dataset.load_bytes, dataset.input_img_mode = True, None
+    return True
 
 
 def is_image_folder(dataset: str) -> bool:
@@ -102,7 +113,7 @@ def open_split(source: DataSource, split: str, option: str, is_training: bool, t
         dataset = _open_folder_split(source, split, option, is_training, class_map, num_samples)
     else:
         dataset = _create(source, split, option, is_training, source.data_dir, source.class_map, num_samples)
-    if name.lower().startswith('torch/'):
+    if decode_here(dataset) or name.lower().startswith('torch/'):
         transform = transforms.Compose([ImageMode(source.image_mode), *getattr(transform, 'transforms', [transform])])
     dataset.transform = transform
     if isinstance(dataset, IterableDataset):

@@ -18,6 +18,7 @@ from ..data import (
     DatasetNotFoundError,
     RobustDataset,
     check_torchvision_split,
+    decode_here,
     num_classes_of,
     prepare_dataset,
     split_folder,
@@ -164,6 +165,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
     if isinstance(dataset, IterableDataset) or len(dataset) == 0:
         raise EvaluationError(f'--dataset {name}: the {split!r} split is empty or streamed; give a map-style dataset '
                               f'(torch/<name>, hfds/<name>)')
+    decode_here(dataset)  # EvalImageDataset reads the bytes with the package's reader
     root = request.data_dir or name
     return ImageList(root=root, paths=[f'{split}/{i}' for i in range(len(dataset))], targets=[], layout='dataset',
                      num_classes=num_classes_of(dataset) or 0, source=RobustDataset(dataset, is_training=False))

@@ -14,6 +14,8 @@ from PIL import Image
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
 
+from ..data import read_image
+
 __all__ = ['EvalImageDataset', 'InferenceSettings', 'Predictions', 'predict']
 
 _logger = logging.getLogger(__name__)
@@ -60,11 +62,9 @@ class EvalImageDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, bool, int]:
         if self.source is not None:
             image, target = self.source[index]
-            return self.transform(image.convert(self.mode)), index, target >= 0, target
+            return self.transform(read_image(image, self.mode)), index, target >= 0, target
         try:
-            with Image.open(self.paths[index]) as image:
-                image = image.convert(self.mode)
-            return self.transform(image), index, True, -1
+            return self.transform(read_image(self.paths[index], self.mode)), index, True, -1
         except _UNREADABLE_IMAGE_ERRORS as e:
             _logger.warning('skipping unreadable image %s: %s', self.paths[index], e)
             return torch.zeros(self.input_size), index, False, -1

@@ -10,15 +10,16 @@ Runs on one process, or sharded over devices with ``accelerate launch validate.p
 """
 import argparse
 import logging
+import os
 import sys
 
 import torch
 from accelerate import Accelerator
 from timm.data import resolve_input_data_config
-from timm.utils import ParseKwargs
 
-from ..model_names import UnknownModelError, expand_model_names
-from ..utils.cli import command_name
+from ..model_names import UnknownModelError, expand_model_names, unaccepted_kwargs
+from ..utils.cli import ModelKwargs, command_name
+from ..utils.io import unwritable_file_reason
 from ..utils.processes import end_processes, select_device, wants_cpu_group
 from ..weight_files import CheckpointError
 from .checkpoints import ResolvedCheckpoint, create_eval_model, resolve_checkpoint
@@ -34,6 +35,18 @@ _logger = logging.getLogger('lipsformer.evaluation')
 _BUNDLED_REAL_LABELS = 'bundled'
 _DATA_CONFIG_KEYS = ('img_size', 'input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
 _AMP_DTYPES = {'float16': 'fp16', 'bfloat16': 'bf16'}
+EXIT_BAD_INPUT, EXIT_OS_ERROR = 2, 4  # train.py's statuses for the same problems
+
+
+class ResultsNotWrittenError(Exception):
+    """Every model was evaluated but the results file could not be written: the records are kept for the table."""
+
+    def __init__(self, records: list[dict], accelerator: Accelerator, path: str, error: OSError):
+        super().__init__(f'the results could not be written to --results-file {path!r}: {error.strerror or error}; '
+                         f'the table above holds them (free space or fix the permissions, or give another '
+                         f'--results-file)')
+        self.records = records
+        self.accelerator = accelerator
 
 
 def _amp_precision(value: str) -> str:
@@ -42,6 +55,12 @@ def _amp_precision(value: str) -> str:
     if value not in ('bf16', 'fp16'):
         raise argparse.ArgumentTypeError(f'{value!r}: use bf16 or fp16 (or a bare --amp with --amp-dtype)')
     return value
+
+
+def _default_workers() -> int:
+    """timm's 4 loader workers, or fewer where the process may use fewer CPUs (more only contend for them, and torch
+    warns about them)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     'first value)')
     model.add_argument('--gp', metavar='POOL', help='global pool type of the head (avg, max, avgmax, ...), if not the '
                                                     'model default')
-    model.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+    model.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                        help='extra model constructor arguments')
     data = parser.add_argument_group('data')
     data.add_argument('--data-dir', help='ImageNet val in synset folders (any subset of the 1000 folders and of '
@@ -99,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_argument('--mean', type=float, nargs='+', help='normalisation mean')
     settings.add_argument('--std', type=float, nargs='+', help='normalisation std')
     settings.add_argument('--batch-size', '-b', type=int, default=256, help='images per batch and process (256)')
-    settings.add_argument('--workers', '-j', type=int, default=4, help='data loading workers per process (4)')
+    settings.add_argument('--workers', '-j', type=int, default=_default_workers(),
+                          help=f'data loading workers per process (4, or the CPUs this process may use when fewer: '
+                               f'{_default_workers()} here)')
     settings.add_argument('--amp', nargs='?', const=True, type=_amp_precision, metavar='{bf16,fp16}',
                           help='mixed precision: bare --amp uses --amp-dtype, as timm (fp16 needs a GPU)')
     settings.add_argument('--amp-dtype', choices=tuple(_AMP_DTYPES),
@@ -132,6 +153,10 @@ def _check_args(args: argparse.Namespace) -> None:
         args.data_dir = args.data
     if args.cpu and args.device not in (None, 'cpu'):
         raise EvaluationError(f'--cpu and --device {args.device} disagree; give one of them')
+    if args.results_file:
+        reason = unwritable_file_reason(args.results_file)
+        if reason:
+            raise EvaluationError(f'--results-file {args.results_file!r} cannot be written: {reason}')
     if args.pretrained and args.checkpoint:
         _logger.info('--pretrained with --checkpoint: the checkpoint\'s weights are evaluated (they replace every '
                      'pretrained one, as in timm)')
@@ -181,6 +206,11 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
     try:
         model, model_name = create_eval_model(
             model_name, checkpoint, pretrained=checkpoint is None, model_kwargs=model_kwargs, img_size=args.img_size)
+    except TypeError as e:
+        if 'keyword argument' not in str(e):
+            raise
+        raise EvaluationError(f'--model-kwargs: {model_name or "the model"} does not accept '
+                              f'{unaccepted_kwargs(e, model_kwargs)} ({e})') from e
     except RuntimeError as e:
         if checkpoint is None and 'No pretrained weights exist' in str(e):
             raise EvaluationError(f'{model_name} has no pretrained weights registered with timm; pass --checkpoint '
@@ -233,29 +263,41 @@ def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:
     passes = plan_datasets(DataRequest(args.data_dir, args.data_layout, real_labels, tuple(args.v2_dir), class_names,
                                        args.dataset, args.split, args.dataset_download))
     accelerator = _make_accelerator(args)
-    records = []
+    records, write_error = [], None
     for name in model_names:
         records.append(_evaluate_model(name, checkpoint, args, passes, accelerator))
         if args.results_file and accelerator.is_main_process:
-            write_results(args.results_file, records, args.results_format)
+            try:
+                write_results(args.results_file, records, args.results_format)
+                write_error = None
+            except OSError as e:  # the next model's write may succeed; the last failure is reported after all
+                write_error = e
+    if write_error is not None:
+        raise ResultsNotWrittenError(records, accelerator, args.results_file, write_error)
     return records, accelerator
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit status (2 for bad input, with the reason on stderr)."""
+    """Entry point; returns the process exit status: 2 for bad input, 4 when the results file could not be written
+    after the evaluation (the table is printed first), with the reason on stderr."""
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         records, accelerator = run(args)
+        write_error = None
     except (EvaluationError, CheckpointError) as e:
         print(f'{parser.prog}: error: {e}', file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except ResultsNotWrittenError as e:
+        records, accelerator, write_error = e.records, e.accelerator, e
     if accelerator.is_main_process:
         print(format_table(records))
-        if args.results_file:
+        if write_error is not None:
+            print(f'{parser.prog}: error: {write_error}', file=sys.stderr)
+        elif args.results_file:
             _logger.info('results written to %s', args.results_file)
     # Shut a launched run's process group down before the interpreter exits: gloo's threads, torn down at exit
     # instead, can abort a rank (SIGABRT) after its results were written.
     end_processes(accelerator)
-    return 0
+    return 0 if write_error is None else EXIT_OS_ERROR

@@ -7,8 +7,9 @@ The same products, summed in another order. On CPU, PyTorch computes ``F.linear`
 channels-last 1x1 convolution with oneDNN's JIT kernels, which are faster for the tall products of a vision
 transformer (thousands of tokens, a few hundred channels) on the CPUs measured in docs/performance.md; the backward
 goes through oneDNN's convolution backward (input and weight gradients in one call). The choice depends on the
-device and dtype only, never on the number of rows (a batch or token count that export keeps dynamic): elsewhere
-(GPU, other dtypes, autocast) it is ``F.linear`` and a matrix product. Only the blocks' token-wise layers come here;
+device and dtype only, never on the number of rows (a batch or token count that export keeps dynamic), but for an
+empty input (a batch of 0), which oneDNN's convolution refuses: elsewhere (GPU, other dtypes, autocast, no rows) it is
+``F.linear`` and a matrix product. Only the blocks' token-wise layers come here;
 a classifier head or a pooled batch, a few rows, keeps its module.
 """
 
@@ -22,7 +23,7 @@ _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
 def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() > 1 and x.device.type == 'cpu' and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu') and _ONEDNN_AVAILABLE)
+            and not torch.is_autocast_enabled('cpu') and _ONEDNN_AVAILABLE and x.numel() != 0)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

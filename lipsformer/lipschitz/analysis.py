@@ -21,7 +21,7 @@ from timm.layers import to_2tuple
 
 from .empirical import capture_inputs, difference_quotient_ascent, explicit_attention, frozen, jacobian_norm
 from .sources import MeasuredNorms, NormSource
-from .structure import Entry, describe
+from .structure import Entry, describe, require_lipsformer
 
 __all__ = ['analyze', 'network_bound']
 
@@ -133,8 +133,9 @@ def analyze(
     """Bounds and empirical estimates of the Lipschitz constant of a LipsFormer model and of each of its branches.
 
     Args:
-        model: A lipsformer_swin_* or lipsformer_cswin_* model (put in eval mode). Many small operations: on a
-            busy CPU one thread (``torch.set_num_threads(1)``) can be much faster.
+        model: A lipsformer_swin_* or lipsformer_cswin_* model (put in eval mode; any other is refused with a
+            TypeError). Many small operations: on a busy CPU one thread (``torch.set_num_threads(1)``) can be much
+            faster.
         img_size: Input size; None for the model's default.
         empirical: Also measure (power iteration on the Jacobian, gradient ascent, per-branch estimates).
         iterations: Power iterations on the network's Jacobian.
@@ -150,6 +151,7 @@ def analyze(
         ``plain_layers``. Infinite values mean unbounded; a network bound beyond
         float64 is a string '10^x'.
     """
+    require_lipsformer(model)
     model.eval()
     size = to_2tuple(img_size) if img_size is not None else tuple(model.patch_embed.img_size)
     model._check_img_size(size)

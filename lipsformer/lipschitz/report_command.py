@@ -1,23 +1,26 @@
-"""Command line: ``python -m lipsformer.lipschitz --model NAME [--checkpoint PATH] [--img-size N] [--json OUT]``.
+"""Command line: ``python -m lipsformer.lipschitz --model NAME [--checkpoint PATH [--use-ema]] [--img-size N]
+[--json OUT]``.
 
 Prints each weighted-residual branch's alpha, its Lipschitz bound (true conv operator norms, and the paper's reshaped
 ones), the theorem behind it and an empirical local estimate, then the network's Theorem 2 bound, its exp(kappa)
 form, its drop-path expectation and empirical estimates; ``--json`` writes the same as JSON, infinite bounds as the
-string "unbounded".
+string "unbounded". The report's first line says which weights were measured.
+
+``--checkpoint`` and ``--use-ema`` are read as validate.py reads them (a run folder, an export, a weights file, their
+EMA weights), and so is ``--model-kwargs``; a ``local-dir:`` model is its export folder, EMA weights included.
 """
 import argparse
 import math
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-import yaml
 
+from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from ..model_names import create_model, expand_model_names, model_source
-from ..utils.cli import HelpFormatter, command_name
-from ..utils.io import write_json
-from ..weight_files import CheckpointError, load_model_weights
+from ..utils.cli import HelpFormatter, ModelKwargs, command_name
+from ..utils.io import unwritable_file_reason, write_json
+from ..weight_files import CheckpointError
 from .analysis import analyze
 
 __all__ = ['build_parser', 'format_report', 'main', 'to_json']
@@ -26,15 +29,18 @@ __all__ = ['build_parser', 'format_report', 'main', 'to_json']
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=command_name('lipsformer.lipschitz'), description=__doc__.split('\n\n')[1],
                                      formatter_class=HelpFormatter)
-    parser.add_argument('--model', required=True, help='timm model name, e.g. lipsformer_swin_tiny, or one with its '
-                                                       'weights: local-dir:FOLDER, hf-hub:REPO_ID')
-    parser.add_argument('--checkpoint', help='weights to analyse (any file lipsformer.weight_files reads); default: '
-                                             'the model at initialisation')
-    parser.add_argument('--use-ema', action='store_true', help='take the EMA weights from the checkpoint')
+    parser.add_argument('--model', help='timm model name, e.g. lipsformer_swin_tiny, or one with its weights: '
+                                        'local-dir:FOLDER, hf-hub:REPO_ID; optional when --checkpoint names its model '
+                                        '(a run folder, an export)')
+    parser.add_argument('--checkpoint', help='weights to analyse: anything validate.py\'s --checkpoint takes (a run '
+                                             'folder, an export, a weights file); default: the model at '
+                                             'initialisation, or a local-dir: / hf-hub: model\'s weights')
+    parser.add_argument('--use-ema', action='store_true', help='analyse the EMA weights of --checkpoint or of a '
+                                                               'local-dir: export')
     parser.add_argument('--img-size', type=int, help='input size (a multiple of 32); default: the model\'s')
-    parser.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE',
-                        help='architecture arguments for timm.create_model, values parsed as YAML '
-                             '(attn_type=l2 norm_layer=layer num_classes=10 ...)')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
+                        help='architecture arguments for timm.create_model, each value a Python literal, else a '
+                             'string, as validate.py reads them (depths=1,1,2,1 attn_type=l2 num_classes=10 ...)')
     parser.add_argument('--json', metavar='OUT', help='also write the report to this JSON file')
     parser.add_argument('--iterations', type=int, default=10, help='power iterations on the network Jacobian')
     parser.add_argument('--ascent-steps', type=int, default=10, help='Adam steps of the gradient ascent (0: skip)')
@@ -46,16 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_kwargs(items: Sequence[str]) -> dict[str, Any]:
-    kwargs = {}
-    for item in items:
-        key, sep, value = item.partition('=')
-        if not sep or not key:
-            raise ValueError(f'--model-kwargs {item!r} is not KEY=VALUE (e.g. attn_type=l2)')
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs
-
-
 def _number(value: float | str | None, digits: int = 4) -> str:
     if value is None or isinstance(value, str):
         return value or '-'
@@ -64,8 +60,9 @@ def _number(value: float | str | None, digits: int = 4) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table of branches and a summary of the network."""
-    lines = [f'Lipschitz analysis of {report["model"]} at {report["img_size"][0]}x{report["img_size"][1]}'
-             + (f' ({report["checkpoint"]})' if report.get('checkpoint') else ' (at initialisation)'), '',
+    weights = report.get('weights') or report.get('checkpoint') or 'at initialisation'
+    lines = [f'Lipschitz analysis of {report["model"]} at {report["img_size"][0]}x{report["img_size"][1]} '
+             f'({weights})', '',
              f'{"branch":42} {"alpha":>7} {"bound":>10} {"reshaped":>10} {"empirical":>10} {"factor":>10}  why']
     for row in report['branches']:
         lines.append(f'{row["name"]:42} {_number(row["alpha"], 3):>7} {_number(row["lipschitz_bound"]):>10} '
@@ -112,27 +109,63 @@ def to_json(value: Any) -> Any:
     return value
 
 
+def load_analysed_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
+    """The model ``args`` name, with its weights, and what those weights are (for the report's header).
+
+    Raises:
+        ValueError: The arguments name no model, several, or EMA weights that are not there (EvaluationError).
+        CheckpointError: The weights do not fit the model.
+    """
+    kwargs = dict(args.model_kwargs)
+    if args.img_size is not None:
+        kwargs['img_size'] = args.img_size
+    model_name, checkpoint = args.model, args.checkpoint
+    if model_name and model_source(model_name) == 'local-dir' and not checkpoint:
+        # An export folder: read as --checkpoint FOLDER reads it, so that --use-ema takes its EMA twin.
+        model_name, checkpoint = None, model_name.split(':', 1)[1]
+    if model_name is None and checkpoint is None:
+        raise ValueError('give --model, --checkpoint, or both')
+    if args.use_ema and checkpoint is None:
+        raise ValueError(f'--use-ema needs --checkpoint (or a local-dir: model) with EMA weights; {model_name} '
+                         f'alone has none')
+    if model_name and len(expand_model_names(model_name)) != 1:  # an unknown name raises, naming close ones
+        raise ValueError(f'--model {model_name!r} names several models; the report is of one')
+    if checkpoint is None:
+        pretrained = bool(model_source(model_name))
+        model = create_model(model_name, pretrained=pretrained, **kwargs)
+        return model, f'the weights of {model_name}' if pretrained else 'at initialisation'
+    resolved = resolve_checkpoint(checkpoint, args.use_ema)
+    model, _ = create_eval_model(model_name, resolved, model_kwargs=kwargs)
+    weights = resolved.weights + (' (its EMA entry)' if resolved.ema_entry else '')
+    return model, f'EMA weights: {weights}' if args.use_ema else weights
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Entry point; returns the exit status: 2 for bad input, 4 when the ``--json`` file could not be written (the
+    report is printed first)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        kwargs = _model_kwargs(args.model_kwargs)
-        if args.img_size is not None:
-            kwargs['img_size'] = args.img_size
-        if len(expand_model_names(args.model)) != 1:  # an unknown name raises, naming close ones
-            raise ValueError(f'--model {args.model!r} names several models; the report is of one')
-        # A local-dir: or hf-hub: name means its weights, unless --checkpoint gives others.
-        model = create_model(args.model, pretrained=bool(model_source(args.model)) and not args.checkpoint, **kwargs)
-        if args.checkpoint:
-            load_model_weights(model, args.checkpoint, use_ema=args.use_ema)
+        if args.json and unwritable_file_reason(args.json):
+            raise ValueError(f'--json {args.json!r} cannot be written: {unwritable_file_reason(args.json)}')
+        model, weights = load_analysed_model(args)
         report = analyze(model, args.img_size, empirical=not args.no_empirical, iterations=args.iterations,
                          ascent_steps=args.ascent_steps, branch_iterations=args.branch_iterations, seed=args.seed)
     except (ValueError, TypeError, CheckpointError) as e:
-        print(f'error: {e}', file=sys.stderr)
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
         return 2
     report['checkpoint'] = args.checkpoint
+    report['weights'] = weights
+    report['use_ema'] = args.use_ema
     print(format_report(report))
     if args.json:
-        write_json(args.json, to_json(report))
+        try:
+            write_json(args.json, to_json(report))
+        except OSError as e:
+            print(f'{parser.prog}: error: the report could not be written to --json {args.json!r}: '
+                  f'{e.strerror or e}; it is printed above (free space or fix the permissions, or give another '
+                  f'--json)', file=sys.stderr)
+            return 4
     return 0

@@ -21,7 +21,7 @@ from .attention_bounds import Bound, mixer_bound, stripe_sizes
 from .norms import activation_lipschitz
 from .sources import NormSource
 
-__all__ = ['Entry', 'Residual', 'describe']
+__all__ = ['Entry', 'Residual', 'describe', 'require_lipsformer']
 
 # Lipschitz constant of timm's global pools over T tokens (2-norm): a mean is 1/sqrt(T), a max 1.
 _POOL_GAINS = {
@@ -180,10 +180,22 @@ def _head(model: nn.Module, tokens: int) -> list[Entry]:
     return entries
 
 
+def require_lipsformer(model: nn.Module) -> None:
+    """Refuse a model the analysis cannot describe: one without LipsFormer's stages of weighted residual blocks.
+
+    Raises:
+        TypeError: ``model`` is not a lipsformer_swin_* / lipsformer_cswin_* model.
+    """
+    blocks = [block for stage in getattr(model, 'stages', ()) for block in getattr(stage, 'blocks', ())]
+    if not (hasattr(model, 'patch_embed') and blocks and all(hasattr(block, 'conv_shortcuts') for block in blocks)):
+        name = getattr(model, 'pretrained_cfg', {}).get('architecture', type(model).__name__)
+        raise TypeError(f'{name} is not a LipsFormer model: the analysis bounds the weighted residual branches of '
+                        f'lipsformer_swin_* and lipsformer_cswin_* models only')
+
+
 def describe(model: nn.Module, img_size: tuple[int, int]) -> list[Entry]:
     """The chain of maps of a LipsFormer model (Swin or CSwin) on ``img_size`` images, input to output."""
-    if not (hasattr(model, 'patch_embed') and hasattr(model, 'stages')):
-        raise TypeError(f'{type(model).__name__} is not a LipsFormer model (lipsformer_swin_* / lipsformer_cswin_*)')
+    require_lipsformer(model)
     patch = model.patch_embed.patch_size
     size = (img_size[0] // patch[0], img_size[1] // patch[1])
     entries = _stem(model, img_size)

@@ -331,6 +331,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     elif annotation is str:
         if isinstance(value, str):
             return value
+    if value is None:  # key= on the command line, or a key with nothing after its colon
+        empty = f': {key}="\'\'" gives an empty string' if annotation is str else ''
+        raise ConfigError(f'{key}: got an empty value (YAML null); expected {_describe(annotation)}{empty}')
     raise ConfigError(f'{key}: got {value!r} ({type(value).__name__}); expected {_describe(annotation)}')
 
 

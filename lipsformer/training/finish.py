@@ -37,7 +37,8 @@ PLOTS_DIR = 'plots'
 
 
 def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any]:
-    """Export the weights, draw the plots and write ``summary.json`` (on the main process)."""
+    """Export the weights, draw the plots and write ``summary.json`` (on the main process); ``wall_time`` is the
+    run's, over all its starts."""
     accelerator, config = session.accelerator, session.config
     # With FSDP each process holds a shard, so there is nothing to compare.
     digests = [] if is_sharded(accelerator) else gather_object([_weights_digest(session.unwrapped_model)])

@@ -78,6 +78,10 @@ class EpochTally:
             tally.images, tally.earlier_seconds = int(images), seconds
         return tally
 
+    def images_per_s(self) -> float:
+        """The epoch's speed so far: its images over its seconds, of the starts before a resume too."""
+        return self.images / max(self.earlier_seconds + time.perf_counter() - self.start_time, 1e-9)
+
     def mean_loss(self) -> torch.Tensor:
         return self.loss_sum / self.loss_count.clamp(min=1)
 
@@ -250,7 +254,7 @@ def _report(session: Session, bar: tqdm | None, tally: EpochTally, lr: float, gr
     if accelerator.num_processes > 1:
         step_loss = accelerator.reduce(step_loss, reduction='mean')
     step_loss, loss = step_loss.item(), tally.mean_loss().item()
-    speed = tally.images / max(time.perf_counter() - tally.start_time, 1e-9)
+    speed = tally.images_per_s()
     if bar is not None:
         bar.set_postfix(loss=f'{loss:.4f}', lr=f'{lr:.3g}', img_s=f'{speed:.0f}')
     values = {'train/step_loss': step_loss, 'train/lr': lr, 'train/images_per_s': speed}

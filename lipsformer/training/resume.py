@@ -8,7 +8,10 @@
   another batch layout.
 - Applied and said: the optimizer's settings (weight decay, betas, eps, momentum, ...) are the config's, and those
   that differ from the checkpoint's are logged; a changed schedule follows the config; every other changed key is
-  listed.
+  listed with its old and new value and the step it applies from, and ``config.yaml`` takes the new values while the
+  previous one is kept as ``config.before_step_<step>.yaml``.
+- Refused as well: changed keys on a run that has finished all its epochs, since nothing would train with them while
+  ``config.yaml`` (which repeats the run) would claim them.
 - An explicit ``--resume`` of an older checkpoint abandons the run's newer ones: they are moved to
   ``checkpoints/abandoned/``, so that a later ``--resume auto`` continues this branch, not the abandoned one.
 """
@@ -20,7 +23,8 @@ import torch
 
 from ..weight_files import CheckpointError
 from .config_io import config_to_dict, flat_dict
-from .optim import best_metric_name
+from .optim import best_metric_name, total_epochs
+from .run_files import earlier_config_name
 from .session import Session
 from .train_state import (
     SavedState,
@@ -50,8 +54,11 @@ def resume_session(session: Session, candidates: list[str], explicit: bool) -> N
     """
     saved = _first_readable(session, candidates, explicit)
     _check_fits(saved, session)
+    changed = _changed_keys(saved.meta.get('config', {}), config_to_dict(session.config))
+    _check_something_trains(saved, session, changed)
     changed_settings = restore_checkpoint(saved, session.training_objects())
     progress = session.progress = saved.progress
+    session.earlier_wall_time_s = progress.wall_time_s
     session.scheduler.step_update(num_updates=progress.step)
     session.last_checkpoint = saved.folder
     in_this_run = os.path.dirname(os.path.abspath(saved.folder)) == os.path.abspath(checkpoints_root(session.run_dir))
@@ -59,9 +66,10 @@ def resume_session(session: Session, candidates: list[str], explicit: bool) -> N
     if changed_settings:
         _logger.warning('the optimizer continues with the config\'s settings, not the checkpoint\'s: %s',
                         '; '.join(changed_settings))
-    changed = _changed_keys(saved.meta.get('config', {}), config_to_dict(session.config))
     if changed:
-        _logger.warning('resuming with config keys changed since the checkpoint: %s', ', '.join(changed))
+        _logger.warning('resuming with config keys changed since the checkpoint, applied from step %d: %s; '
+                        'config.yaml holds them, %s what the steps before used', progress.step, ', '.join(changed),
+                        earlier_config_name(progress.step))
     if session.accelerator.is_main_process:
         if explicit:
             _abandon_newer(session.run_dir, progress.position())
@@ -121,6 +129,17 @@ def _check_fits(saved: SavedState, session: Session) -> None:
     _check_geometry(saved, session)
 
 
+def _check_something_trains(saved: SavedState, session: Session, changed: list[str]) -> None:
+    """Refuse changed keys on a run that has trained all its epochs: nothing would train with them."""
+    epochs = total_epochs(session.config)
+    if changed and saved.progress.epoch >= epochs:
+        raise CheckpointError(
+            f'{session.run_dir!r} has finished its {epochs} epoch(s): nothing would train with the changed keys '
+            f'({", ".join(changed)}), and its config.yaml, which repeats the run, would no longer say how it was '
+            f'trained. Resume without them, raise train.epochs to train on with them, or start a new run from its '
+            f'weights with model.init_checkpoint={os.path.join(saved.folder, "model.safetensors")}')
+
+
 def _head(names: list[str], limit: int = 6) -> str:
     return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '')
 
@@ -139,8 +158,10 @@ def _check_geometry(saved: SavedState, session: Session) -> None:
 
 
 def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: old -> new`` for each key whose value differs between the checkpoint's config and the current one."""
     saved_flat, current_flat = flat_dict(saved), flat_dict(current)
-    return sorted(k for k in set(saved_flat) | set(current_flat) if saved_flat.get(k) != current_flat.get(k))
+    return [f'{k}: {saved_flat.get(k)} -> {current_flat.get(k)}' for k in sorted(set(saved_flat) | set(current_flat))
+            if saved_flat.get(k) != current_flat.get(k)]
 
 
 def _abandon_newer(run_dir: str, position: tuple[int, int, int]) -> None:

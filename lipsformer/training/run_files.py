@@ -59,14 +59,23 @@ def check_run_folder_shared(accelerator: Any, run_dir: str) -> None:
             f'and read by all)')
 
 
-def write_config(config: Config, run_dir: str) -> None:
-    """Write ``config.yaml``; an earlier, different one is kept as ``config.<time>.yaml``."""
+def earlier_config_name(step: int) -> str:
+    """The name ``config.yaml`` is kept under when a resume at ``step`` changes the config."""
+    return f'config.before_step_{step:08d}.yaml'
+
+
+def write_config(config: Config, run_dir: str, from_step: int = 0) -> None:
+    """Write ``config.yaml``, the config of the steps from ``from_step`` on; an earlier, different one is kept as
+    ``config.before_step_<from_step>.yaml`` (with the time appended when that name is taken)."""
     path = os.path.join(run_dir, CONFIG_FILE)
     if os.path.isfile(path):
         with open(path) as f:
             if yaml.safe_load(f) == config_to_dict(config):
                 return
-        os.rename(path, os.path.join(run_dir, f'config.{time.strftime("%Y%m%d-%H%M%S")}.yaml'))
+        earlier = os.path.join(run_dir, earlier_config_name(from_step))
+        if os.path.exists(earlier):
+            earlier = earlier.replace('.yaml', f'.{time.strftime("%Y%m%d-%H%M%S")}.yaml')
+        os.rename(path, earlier)
     dump_config(config, path)
 
 

@@ -2,10 +2,13 @@
 the run has ended.
 
 The lock is an advisory ``flock`` on that file, which the kernel releases when its holder ends however it ends (a kill
--9, a node that reboots): a later start takes it over and says whose it was. The file also names its holder (host,
-pid, start time) for the message that refuses a second start. Where the file system has no ``flock`` (some network and
-FUSE file systems), a warning says so and the file's contents decide: a holder that still runs on this host keeps the
-folder; a dead one's is taken over; one on another host keeps it until the file is removed.
+-9, a node that reboots): a later start takes it over and says whose it was. A ``flock`` belongs to the open file, and
+a forked child (a DataLoader worker) would share it and keep the folder locked after the holder died, until it
+noticed (never, if it is stopped); so every child forked from the holder closes its copy of the descriptor at once.
+The file also names its holder (host, pid, start time) for the message that refuses a second start. Where the file
+system has no ``flock`` (some network and FUSE file systems), a warning says so and the file's contents decide: a
+holder that still runs on this host keeps the folder; a dead one's is taken over; one on another host keeps it until
+the file is removed.
 
 The file is never replaced or removed (a lock on a replaced file would lock nothing): a holder rewrites its contents.
 """
@@ -26,6 +29,17 @@ _logger = logging.getLogger(__name__)
 LOCK_FILE = '.lock'
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # the file system cannot flock
 _POLL_S = 1.0
+_HELD: set[int] = set()  # descriptors of the locks this process holds, closed in every child it forks
+
+
+def _close_held_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunFolderInUseError(RuntimeError):
@@ -61,9 +75,11 @@ class RunLock:
         """
         os.makedirs(self.run_dir, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # as open() makes any file
+        _HELD.add(fd)  # before the lock is taken: a fork from another thread meanwhile must not inherit it
         try:
             previous = self._take(fd)
         except BaseException:
+            _HELD.discard(fd)
             os.close(fd)
             raise
         self._fd = fd
@@ -77,6 +93,7 @@ class RunLock:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
+        _HELD.discard(self._fd)
         os.close(self._fd)  # closing the only descriptor of the open file releases the flock
         self._fd = None
 

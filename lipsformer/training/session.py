@@ -19,6 +19,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,13 @@ from timm.utils import ModelEmaV3
 
 from ..cpu_memory import retain_freed_memory
 from ..data import class_map_of, class_names_of, num_classes_of
-from ..model_names import ModelSourceError, check_model_source, classifier_reset_note, model_source
+from ..model_names import (
+    ModelSourceError,
+    check_model_source,
+    classifier_reset_note,
+    model_source,
+    unaccepted_kwargs,
+)
 from ..model_names import create_model as create_timm_model
 from ..utils.processes import check_process_group, select_device, wants_cpu_group
 from ..weight_files import check_state_dict, extract_state_dict, load_file
@@ -75,6 +82,12 @@ class Session:
     last_checkpoint: str | None = None
     saved_at: tuple[int, int, int] | None = None  # the progress position of this run's last checkpoint
     tally: Any = None  # the running totals of the epoch in training (loop.EpochTally)
+    started_at: float = field(default_factory=time.perf_counter)  # this start's, on time.perf_counter's clock
+    earlier_wall_time_s: float = 0.0  # what the earlier starts took, up to the checkpoint resumed from
+
+    def wall_time_s(self) -> float:
+        """Wall time of the run so far: the earlier starts' and this one's."""
+        return self.earlier_wall_time_s + time.perf_counter() - self.started_at
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -99,6 +112,7 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
 
     Raises:
         LaunchError: The processes launched would each train alone.
+        ConfigError: fp16 on a CPU (which would train in fp32), or a device that is not there.
     """
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
@@ -114,6 +128,10 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
         project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     check_process_group(accelerator)
+    if accelerator.mixed_precision == 'fp16' and accelerator.device.type == 'cpu':
+        raise ConfigError('train.mixed_precision fp16 (--amp) runs only on a GPU: on a CPU Accelerate trains in fp32 '
+                          'while the run would record fp16. Use bf16 (--amp --amp-dtype bfloat16, or '
+                          'train.mixed_precision=bf16), or fp32 (--no-amp)')
     if config.train.cpu_retain_freed_memory and accelerator.device.type == 'cpu':
         retain_freed_memory()
     return accelerator
@@ -196,7 +214,8 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
     try:
         model = create_timm_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
     except TypeError as e:
-        raise ConfigError(f'model.kwargs: {settings.name} does not accept {sorted(settings.kwargs)} ({e})') from e
+        raise ConfigError(f'model.kwargs: {settings.name} does not accept '
+                          f'{unaccepted_kwargs(e, settings.kwargs)} ({e})') from e
     except ModelSourceError as e:
         raise ConfigError(f'model.name: {e}') from e
     except ValueError as e:

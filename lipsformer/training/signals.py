@@ -15,6 +15,10 @@ from types import FrameType
 _logger = logging.getLogger(__name__)
 
 
+class SecondInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C while a stop is already under way: abort without saving."""
+
+
 class StopSignal:
     """Records a SIGTERM / SIGINT while installed (use as a context manager)."""
 
@@ -41,7 +45,7 @@ class StopSignal:
         name = signal.Signals(signum).name
         if self.received is not None:
             if signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                raise SecondInterrupt
             _logger.warning('received %s again: already stopping after saving a checkpoint (Ctrl-C aborts without '
                             'saving)', name)
             return

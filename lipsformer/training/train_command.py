@@ -20,13 +20,14 @@ from timm.utils import ParseKwargs
 
 from ..data import DatasetError
 from ..utils.cli import command_name
-from ..utils.io import os_error_in_chain
+from ..utils.io import os_error_in_chain, unusable_folder_reason
 from ..utils.processes import LaunchError
 from ..weight_files import CheckpointError
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
 from .run_lock import RunFolderInUseError
+from .signals import SecondInterrupt
 from .trackers import chosen_trackers
 from .trainer import train
 
@@ -56,7 +57,8 @@ Exit status (the last log line gives the reason):
   3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
   4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
        from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
-  130  a second Ctrl-C aborted without saving; the checkpoints saved before are whole
+  130  Ctrl-C aborted without saving (a second one during training, or one during set-up or the final export);
+       the checkpoints saved before are whole
 """
 
 
@@ -353,7 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(config_to_yaml(config), end='')
         return 0
-    return _train(config, run_folder(args), args.resume, is_main, args)
+    output = run_folder(args)
+    problem = unusable_folder_reason(output)
+    if problem:
+        return _fail(EXIT_BAD_INPUT, f'--output {output!r} cannot be a run folder: {problem}; give a folder')
+    return _train(config, output, args.resume, is_main, args)
 
 
 def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
@@ -364,9 +370,12 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
         return _fail(EXIT_DIVERGED, f'training diverged: {e}')
-    except KeyboardInterrupt:
+    except SecondInterrupt:
         return _fail(EXIT_ABORTED, 'aborted by a second Ctrl-C without saving; --resume auto continues from the last '
                                    'checkpoint saved')
+    except KeyboardInterrupt:  # before the loop's stop handler was installed, or after it was removed
+        return _fail(EXIT_ABORTED, 'interrupted by Ctrl-C outside the training loop (set-up or the final export), '
+                                   'without saving; --resume auto continues from the last checkpoint saved')
     except Exception as e:
         system_error = os_error_in_chain(e)
         if system_error is not None:

@@ -72,6 +72,8 @@ class Progress:
         epoch_totals: In a mid-epoch checkpoint, the epoch's running loss sum and count over all processes, images,
             seconds and unreadable images skipped so far (so that the resumed epoch reports what an uninterrupted one
             would), else None.
+        wall_time_s: Seconds of wall time the run's starts took to reach this state (a start that ended without
+            saving counts up to its last checkpoint).
     """
     epoch: int = 0
     batch_in_epoch: int = 0
@@ -83,6 +85,7 @@ class Progress:
     history: list[dict[str, Any]] = field(default_factory=list)
     unscored: dict[str, Any] | None = None
     epoch_totals: list[float] | None = None
+    wall_time_s: float = 0.0
 
     def position(self) -> tuple[int, int, int]:
         """Where training stands, as checkpoints are ordered: (step, epoch, batch_in_epoch)."""
@@ -276,6 +279,9 @@ def checkpoints_to_resume(run_dir: str, resume: str | None) -> list[str]:
         found = [folder for _, folder in reversed(list_checkpoints(run_dir))]
         _logger.info('resume auto: %s', f'continuing from {found[0]}' if found else 'no checkpoint yet, starting fresh')
         return found
+    if os.path.isfile(resume):
+        raise CheckpointError(f'--resume {resume!r} is a file; give the checkpoint folder that holds it '
+                              f'({os.path.dirname(os.path.abspath(resume))!r}), a run folder or auto')
     if not os.path.isdir(resume):
         raise CheckpointError(f'--resume {resume!r}: no such folder; give a checkpoint folder, a run folder or auto')
     if os.path.isfile(os.path.join(resume, META_FILE)):

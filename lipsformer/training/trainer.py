@@ -105,16 +105,17 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         log_handler = attach_log_file(run_dir, accelerator.is_main_process)
         _say_distribution(accelerator)
         session = create_session(config, run_dir, accelerator, trusted_callables)
+        session.started_at = start_time
         if candidates:
             resume_session(session, candidates, explicit=resume != 'auto')
         metrics = MetricsFile(run_dir)
         if accelerator.is_main_process:
-            write_config(config, run_dir)
+            write_config(config, run_dir, session.progress.step)
             metrics.reset(session.progress.history)
         start_trackers(accelerator, config, run_dir)
         with StopSignal() as stop:
             status = _run_epochs(session, stop, metrics)
-        summary = finish_run(session, status, time.perf_counter() - start_time)
+        summary = finish_run(session, status, session.wall_time_s())
         del session  # the DDP wrapper, before the process group goes
         end_processes(accelerator)
         return summary
@@ -263,6 +264,7 @@ def _save(session: Session, name: str) -> bool:
         return False
     if progress.batch_in_epoch:
         progress.epoch_totals = session.tally.totals(session.accelerator)
+    progress.wall_time_s = session.wall_time_s()
     meta = dict(geometry=session.geometry(), config=config_to_dict(session.config), time=time.time(),
                 model=dict(name=session.config.model.name, kwargs=session.model_kwargs,
                            class_names=session.class_names))

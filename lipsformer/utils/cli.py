@@ -1,9 +1,13 @@
-"""What the package's command lines share: the command's name as the user ran it, and help with real defaults."""
+"""What the package's command lines share: the command's name as the user ran it, help with real defaults, and
+``--model-kwargs`` read one way everywhere."""
 import argparse
 import os
 import sys
+from typing import Any
 
-__all__ = ['HelpFormatter', 'command_name']
+from timm.utils import ParseKwargs
+
+__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name']
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,3 +34,24 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default in ([], {}, ''):
             return action.help
         return super()._get_help_string(action)
+
+
+class ModelKwargs(ParseKwargs):
+    """``--model-kwargs KEY=VALUE ...`` as timm's scripts read it (each value a Python literal, else a string:
+    ``depths=2,2,6,2`` is a tuple, ``attn_type=l2`` a string); an item that is not KEY=VALUE, or YAML's ``true`` /
+    ``false`` / ``null`` for Python's literals, is a usage error naming it, not a traceback or a silent string."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        bad = [item for item in values if item and ('=' not in item or not item.partition('=')[0].isidentifier())]
+        if bad:
+            parser.error(f'{option_string} {bad[0]!r} is not KEY=VALUE (e.g. depths=2,2,6,2 attn_type=l2)')
+        # YAML's words would be read as strings, and the string 'false' is true: say how to write the literal.
+        words = {'true': 'True', 'false': 'False', 'null': 'None', 'none': 'None'}
+        yaml_like = [item for item in values if item.partition('=')[2].lower() in words
+                     and item.partition('=')[2] not in words.values()]
+        if yaml_like:
+            key, _, value = yaml_like[0].partition('=')
+            parser.error(f'{option_string} {yaml_like[0]!r}: values are Python literals; write '
+                         f'{key}={words[value.lower()]}')
+        super().__call__(parser, namespace, values, option_string)

@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
@@ -27,7 +28,7 @@ from safetensors.torch import save_file
 
 __all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'fsync_dir', 'os_error_in_chain',
            'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
-           'write_json', 'write_text']
+           'unusable_folder_reason', 'unwritable_file_reason', 'write_json', 'write_text']
 
 _logger = logging.getLogger(__name__)
 
@@ -71,6 +72,45 @@ def atomic_open(path: str | os.PathLike, mode: str = 'w') -> Iterator[IO]:
     text = {} if 'b' in mode else {'encoding': 'utf-8', 'newline': ''}
     with atomic_path(path) as temporary, open(temporary, mode, **text) as f:
         yield f
+
+
+def unwritable_file_reason(path: str | os.PathLike) -> str | None:
+    """Why a file cannot be written at ``path``, or None when a write there would succeed as far as can be told
+    beforehand (a disk that fills up later still fails the write itself).
+
+    Folders that do not exist yet count as writable when their nearest existing parent is: the writers here create
+    them. The check writes and removes a hidden probe file, so it holds for the user the process runs as (root too).
+    """
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return 'it is a folder; name a file in it'
+    existing = _nearest_existing(os.path.dirname(path))
+    if not os.path.isdir(existing):
+        return f'{existing!r} is a file, not a folder'
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix='.write-check-', dir=existing)
+    except OSError as error:
+        return f'files cannot be written in {existing!r} ({error.strerror})'
+    os.close(descriptor)
+    os.remove(probe)
+    return None
+
+
+def unusable_folder_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be (or be made) a folder, or None: a file is there, or where a parent folder should be.
+    Permissions and free space are left to the writes themselves."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return 'it is a file'
+    existing = _nearest_existing(path)
+    return None if os.path.isdir(existing) else f'{existing!r} is a file, not a folder'
+
+
+def _nearest_existing(path: str) -> str:
+    """``path``, or its nearest parent that exists."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
