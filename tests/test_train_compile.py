@@ -85,7 +85,7 @@ def test_compiled_run_trains_as_eager_logs_its_compile_time_and_saves_plain_weig
         assert not [key for key in compiled_weights if '_orig_mod' in key]
         _assert_close_weights(compiled_weights, eager_weights)
     trainer_state = torch.load(root / 'compiled' / 'checkpoints' / 'epoch_0002' / 'trainer_state.pt')
-    assert trainer_state['extra'] == {} or 'lipschitz' in trainer_state['extra']
+    assert 'lipschitz' in trainer_state['extra']  # the constraint ran (and saved its power-iteration vectors)
     exported = timm.create_model(f'local-dir:{root / "compiled" / "export" / "last"}', pretrained=True)
     final = _weights(str(root / 'compiled'), 'epoch_0002')
     assert all(torch.equal(tensor, final[name]) for name, tensor in exported.state_dict().items())
