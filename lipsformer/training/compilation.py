@@ -1,7 +1,7 @@
 """``torch.compile`` in training: whether a run compiles, how, and with which shapes.
 
 - ``model.compile``: ``auto`` compiles where the run trains on a CUDA device and not on the CPU (where inductor's
-  first step costs minutes and a small model gains little); ``true`` / ``false`` decide for any device. Accelerate's
+  first step of a full-size model takes minutes); ``true`` / ``false`` decide for any device. Accelerate's
   dynamo plugin compiles the model in ``accelerator.prepare``, in the order DDP and FSDP2 need; the launcher's
   ``--dynamo_backend`` does not override the config.
 - ``model.compile_mode``: inductor's mode. The modes that record CUDA graphs (:data:`CUDA_GRAPH_MODES`) replay one
@@ -15,6 +15,7 @@
 """
 import logging
 import os
+
 import torch
 from accelerate.utils import TorchDynamoPlugin
 
