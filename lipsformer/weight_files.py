@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file as load_safetensors
 
-__all__ = ['READABLE_FORMATS', 'CheckpointError', 'check_state_dict', 'extract_state_dict', 'load_checkpoint_dict',
-           'load_file', 'load_model_weights']
+__all__ = ['READABLE_FORMATS', 'WRAPPER_PREFIXES', 'CheckpointError', 'check_state_dict', 'extract_state_dict',
+           'load_checkpoint_dict', 'load_file', 'load_model_weights', 'strip_wrapper_prefixes']
 
 
 class CheckpointError(ValueError):
@@ -203,7 +203,7 @@ def extract_state_dict(checkpoint: dict[str, Any], use_ema: bool = False) -> dic
     """The model weights inside a loaded checkpoint dict, in any of the common layouts.
 
     Understands a bare state dict, the authors' ``{'model': ...}`` files, timm's ``state_dict`` /
-    ``state_dict_ema`` / ``model_ema`` entries and DDP's ``module.`` prefix.
+    ``state_dict_ema`` / ``model_ema`` entries, and DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes.
 
     Args:
         checkpoint: What :func:`load_file` returned.
@@ -223,9 +223,22 @@ def extract_state_dict(checkpoint: dict[str, Any], use_ema: bool = False) -> dic
     tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
     if not tensors:
         raise CheckpointError(f'checkpoint holds no tensors under {keys} or at its top level')
-    if all(k.startswith('module.') for k in tensors):
-        tensors = {k[len('module.'):]: v for k, v in tensors.items()}
-    return tensors
+    return strip_wrapper_prefixes(tensors)
+
+
+# What wrappers put before every key of the model they wrap: DDP (and DataParallel), and torch.compile.
+WRAPPER_PREFIXES = ('module.', '_orig_mod.')
+
+
+def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict with the wrappers' prefixes (:data:`WRAPPER_PREFIXES`, in any nesting) that every key shares
+    taken off, as the unwrapped model names its weights."""
+    while state_dict:
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state_dict)), None)
+        if prefix is None:
+            break
+        state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    return state_dict
 
 
 def load_model_weights(model: torch.nn.Module, path: str | os.PathLike, use_ema: bool = False) -> None:

@@ -36,6 +36,8 @@ TIMM_FLAGS = [
     (['--img-size', '64'], 'model.img_size', 64),
     (['--grad-accum-steps', '4'], 'train.grad_accum_steps', 4),
     (['--torchcompile'], 'model.compile', True),
+    (['--no-torchcompile'], 'model.compile', False),
+    (['--torchcompile-mode', 'reduce-overhead'], 'model.compile_mode', 'reduce-overhead'),
     (['-j', '3'], 'data.num_workers', 3),
     (['--workers', '5'], 'data.num_workers', 5),
     (['--scale', '0.5', '1'], 'augment.scale', [0.5, 1.0]),

@@ -108,6 +108,21 @@ def test_fsdp2_trains_saves_full_states_resumes_and_exports_on_cpu(data_dir, tmp
     assert not all(torch.equal(final[name], weights[name]) for name in weights)  # it trained on
 
 
+@pytest.mark.skipif(not FSDP2_FORWARD_ON_CPU, reason='FSDP2 runs a forward pass on the CPU only where torch.cpu.Stream '
+                                                     'has record_event (not torch 2.6)')
+def test_fsdp2_trains_compiled_and_saves_full_plain_weights_on_cpu(data_dir, tmp_path):
+    run_dir = str(tmp_path / 'run')
+    overrides = tiny_overrides(data_dir, **{'ema.enabled': False, 'train.epochs': 1, 'model.compile': True})
+    _launch(tmp_path, _TRAIN_DRIVER, '--output', run_dir, *overrides)
+    summary = json.load(open(os.path.join(run_dir, 'summary.json')))
+    assert summary['status'] == 'finished' and summary['distributed']['type'] == 'FSDP'
+    assert summary['compile']['mode'] == 'default' and summary['compile']['first_step_s'] > 0
+    final = load_file(os.path.join(run_dir, 'checkpoints', 'epoch_0001', 'model.safetensors'))
+    assert {name: tuple(tensor.shape) for name, tensor in final.items()} == _full_shapes()  # gathered, plain names
+    exported = timm.create_model(f'local-dir:{run_dir}/export/last', pretrained=True)
+    assert all(torch.equal(tensor, final[name]) for name, tensor in exported.state_dict().items())
+
+
 _STATE_DICT_SCRIPT = _AS_ON_GPUS + '''
 import json, os, sys, torch, timm
 import lipsformer

@@ -83,8 +83,14 @@ class ModelConfig:
                                              'lipsformer.weight_files.load_model_weights reads. Not a resume.')
     grad_checkpointing: bool = _key(False, 'Recompute activations in the backward pass to save memory.')
     channels_last: bool = _key(False, 'Use the channels-last memory format (faster convolutions on GPUs).')
-    compile: bool = _key(False, 'torch.compile the model (through Accelerate\'s dynamo plugin).')
-    compile_mode: str = _key('default', 'torch.compile mode.',
+    compile: bool | Literal['auto'] = _key(
+        'auto', 'torch.compile the model with inductor (through Accelerate\'s dynamo plugin): auto compiles on a CUDA '
+                'device, not on the CPU; true or false decide for any device. The first step compiles (its seconds '
+                'are logged and in summary.json).', Rule(lambda v: v in ('auto', True, False), 'auto, true or false'))
+    compile_mode: str = _key('default', 'torch.compile mode: default; max-autotune-no-cudagraphs (tries more kernels '
+                                        'while compiling, for a long run); reduce-overhead (CUDA graphs: removes the '
+                                        'host\'s launch cost from a step bound by it; static shapes, so evaluation '
+                                        'batches are padded); max-autotune (both).',
                              _one_of('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'))
 
 

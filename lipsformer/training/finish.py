@@ -24,7 +24,7 @@ from accelerate.utils import gather_object
 from ..model_folder import save_model_folder
 from ..utils.io import atomic_open, default_file_mode, replace_dir, write_json
 from ..utils.processes import distributed_summary
-from ..weight_files import load_file
+from ..weight_files import load_file, strip_wrapper_prefixes
 from .optim import best_metric_name
 from .session import Session
 from .train_state import best_checkpoint, is_sharded
@@ -48,6 +48,9 @@ def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any
                                    nonfinite_steps=session.progress.nonfinite_total, rank_weight_sha256=digests,
                                    ranks_identical=len(set(digests)) <= 1, last_checkpoint=session.last_checkpoint,
                                    distributed=distributed_summary(accelerator), **_skipped_images(session.progress))
+    # A compiled run's mode and the seconds of its first micro-batch in this start (null if it trained none)
+    summary['compile'] = dict(mode=config.model.compile_mode, first_step_s=session.first_step_s) if (
+        session.compiled) else None
     if session.progress.history:
         summary['final_metrics'] = session.progress.history[-1]
     if accelerator.is_main_process:
@@ -110,7 +113,8 @@ def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name:
     """
     with torch.device('meta'):  # no initialisation work: every saved tensor comes from the checkpoint
         model = timm.create_model(model_name, pretrained=False, **model_kwargs)
-    model.load_state_dict(load_file(os.path.join(checkpoint_dir, 'model.safetensors')), assign=True)
+    model.load_state_dict(strip_wrapper_prefixes(load_file(os.path.join(checkpoint_dir, 'model.safetensors'))),
+                          assign=True)
     final_dir = os.path.join(run_dir, EXPORT_DIR, which)
     tmp_dir = os.path.join(run_dir, EXPORT_DIR, f'.tmp-{which}')
     shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -140,7 +140,11 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], b
     batches = session.train_batches.epoch(progress.epoch, start_batch=progress.batch_in_epoch)
     for batch_index in range(progress.batch_in_epoch, session.updates_per_epoch * accum):
         images, targets = next(batches)
+        timed = session.compiled and session.first_step_s is None
+        started = time.perf_counter()
         loss = _forward_backward(session, images, targets, last_in_window=(batch_index + 1) % accum == 0)
+        if timed:
+            _record_compile_time(session, started)
         finite = torch.isfinite(loss)
         tally.window_bad |= ~finite
         tally.loss_sum += torch.where(finite, loss, 0.0)
@@ -187,6 +191,16 @@ def _forward_backward(session: Session, images: torch.Tensor, targets: torch.Ten
     return loss.detach().float()
 
 
+def _record_compile_time(session: Session, started: float) -> None:
+    """Log the seconds since ``started`` of the first compiled micro-batch (its compilation included) and keep them
+    for summary.json."""
+    if session.accelerator.device.type != 'cpu':  # the time the device took too, not only the launches
+        torch.accelerator.synchronize()
+    seconds = session.first_step_s = time.perf_counter() - started
+    _logger.info('compiled the training step (mode %s): the first micro-batch took %.1f s, compilation included',
+                 session.config.model.compile_mode, seconds)
+
+
 def _agree(accelerator, window_bad: torch.Tensor, stop: StopSignal) -> tuple[bool, bool]:
     """Whether any process saw a non-finite loss in this window, and whether any process was asked to stop."""
     flags = torch.stack([window_bad.float(), torch.tensor(float(stop.requested), device=window_bad.device)])
@@ -210,7 +224,7 @@ def _apply_update(session: Session, measure_grad_norm: bool) -> float | None:
     elif measure_grad_norm:  # an infinite threshold scales nothing: the norm of the unscaled gradients
         norm = accelerator.clip_grad_norm_(session.model.parameters(), float('inf'))
     session.optimizer.step()
-    session.optimizer.zero_grad(set_to_none=True)
+    session.optimizer.zero_grad(set_to_none=not session.static_shapes)
     if accelerator.optimizer_step_was_skipped:  # fp16 loss scaler found inf gradients and lowered its scale
         return None
     if session.lipschitz is not None:  # before the EMA update, so the EMA averages constrained weights
@@ -222,7 +236,7 @@ def _apply_update(session: Session, measure_grad_norm: bool) -> float | None:
 
 def _skip_update(session: Session, consecutive: int) -> int:
     """Drop the window's gradients; stop the run after too many consecutive non-finite windows."""
-    session.optimizer.zero_grad(set_to_none=True)
+    session.optimizer.zero_grad(set_to_none=not session.static_shapes)
     progress, limit = session.progress, session.config.train.max_nonfinite_steps
     progress.nonfinite_total += 1
     step, epoch = progress.step + 1, progress.epoch + 1  # the update being skipped, counted from 1 as in the logs
@@ -268,12 +282,14 @@ def _report(session: Session, bar: tqdm | None, tally: EpochTally, lr: float, gr
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | None = None) -> dict[str, float] | None:
+def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | None = None,
+             pad_batches: bool = False) -> dict[str, float] | None:
     """Top-1 / top-5 accuracy (percent) and mean loss over the whole validation set, all processes together.
 
     Targets of -1 (padding, unreadable images) are left out; ``samples`` is the number of images counted, ``skipped``
     the number of unreadable images left out. Returns None, without finishing, when a stop is requested (checked
-    before every batch, agreed across processes).
+    before every batch, agreed across processes). ``pad_batches`` pads a partial batch to the loader's batch size
+    (black images labelled -1), for a model compiled with static shapes.
     """
     was_training = model.training
     model.eval()
@@ -285,6 +301,8 @@ def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | Non
         if stop is not None and stop_agreed(accelerator, stop):
             model.train(was_training)
             return None
+        if pad_batches:
+            images, targets = _padded(images, targets, getattr(loader, 'loader', loader).batch_size)
         with accelerator.autocast():
             logits = model(images.to(device)).float().to(targets.device)
         keep = targets >= 0
@@ -304,6 +322,15 @@ def validate(model: torch.nn.Module, loader, accelerator, stop: StopSignal | Non
     denominator = max(count, 1)
     return dict(top1=100 * top1_hits / denominator, top5=100 * top5_hits / denominator, loss=loss_sum / denominator,
                 samples=int(count), skipped=int(skipped))
+
+
+def _padded(images: torch.Tensor, targets: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch filled up to ``batch_size`` with zero images labelled -1 (left out of the scores)."""
+    missing = batch_size - images.shape[0]
+    if missing <= 0:
+        return images, targets
+    return (torch.cat([images, images.new_zeros((missing, *images.shape[1:]))]),
+            torch.cat([targets, targets.new_full((missing,), -1)]))
 
 
 # The weighted-residual scales: alpha1 / alpha2 of attention and MLP, conv_shortcuts.N.alpha of the conv branches.

@@ -28,7 +28,7 @@ from typing import Any
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, is_compiled_module, set_seed
 from timm.utils import ModelEmaV3
 
 from ..cpu_memory import retain_freed_memory
@@ -43,6 +43,7 @@ from ..model_names import (
 from ..model_names import create_model as create_timm_model
 from ..utils.processes import check_process_group, select_device, wants_cpu_group
 from ..weight_files import check_state_dict, extract_state_dict, load_file
+from .compilation import CUDA_GRAPH_MODES, dynamo_plugin, keep_own_gradients, say_compilation
 from .config import Config, ConfigError, LipschitzConfig
 from .data import InputSpec, TrainBatches, create_eval_loader, create_split, resolve_input_spec
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
@@ -84,10 +85,22 @@ class Session:
     tally: Any = None  # the running totals of the epoch in training (loop.EpochTally)
     started_at: float = field(default_factory=time.perf_counter)  # this start's, on time.perf_counter's clock
     earlier_wall_time_s: float = 0.0  # what the earlier starts took, up to the checkpoint resumed from
+    first_step_s: float | None = None  # a compiled run's first micro-batch, compilation included
 
     def wall_time_s(self) -> float:
         """Wall time of the run so far: the earlier starts' and this one's."""
         return self.earlier_wall_time_s + time.perf_counter() - self.started_at
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model trains compiled (``model.compile``, resolved for the device)."""
+        return is_compiled_module(self.model)
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether the compiled model records CUDA graphs, which need every batch of one shape (whole training batches,
+        padded evaluation batches) and gradients kept in buffers of their own (:mod:`.compilation`)."""
+        return self.compiled and self.config.model.compile_mode in CUDA_GRAPH_MODES
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -116,16 +129,17 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     """
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
-    dynamo = TorchDynamoPlugin(backend='inductor', mode=config.model.compile_mode) if config.model.compile else None
     project = ProjectConfiguration(project_dir=run_dir, logging_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     try:
         cpu = select_device(config.train.device, 'train.device')
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    cpu = cpu or wants_cpu_group()
     accelerator = Accelerator(
-        cpu=cpu or wants_cpu_group(), mixed_precision=config.train.mixed_precision,
+        cpu=cpu, mixed_precision=config.train.mixed_precision,
         log_with=chosen_trackers(config) or None,
-        project_config=project, step_scheduler_with_optimizer=False, dynamo_plugin=dynamo,
+        project_config=project, step_scheduler_with_optimizer=False,
+        dynamo_plugin=dynamo_plugin(config, cpu),
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     check_process_group(accelerator)
     if accelerator.mixed_precision == 'fp16' and accelerator.device.type == 'cpu':
@@ -188,13 +202,18 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
         lipschitz = create_lipschitz_constraint(config.lipschitz, model)
     model, optimizer = prepare_model(accelerator, model, optimizer)
     mixup = create_mixup(config, num_classes)
-    return Session(
+    session = Session(
         config=config, run_dir=run_dir, accelerator=accelerator, model=model, optimizer=optimizer,
         scheduler=scheduler, ema=ema, train_loss=create_train_loss(config, mixup).to(accelerator.device),
         mixup=mixup, train_batches=train_batches,
         val_loader=create_eval_loader(val_set, config, spec, accelerator.device, world, rank), spec=spec,
         model_kwargs=model_kwargs, class_names=class_names_of(train_set), global_batch=global_batch,
         updates_per_epoch=updates_per_epoch, lipschitz=lipschitz)
+    if session.compiled:
+        say_compilation(config, accelerator.device)
+    if session.static_shapes:
+        keep_own_gradients(session.unwrapped_model)
+    return session
 
 
 def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any]:

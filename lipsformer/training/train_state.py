@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..utils.io import fsync_dir, remove_dir, replace_dir, save_safetensors, save_torch, write_json
-from ..weight_files import CheckpointError, check_state_dict, load_file
+from ..weight_files import CheckpointError, check_state_dict, load_file, strip_wrapper_prefixes
 
 __all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'checkpoints_to_resume', 'checkpoints_root',
            'is_sharded', 'latest_checkpoint', 'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint',
@@ -174,11 +174,12 @@ def read_checkpoint(checkpoint_dir: str, process_index: int = 0) -> SavedState:
     meta = read_meta(checkpoint_dir)
     ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
     rng_path = os.path.join(checkpoint_dir, f'rng_state_{process_index}.pt')
-    return SavedState(
-        folder=checkpoint_dir, meta=meta, model=load_file(os.path.join(checkpoint_dir, 'model.safetensors')),
+    return SavedState(  # weights saved from a wrapped model elsewhere load too
+        folder=checkpoint_dir, meta=meta,
+        model=strip_wrapper_prefixes(load_file(os.path.join(checkpoint_dir, 'model.safetensors'))),
         optimizer=load_file(os.path.join(checkpoint_dir, 'optimizer.pt')),
         trainer=load_file(os.path.join(checkpoint_dir, 'trainer_state.pt')),
-        ema=load_file(ema_path) if os.path.isfile(ema_path) else None,
+        ema=strip_wrapper_prefixes(load_file(ema_path)) if os.path.isfile(ema_path) else None,
         rng=load_file(rng_path) if os.path.isfile(rng_path) else None)
 
 
@@ -391,7 +392,8 @@ def is_sharded(accelerator: Any) -> bool:
 def model_state_dict(accelerator: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict with plain parameter names (call on every process: FSDP gathers)."""
     if is_sharded(accelerator):
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return strip_wrapper_prefixes(state_dict)
     return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
 
 

@@ -207,7 +207,7 @@ def _score_epoch(session: Session, stop: StopSignal, metrics: MetricsFile) -> bo
     config, progress, accelerator = session.config, session.progress, session.accelerator
     line = dict(progress.unscored)
     if line['epoch'] % config.train.eval_interval == 0 or line['epoch'] == total_epochs(config):
-        raw = validate(session.model, session.val_loader, accelerator, stop)
+        raw = validate(session.model, session.val_loader, accelerator, stop, pad_batches=session.static_shapes)
         if raw is None:
             return False
         line.update(val_loss=raw['loss'], val_top1=raw['top1'], val_top5=raw['top5'], val_samples=raw['samples'],

@@ -1,0 +1,65 @@
+"""``torch.compile`` of both families: one graph (``fullgraph=True``) with a dynamic batch for the training step
+(forward and backward) and for evaluation, equal to eager in float32 (logits and every parameter gradient).
+
+Eager runs the package's fast path (its lean autograd Functions and C kernels); under dynamo the fast path steps aside
+(:mod:`lipsformer.fastpath.switch`) and inductor compiles the plain module graph, so the comparison also holds the
+two paths to the same function. Small widths here, the default widths in the slow suite.
+"""
+import pytest
+import timm
+import torch
+from tiny_models import TINY_MODELS
+
+from lipsformer.fastpath import use_fast_path
+
+RELATIVE_TOLERANCE = 1e-4
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The error of a whole tensor relative to its size (a norm ratio: entries near zero do not dominate)."""
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+def _train_step(model: torch.nn.Module, forward, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits of a training forward and the gradient of every parameter for a fixed weighting of them."""
+    model.zero_grad(set_to_none=True)
+    logits = forward(x)
+    weights = torch.linspace(-1, 1, logits.numel()).reshape(logits.shape)
+    (logits * weights).sum().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _assert_compiled_equals_eager(name: str, kwargs: dict, batches: tuple[int, ...], resolution: int) -> None:
+    torch._dynamo.reset()
+    model = timm.create_model(name, **kwargs, num_classes=10, drop_path_rate=0.0)
+    assert use_fast_path()  # eager runs the fast path; compiled, the plain graph it steps aside for
+    compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break is an error
+    inputs = [torch.randn(batch, 3, resolution, resolution) for batch in batches]
+    for x in inputs:
+        torch._dynamo.mark_dynamic(x, 0)  # the batch is symbolic; a graph that specialises it raises
+    model.train()
+    for index, x in enumerate(inputs):
+        with torch._dynamo.config.patch(error_on_recompile=index > 0):  # one training graph for every batch size
+            compiled_logits, compiled_grads = _train_step(model, compiled, x)
+        eager_logits, eager_grads = _train_step(model, model, x)
+        assert _relative_error(compiled_logits, eager_logits) < RELATIVE_TOLERANCE
+        assert compiled_grads.keys() == eager_grads.keys()
+        errors = {key: _relative_error(compiled_grads[key], eager_grads[key]) for key in eager_grads}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < RELATIVE_TOLERANCE, f'{worst}: relative gradient error {errors[worst]:.2e}'
+    model.eval()
+    with torch.no_grad():
+        for index, x in enumerate(inputs):
+            with torch._dynamo.config.patch(error_on_recompile=index > 0):  # and one evaluation graph
+                assert _relative_error(compiled(x), model(x)) < RELATIVE_TOLERANCE
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_one_graph_with_a_dynamic_batch_trains_and_evaluates_as_eager(name, one_thread):
+    _assert_compiled_equals_eager(name, TINY_MODELS[name], batches=(2, 3), resolution=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_one_graph_at_the_default_widths_trains_and_evaluates_as_eager(name):
+    _assert_compiled_equals_eager(name, {}, batches=(2, 3), resolution=224)

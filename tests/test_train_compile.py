@@ -1,0 +1,137 @@
+"""Compiled training on the CPU (inductor), end to end with the tiny configs: ``model.compile`` and its modes, EMA,
+gradient accumulation, clipping and the Lipschitz constraint under compile, the first step's compile time in the log
+and ``summary.json``, plain weight names, exports, and resuming compiled from eager and eager from compiled.
+
+Compiling costs tens of seconds a graph on a small CPU, so the runs are shared between the tests (module fixtures).
+"""
+import json
+import os
+import shutil
+
+import pytest
+import timm
+import torch
+from process_support import single_thread
+from safetensors.torch import load_file, save_file
+from training_support import tiny_overrides
+
+from lipsformer.training import load_config, train
+from lipsformer.training.compilation import compiles
+from lipsformer.weight_files import strip_wrapper_prefixes
+
+# Two updates of two micro-batches an epoch (48 images, batch 8, 6 micro-batches: 3 updates), clipping and the
+# package's Lipschitz constraint, EMA (tiny_overrides turns it on); the validation split (24 images, batches of 16)
+# ends in a partial batch.
+SETTINGS = {'train.grad_accum_steps': 2, 'optimizer.clip_grad': 1.0, 'lipschitz.enabled': True,
+            'lipschitz.kwargs': '{weight_cap: 2.0}', 'checkpoint.keep_last': 5}
+UPDATES_PER_EPOCH = 3
+# Compiled and eager kernels sum in other orders; a few Adam updates keep the weights this close (relative norm).
+WEIGHTS_TOLERANCE = 1e-3
+
+
+def _overrides(data_dir: str, **extra: object) -> list[str]:
+    return tiny_overrides(data_dir, **{**SETTINGS, **extra})
+
+
+def _train(data_dir: str, run_dir: str, resume: str | None = None, **extra: object) -> dict:
+    with single_thread():
+        return train(load_config(None, _overrides(data_dir, **extra)), run_dir, resume=resume)
+
+
+def _weights(run_dir: str, checkpoint: str, name: str = 'model.safetensors') -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(run_dir, 'checkpoints', checkpoint, name))
+
+
+def _assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    errors = {k: ((actual[k] - expected[k]).norm() / expected[k].norm().clamp(min=1e-12)).item() for k in expected}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < WEIGHTS_TOLERANCE, f'{worst}: relative difference {errors[worst]:.2e}'
+
+
+@pytest.fixture(scope='module')
+def runs(data_dir, tmp_path_factory):
+    """A compiled run and the same run eager, two epochs each."""
+    root = tmp_path_factory.mktemp('compile')
+    torch._dynamo.reset()
+    compiled = _train(data_dir, str(root / 'compiled'), **{'model.compile': True})
+    eager = _train(data_dir, str(root / 'eager'), **{'model.compile': False})
+    return root, compiled, eager
+
+
+def test_auto_compiles_on_cuda_and_not_on_the_cpu(monkeypatch):
+    config = load_config(None, [])
+    assert config.model.compile == 'auto' and config.model.compile_mode == 'default'
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    assert compiles(config, cpu=False) and not compiles(config, cpu=True)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    assert not compiles(config, cpu=False)
+    assert compiles(load_config(None, ['model.compile=true']), cpu=True)
+    assert not compiles(load_config(None, ['model.compile=false']), cpu=False)
+
+
+def test_compiled_run_trains_as_eager_logs_its_compile_time_and_saves_plain_weights(runs):
+    root, compiled, eager = runs
+    assert compiled['status'] == eager['status'] == 'finished'
+    assert compiled['step'] == 2 * UPDATES_PER_EPOCH and compiled['nonfinite_steps'] == 0
+    assert compiled['compile']['mode'] == 'default' and compiled['compile']['first_step_s'] > 0
+    assert eager['compile'] is None
+    assert json.load(open(root / 'compiled' / 'summary.json'))['compile'] == compiled['compile']
+    log = open(root / 'compiled' / 'train.log').read()
+    assert 'the model is compiled with inductor, mode default' in log and 'compiled the training step' in log
+    for name in ('model.safetensors', 'ema.safetensors'):  # EMA, accumulation, clipping, constraint: as eager
+        compiled_weights = _weights(str(root / 'compiled'), 'epoch_0002', name)
+        eager_weights = _weights(str(root / 'eager'), 'epoch_0002', name)
+        assert not [key for key in compiled_weights if '_orig_mod' in key]
+        _assert_close_weights(compiled_weights, eager_weights)
+    trainer_state = torch.load(root / 'compiled' / 'checkpoints' / 'epoch_0002' / 'trainer_state.pt')
+    assert 'lipschitz' in trainer_state['extra']  # the constraint ran (and saved its power-iteration vectors)
+    exported = timm.create_model(f'local-dir:{root / "compiled" / "export" / "last"}', pretrained=True)
+    final = _weights(str(root / 'compiled'), 'epoch_0002')
+    assert all(torch.equal(tensor, final[name]) for name, tensor in exported.state_dict().items())
+    scores = [json.loads(line) for line in open(root / 'compiled' / 'metrics.jsonl')]
+    assert [line['val_samples'] for line in scores] == [24, 24]
+
+
+def test_a_compiled_run_resumes_eager_and_an_eager_run_resumes_compiled(runs, data_dir):
+    root, _, _ = runs
+    for source, target, compile_now in (('compiled', 'eager_from_compiled', False),
+                                        ('eager', 'compiled_from_eager', True)):
+        summary = _train(data_dir, str(root / target), resume=str(root / source / 'checkpoints' / 'epoch_0001'),
+                         **{'model.compile': compile_now, 'model.grad_checkpointing': compile_now})
+        assert summary['status'] == 'finished' and summary['step'] == 2 * UPDATES_PER_EPOCH
+        assert (summary['compile'] is not None) == compile_now
+        for name in ('model.safetensors', 'ema.safetensors'):
+            _assert_close_weights(_weights(str(root / target), 'epoch_0002', name),
+                                  _weights(str(root / source), 'epoch_0002', name))
+
+
+def test_weights_saved_with_the_compile_prefix_elsewhere_load(runs, data_dir):
+    root, _, _ = runs
+    folder = root / 'prefixed' / 'epoch_0001'
+    shutil.copytree(root / 'eager' / 'checkpoints' / 'epoch_0001', folder)
+    for name in ('model.safetensors', 'ema.safetensors'):
+        weights = load_file(folder / name)
+        save_file({f'_orig_mod.{key}': value for key, value in weights.items()}, folder / name)
+    summary = _train(data_dir, str(root / 'from_prefixed'), resume=str(folder), **{'model.compile': False})
+    assert summary['status'] == 'finished'
+    for name in ('model.safetensors', 'ema.safetensors'):  # the same states as the unprefixed checkpoint gave
+        expected = _weights(str(root / 'eager'), 'epoch_0002', name)
+        assert all(torch.equal(value, expected[key])
+                   for key, value in _weights(str(root / 'from_prefixed'), 'epoch_0002', name).items())
+    assert strip_wrapper_prefixes({'module._orig_mod.a': 1, 'module._orig_mod.b': 2}) == {'a': 1, 'b': 2}
+    assert strip_wrapper_prefixes({'_orig_mod.a': 1, 'b': 2}) == {'_orig_mod.a': 1, 'b': 2}  # not every key: kept
+
+
+def test_reduce_overhead_compiles_static_shapes_and_pads_evaluation(data_dir, tmp_path):
+    torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters['stats']['unique_graphs']
+    summary = _train(data_dir, str(tmp_path / 'run'), **{'model.compile': True, 'model.compile_mode': 'reduce-overhead',
+                                                         'train.epochs': 1})
+    assert summary['status'] == 'finished' and summary['compile']['mode'] == 'reduce-overhead'
+    # one graph for training, one for evaluation: the partial last evaluation batch was padded, not recompiled
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] - graphs_before == 2
+    (line,) = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+    assert line['val_samples'] == 24
+    log = open(tmp_path / 'run' / 'train.log').read()
+    assert 'records CUDA graphs, which need a CUDA device' in log and '(static shapes)' in log
