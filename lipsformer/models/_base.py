@@ -51,8 +51,8 @@ class MixerArgs(NamedTuple):
 class TokenMixer(nn.Module):
     """A family's attention on NHWC maps, (B, H, W, C) -> (B, H, W, C): ``proj_drop(proj(attend(x)))``.
 
-    A family implements :meth:`attend`, its attention before the output projection (the ``qkv`` projection called as
-    its module, windows or stripes, the attention kernel, positional terms), and nothing else; ``proj`` (an
+    A family implements :meth:`attend`, its attention before the output projection (the ``qkv`` projection through
+    :meth:`project_qkv`, windows or stripes, the attention kernel, positional terms), and nothing else; ``proj`` (an
     ``nn.Linear`` over channels) and ``proj_drop`` follow here, so that the block's fast form can fold its alpha into
     ``proj`` (``lipsformer.fastpath.linear``).
     """
@@ -61,8 +61,17 @@ class TokenMixer(nn.Module):
     proj: nn.Linear
     proj_drop: nn.Module
 
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """``qkv(x)``: the module called, except inside a block's fast form on the CPU, where a plain ``nn.Linear``'s
+        parameters go through ``lipsformer.fastpath.linear`` (oneDNN's product, a backward that keeps x alone)."""
+        if not torch.jit.is_scripting():
+            if x.device.type == 'cpu' and fastpath.engaged():
+                return fastpath.linear(self.qkv, x)
+        return self.qkv(x)
+
     def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, H, W, C) -> (B, H, W, C): the attention's output before ``proj``."""
+        """(B, H, W, C) -> (B, H, W, C): the attention's output before ``proj``, with ``project_qkv`` as its input
+        projection."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

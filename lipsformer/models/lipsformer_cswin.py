@@ -135,7 +135,7 @@ class CrossStripeAttention(TokenMixer):
         """(B, H, W, C) -> (B, H, W, C), the attention before ``proj``."""
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
-        qkv = self.qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
+        qkv = self.project_qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
         if self.two_branches:
             vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
             return torch.cat([

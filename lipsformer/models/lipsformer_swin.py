@@ -126,7 +126,7 @@ class WindowAttention(TokenMixer):
         x = pad_to_multiple(x, window_h, window_w)
         padded_h, padded_w = x.shape[1], x.shape[2]
         tokens = window_partition(x, window_h, window_w)
-        projections = split_heads(self.qkv(tokens), 1 if self.tied_qkv else 3, self.num_heads)
+        projections = split_heads(self.project_qkv(tokens), 1 if self.tied_qkv else 3, self.num_heads)
         q = k = v = projections[0]
         if not self.tied_qkv:
             k, v = projections[1], projections[2]
