@@ -49,9 +49,10 @@ from lipsformer.fastpath.native import native_kernels
 from lipsformer.model_names import check_model_source, expand_model_names, model_source
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb, write_json
 from lipsformer.utils.cli import command_name
+from lipsformer.utils.io import unwritable_file_reason
 
-__all__ = ['BenchmarkConfig', 'ModelSpec', 'format_table', 'main', 'parse_model_specs', 'run_benchmark',
-           'saved_activations_mb']
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
+           'run_benchmark', 'saved_activations_mb', 'write_report']
 
 MODES = ('infer', 'train')
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -674,9 +675,31 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
                            profile_steps=args.profile, count_kernels=args.count_kernels)
 
 
+def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike | None) -> None:
+    """Refuse a ``--json`` file that cannot be written before any model runs (a usage error, exit 2)."""
+    reason = unwritable_file_reason(path) if path is not None else None
+    if reason:
+        parser.error(f'--json {str(path)!r} cannot be written: {reason}')
+
+
+def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any) -> None:
+    """Write the JSON report; a write that fails after the table was printed ends the process with exit status 4
+    and one line naming the file, the table kept above it."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_json(path, data)
+    except OSError as error:
+        print(f'{parser.prog}: error: the report could not be written to --json {str(path)!r}: '
+              f'{error.strerror or error}; the table is printed above (free space or fix the permissions, or give '
+              f'another --json)', file=sys.stderr)
+        raise SystemExit(4) from None
+    _log(f'wrote {path}')
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
+    check_report_path(parser, args.json)
     config = _config_from_args(args, parser)
     modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
     if not modes or set(modes) - set(MODES):
@@ -697,8 +720,7 @@ def main(argv: list[str] | None = None) -> dict:
         from lipsformer.kernel_count import format_count_json_table
         print('\n' + format_count_json_table(report['kernel_counts'], markdown=args.markdown))
     if args.json is not None:
-        write_json(args.json, report)
-        _log(f'wrote {args.json}')
+        write_report(parser, args.json, report)
     return report
 
 

@@ -36,7 +36,6 @@ What is counted (the rules, also in ``docs/performance.md``):
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import re
 import sys
@@ -62,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lipsformer.benchmark import PRECISIONS, ModelSpec, _loss, parse_model_specs
+from lipsformer.benchmark import PRECISIONS, ModelSpec, _loss, check_report_path, parse_model_specs, write_report
 from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path, use_fast_path
 from lipsformer.utils.cli import command_name
@@ -759,7 +758,7 @@ def _parser() -> argparse.ArgumentParser:
                     'fake CUDA tensors (no GPU needed), with ratios to the first model.')
     parser.add_argument('--models', required=True,
                         help='comma list of model specs as the benchmark takes them (name[key=value,...], '
-                             'fast_path=False included)')
+                             'fast_path=True or False included; without it, CUDA\'s default)')
     parser.add_argument('--mode', default='infer,train', help='comma list of infer, train (default: both)')
     parser.add_argument('--batch-size', type=int, default=128)
     parser.add_argument('--img-size', type=int, default=224)
@@ -784,6 +783,7 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
         parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
     if args.batch_size < 1 or args.img_size < 1:
         parser.error('--batch-size and --img-size must be at least 1')
+    check_report_path(parser, args.json)
     try:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
@@ -795,8 +795,7 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
             print(f'\n{count.model} {count.mode}: top groups by kernels')
             print(format_parts(count, args.parts))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([count.to_json() for count in counts], indent=1) + '\n')
+        write_report(parser, args.json, [count.to_json() for count in counts])
     return counts
 
 

@@ -346,3 +346,34 @@ def test_cli_an_input_size_a_model_cannot_take_is_a_one_line_error(capsys):
               '--warmup', '0', '--no-memory'])
     err = capsys.readouterr().err
     assert 'error: --img-size 100: img_size must be a multiple of 32, got 100x100' in err and 'Traceback' not in err
+
+
+@pytest.mark.parametrize('command', ['benchmark', 'kernel_count'])
+def test_cli_an_unwritable_json_report_is_refused_before_any_model_runs(command, tmp_path, capsys, monkeypatch):
+    """A folder (or a read-only place) as ``--json`` is a usage error at once, not a traceback after the run."""
+    from lipsformer import kernel_count
+    ran = []
+    monkeypatch.setattr(benchmark, 'run_benchmark', lambda *args, **kwargs: ran.append(1))
+    monkeypatch.setattr(kernel_count, 'count_models', lambda *args, **kwargs: ran.append(1))
+    entry = benchmark.main if command == 'benchmark' else kernel_count.main
+    with pytest.raises(SystemExit, match='2'):
+        entry(['--models', 'lipsformer_swin_tiny', '--json', str(tmp_path)])
+    err = capsys.readouterr().err
+    assert f"--json {str(tmp_path)!r} cannot be written" in err and 'Traceback' not in err
+    assert ran == []
+
+
+def test_cli_a_failed_json_write_keeps_the_table_and_exits_4(tmp_path, capsys, monkeypatch):
+    tiny = 'lipsformer_swin_tiny[embed_dim=16,depths=(1,1,1,1),num_heads=(1,1,1,1),window_size=4,img_size=32]'
+
+    def full_disk(path, data, indent=2):
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(benchmark, 'write_json', full_disk)
+    report = tmp_path / 'new' / 'report.json'
+    with pytest.raises(SystemExit, match='4'):
+        main(['--models', tiny, '--img-size', '32', '--mode', 'infer', '--steps', '1', '--repeats', '1',
+              '--warmup', '0', '--no-memory', '--batch-size', '2', '--json', str(report)])
+    out, err = capsys.readouterr()
+    assert 'lipsformer_swin_tiny' in out  # the table came first
+    assert f"could not be written to --json {str(report)!r}: No space left on device" in err
