@@ -28,7 +28,8 @@ from typing import Any
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, is_compiled_module, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils.other import is_compiled_module  # exported from accelerate.utils only after 1.6
 from timm.utils import ModelEmaV3
 
 from ..cpu_memory import retain_freed_memory
