@@ -701,6 +701,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     check_report_path(parser, args.json)
     config = _config_from_args(args, parser)
+    if config.count_kernels:
+        from lipsformer.kernel_count import unsupported_reason
+        if unsupported_reason():
+            parser.error(f'--count-kernels: {unsupported_reason()}')
     modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
     if not modes or set(modes) - set(MODES):
         parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')

@@ -611,6 +611,22 @@ def _build_fake(spec: ModelSpec, img_size: int, fake_mode: FakeTensorMode, devic
     return model
 
 
+# Fake CUDA tensors on a machine without a CUDA device: verified with torch 2.14; torch 2.6 initialises CUDA for some
+# of them (indexing a fake CUDA tensor aborts the process).
+MIN_TORCH_WITHOUT_A_GPU = (2, 14)
+
+
+def unsupported_reason() -> str | None:
+    """Why this process cannot count (a torch older than :data:`MIN_TORCH_WITHOUT_A_GPU` and no CUDA device), or
+    None."""
+    release = tuple(int(part) for part in torch.__version__.split('+')[0].split('.')[:2])
+    if release >= MIN_TORCH_WITHOUT_A_GPU or torch.cuda.is_available():
+        return None
+    needed = '.'.join(map(str, MIN_TORCH_WITHOUT_A_GPU))
+    return (f'counting CUDA kernels without a GPU needs torch >= {needed} (this is {torch.__version__}, whose fake '
+            f'CUDA tensors initialise CUDA); install a newer torch or count on a machine with a GPU')
+
+
 def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128, img_size: int | None = None,
                precision: str = 'bf16') -> StepCount:
     """Count the ops, kernels and non-matmul bytes of one eager CUDA step of a model, on fake CUDA tensors.
@@ -627,6 +643,8 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     """
     if mode not in MODES:
         raise ValueError(f'unknown mode {mode!r}; choose from {MODES}')
+    if unsupported_reason():
+        raise RuntimeError(unsupported_reason())
     if precision not in PRECISIONS:
         raise ValueError(f'unknown precision {precision!r}; choose from {sorted(PRECISIONS)}')
     spec = parse_model_specs(spec)[0] if isinstance(spec, str) else spec
@@ -784,6 +802,8 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
     if args.batch_size < 1 or args.img_size < 1:
         parser.error('--batch-size and --img-size must be at least 1')
     check_report_path(parser, args.json)
+    if unsupported_reason():
+        parser.error(unsupported_reason())
     try:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:

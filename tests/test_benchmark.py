@@ -312,11 +312,13 @@ def test_memory_ratio_is_none_when_the_first_model_moved_no_memory(monkeypatch):
 def test_profile_and_kernel_counts_join_the_report(tmp_path):
     """``--profile`` adds a torch.profiler summary to every row (on the CPU: host ops only, no device kernels) and
     ``--count-kernels`` the counts of lipsformer.kernel_count, printed beside the speed table."""
+    from lipsformer.kernel_count import unsupported_reason
+    counting = unsupported_reason() is None  # else tested by test_kernel_counting_refuses_an_unsupported_torch
     out = tmp_path / 'report.json'
     completed = subprocess.run(
         [sys.executable, '-m', 'lipsformer.benchmark', '--models', 'test_vit[img_size=32]', '--mode', 'infer,train',
          '--batch-size', '2', '--img-size', '32', '--warmup', '1', '--repeats', '1', '--threads', '1', '--no-memory',
-         '--profile', '2', '--count-kernels', '--json', str(out)],
+         '--profile', '2', '--json', str(out)] + (['--count-kernels'] if counting else []),
         check=True, capture_output=True, text=True)
     report = json.loads(out.read_text())
     for row in report['results']:
@@ -325,6 +327,8 @@ def test_profile_and_kernel_counts_join_the_report(tmp_path):
         flash = 'aten::_scaled_dot_product_flash_attention_for_cpu'  # timm's ViT on the CPU
         assert row['profile']['sdpa_ops'] == [flash] + ([f'{flash}_backward'] if row['mode'] == 'train' else [])
         assert row['first_step_s'] > 0 and row['cuda_peak_memory_mb_in_process'] is None
+    if not counting:
+        return
     counts = {(row['model'], row['mode']): row for row in report['kernel_counts']}
     assert counts.keys() == {('test_vit[img_size=32]', mode) for mode in ('infer', 'train')}
     # test_vit's head dim (8) in fp32: the memory-efficient kernel, once a block
@@ -377,3 +381,18 @@ def test_cli_a_failed_json_write_keeps_the_table_and_exits_4(tmp_path, capsys, m
     out, err = capsys.readouterr()
     assert 'lipsformer_swin_tiny' in out  # the table came first
     assert f"could not be written to --json {str(report)!r}: No space left on device" in err
+
+
+def test_kernel_counting_refuses_an_unsupported_torch(capsys, monkeypatch):
+    """Where fake CUDA tensors cannot run without a GPU (an older torch), counting is a one-line refusal, not an
+    abort of the process."""
+    from lipsformer import kernel_count
+    monkeypatch.setattr(kernel_count, 'MIN_TORCH_WITHOUT_A_GPU', (99, 0))
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    with pytest.raises(SystemExit, match='2'):
+        main(['--models', 'test_vit[img_size=32]', '--count-kernels'])
+    assert '--count-kernels: counting CUDA kernels without a GPU needs torch >= 99.0' in capsys.readouterr().err
+    with pytest.raises(SystemExit, match='2'):
+        kernel_count.main(['--models', 'test_vit[img_size=32]'])
+    with pytest.raises(RuntimeError, match='needs torch >= 99.0'):
+        kernel_count.count_step('test_vit[img_size=32]', 'infer', 2, 32)
