@@ -13,7 +13,9 @@ The parts, each depending only on those listed before it:
 - :mod:`.lipschitz` (bounds, estimates, constrained training), :mod:`.complexity` (parameters, MACs) and
   :mod:`.cpu_memory` (CPU allocator tuning);
 - :mod:`.training` (train.py), :mod:`.evaluation` (validate.py), :mod:`.hub` (model cards, uploads),
-  :mod:`.convert`, :mod:`.benchmark` and :mod:`.experiments` (the paper's claims in miniature).
+  :mod:`.convert` and :mod:`.experiments` (the paper's claims in miniature);
+- the instruments: :mod:`.model_specs` (the model specs they take), :mod:`.kernel_count` (kernels and bytes of one
+  CUDA step, counted without a GPU), :mod:`.step_profile`, :mod:`.benchmark` and :mod:`.gpu_check` (the GPU check).
 """
 import timm
 

@@ -18,12 +18,10 @@ model; ``docs/performance.md`` says how each is measured.
 """
 
 import argparse
-import ast
 import concurrent.futures
 import ctypes
 import datetime
 import functools
-import importlib.util
 import multiprocessing
 import os
 import platform
@@ -32,59 +30,34 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import timm
 import torch
-import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from torch import nn
 
 from lipsformer.complexity import build_model, model_complexity
 from lipsformer.cpu_memory import retain_freed_memory
-from lipsformer.fastpath import set_fast_path, use_fast_path
+from lipsformer.fastpath import use_fast_path
 from lipsformer.fastpath.native import native_kernels
-from lipsformer.model_names import check_model_source, expand_model_names, model_source
-from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb, write_json
+from lipsformer.model_specs import (
+    PRECISIONS,
+    ModelSpec,
+    check_report_path,
+    parse_model_specs,
+    step_loss,
+    write_report,
+)
+from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
 from lipsformer.utils.cli import command_name
-from lipsformer.utils.io import unwritable_file_reason
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
            'run_benchmark', 'saved_activations_mb', 'write_report']
 
 MODES = ('infer', 'train')
-PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 TRAIN_MACS_PER_FORWARD_MAC = 3  # forward + backward (grad of inputs and of weights)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model to benchmark, parsed from ``name[key=value,...]`` or ``file:/path.py:factory[key=value,...]``."""
-
-    text: str
-    source: str  # timm name, or 'file:/path.py:factory'
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
-
-    def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
-        """``step`` with the fast paths switched as this spec asks."""
-        def switched() -> Any:
-            with set_fast_path(self.fast_path):
-                return step()
-        return switched
-
-    @property
-    def is_file(self) -> bool:
-        return self.source.startswith('file:')
-
-    def factory(self) -> str | Callable[..., nn.Module]:
-        """The timm name, or the callable loaded from the file."""
-        if not self.is_file:
-            return self.source
-        path, name = self.source[len('file:'):].rsplit(':', 1)
-        return _load_factory(Path(path), name)
 
 
 @dataclass
@@ -111,85 +84,6 @@ class BenchmarkConfig:
 
     def steps_per_run(self) -> int:
         return self.steps or (10 if self.device.startswith('cuda') else 1)
-
-
-@functools.cache  # a file is imported once, however often its factory is asked for
-def _load_factory(path: Path, name: str) -> Callable[..., nn.Module]:
-    if not path.is_file():
-        raise ValueError(f'file {path} does not exist (model spec file:/path/to/module.py:factory_name)')
-    # Like running the file as a script: its own directory is importable, for its sibling modules.
-    sys.path.insert(0, str(path.resolve().parent))
-    module_spec = importlib.util.spec_from_file_location(f'_benchmarked_{path.stem}', path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, name):
-        available = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith('_'))
-        raise ValueError(f'{path} has no callable {name!r}; callables there: {available}')
-    factory = getattr(module, name)
-    if not callable(factory):
-        raise TypeError(f'{path}: {name!r} is not callable ({type(factory).__name__}); name a function or class that '
-                        'returns an nn.Module')
-    return factory
-
-
-def _split_top_level(text: str) -> list[str]:
-    """``text`` split at the commas outside brackets and parentheses, at any depth (``a[x=[1,2]],b``)."""
-    parts, depth, start = [], 0, 0
-    for position, char in enumerate(text):
-        depth += char in '([{'
-        depth -= char in ')]}'
-        if char == ',' and depth == 0:
-            parts.append(text[start:position])
-            start = position + 1
-    return [part.strip() for part in [*parts, text[start:]] if part.strip()]
-
-
-def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
-    kwargs = {}
-    for item in _split_top_level(text):
-        key, sep, value = item.partition('=')
-        if not sep or not key.strip().isidentifier():
-            raise ValueError(f'bad constructor argument {item!r} in {spec!r}; write name[key=value,key=value]')
-        try:
-            kwargs[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = value.strip()  # a bare word such as a layer name
-    return kwargs
-
-
-def parse_model_specs(text: str) -> list[ModelSpec]:
-    """Parse the ``--models`` comma list (commas inside brackets belong to the constructor arguments).
-
-    Raises:
-        ValueError: a malformed spec, an unknown timm name (with close matches) or a duplicate.
-        TypeError: an ``img_size`` argument that is not one integer.
-    """
-    specs = []
-    for item in _split_top_level(text):
-        match = re.fullmatch(r'([^\[\]]+?)(?:\[(.*)\])?', item)
-        if match is None:
-            raise ValueError(f'bad model spec {item!r}; write name, name[key=value,...] or file:/path.py:factory')
-        source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
-        if not isinstance(kwargs.get('img_size', 1), int):
-            raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
-        fast_path = kwargs.pop('fast_path', None)
-        if fast_path is not None and not isinstance(fast_path, bool):
-            raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
-        if source.startswith('file:'):
-            if source.count(':') < 2:
-                raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
-        elif any(char in source for char in '*?['):
-            raise ValueError(f'{item!r}: the benchmark takes exact model names, not patterns')
-        elif model_source(source):  # local-dir:FOLDER / hf-hub:REPO: the architecture saved there
-            check_model_source(source)
-        else:
-            expand_model_names(source)  # raises with close matches if the name is unknown
-        specs.append(ModelSpec(item, source, kwargs, fast_path))
-    if len({spec.text for spec in specs}) != len(specs):
-        raise ValueError(f'a model is listed twice in {text!r}')
-    if not specs:
-        raise ValueError('no model given')
-    return specs
 
 
 def _input_size(spec: ModelSpec, config: BenchmarkConfig) -> int:
@@ -219,16 +113,6 @@ def _count(spec: ModelSpec, model: nn.Module, config: BenchmarkConfig) -> dict:
     except RuntimeError:
         in_chans = {key: kwargs[key] for key in ('in_chans',) if key in kwargs}
         return model_complexity(model, img_size=img_size, **in_chans)
-
-
-def _loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = output[0] if isinstance(output, (tuple, list)) else output
-    if logits.ndim != 2:
-        return logits.float().square().mean()
-    if 'labels' not in targets:  # drawn once, when the number of classes is known
-        generator = torch.Generator().manual_seed(1)
-        targets['labels'] = torch.randint(logits.shape[1], (logits.shape[0],), generator=generator).to(logits.device)
-    return F.cross_entropy(logits.float(), targets['labels'])
 
 
 def _autocast(config: BenchmarkConfig) -> torch.autocast:
@@ -282,7 +166,7 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with _autocast(config):
-            loss = _loss(runner(inputs), targets)
+            loss = step_loss(runner(inputs), targets)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -675,27 +559,6 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
                            profile_steps=args.profile, count_kernels=args.count_kernels)
 
 
-def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike | None) -> None:
-    """Refuse a ``--json`` file that cannot be written before any model runs (a usage error, exit 2)."""
-    reason = unwritable_file_reason(path) if path is not None else None
-    if reason:
-        parser.error(f'--json {str(path)!r} cannot be written: {reason}')
-
-
-def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any) -> None:
-    """Write the JSON report; a write that fails after the table was printed ends the process with exit status 4
-    and one line naming the file, the table kept above it."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_json(path, data)
-    except OSError as error:
-        print(f'{parser.prog}: error: the report could not be written to --json {str(path)!r}: '
-              f'{error.strerror or error}; the table is printed above (free space or fix the permissions, or give '
-              f'another --json)', file=sys.stderr)
-        raise SystemExit(4) from None
-    _log(f'wrote {path}')
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -725,6 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
         print('\n' + format_count_json_table(report['kernel_counts'], markdown=args.markdown))
     if args.json is not None:
         write_report(parser, args.json, report)
+        _log(f'wrote {args.json}')
     return report
 
 

@@ -61,9 +61,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lipsformer.benchmark import PRECISIONS, ModelSpec, _loss, check_report_path, parse_model_specs, write_report
 from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path, use_fast_path
+from lipsformer.model_specs import PRECISIONS, ModelSpec, check_report_path, parse_model_specs, step_loss, write_report
 from lipsformer.utils.cli import command_name
 
 __all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_models', 'count_step', 'cuda_sdp_choice',
@@ -694,7 +694,7 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
                     _function_apply_recorded(node_parts, part_of, tensor_positions), autocast:
                 output = model(inputs)
                 state['part'] = 'loss'
-                loss = _benchmark_loss(output, labels)
+                loss = _benchmarkstep_loss(output, labels)
             _record_nodes(loss, node_parts, lambda: 'loss')
             state['phase'] = 'backward'
             params = {param: collapse(name.rpartition('.')[0]) for name, param in model.named_parameters()}
@@ -713,9 +713,9 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     return count
 
 
-def _benchmark_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The benchmark's loss (:func:`lipsformer.benchmark._loss`) with its labels given."""
-    return _loss(output, {'labels': labels})
+def _benchmarkstep_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The benchmark's loss (:func:`lipsformer.model_specs.step_loss`) with its labels given."""
+    return step_loss(output, {'labels': labels})
 
 
 def _steady_optimizer(model: nn.Module, fake_mode: FakeTensorMode) -> torch.optim.Optimizer:

@@ -373,7 +373,8 @@ def test_cli_a_failed_json_write_keeps_the_table_and_exits_4(tmp_path, capsys, m
     def full_disk(path, data, indent=2):
         raise OSError(28, 'No space left on device')
 
-    monkeypatch.setattr(benchmark, 'write_json', full_disk)
+    from lipsformer import model_specs
+    monkeypatch.setattr(model_specs, 'write_json', full_disk)
     report = tmp_path / 'new' / 'report.json'
     with pytest.raises(SystemExit, match='4'):
         main(['--models', tiny, '--img-size', '32', '--mode', 'infer', '--steps', '1', '--repeats', '1',

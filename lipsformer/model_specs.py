@@ -1,0 +1,168 @@
+"""Model specs, as the benchmark and the kernel counter take them: ``name[key=value,...]`` or
+``file:/path/module.py:factory[...]``, with ``fast_path=True`` / ``False`` switching ``lipsformer.fastpath`` for that
+model; the precisions they run in; the loss of a timed training step; and the checks of their JSON reports.
+"""
+import argparse
+import ast
+import functools
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lipsformer.fastpath import set_fast_path
+from lipsformer.model_names import check_model_source, expand_model_names, model_source
+from lipsformer.utils import write_json
+from lipsformer.utils.io import unwritable_file_reason
+
+__all__ = ['PRECISIONS', 'ModelSpec', 'check_report_path', 'parse_model_specs', 'step_loss', 'write_report']
+
+PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to benchmark, parsed from ``name[key=value,...]`` or ``file:/path.py:factory[key=value,...]``."""
+
+    text: str
+    source: str  # timm name, or 'file:/path.py:factory'
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
+
+    def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
+        """``step`` with the fast paths switched as this spec asks."""
+        def switched() -> Any:
+            with set_fast_path(self.fast_path):
+                return step()
+        return switched
+
+    @property
+    def is_file(self) -> bool:
+        return self.source.startswith('file:')
+
+    def factory(self) -> str | Callable[..., nn.Module]:
+        """The timm name, or the callable loaded from the file."""
+        if not self.is_file:
+            return self.source
+        path, name = self.source[len('file:'):].rsplit(':', 1)
+        return _load_factory(Path(path), name)
+
+
+@functools.cache  # a file is imported once, however often its factory is asked for
+def _load_factory(path: Path, name: str) -> Callable[..., nn.Module]:
+    if not path.is_file():
+        raise ValueError(f'file {path} does not exist (model spec file:/path/to/module.py:factory_name)')
+    # Like running the file as a script: its own directory is importable, for its sibling modules.
+    sys.path.insert(0, str(path.resolve().parent))
+    module_spec = importlib.util.spec_from_file_location(f'_benchmarked_{path.stem}', path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        available = sorted(key for key, value in vars(module).items() if callable(value) and not key.startswith('_'))
+        raise ValueError(f'{path} has no callable {name!r}; callables there: {available}')
+    factory = getattr(module, name)
+    if not callable(factory):
+        raise TypeError(f'{path}: {name!r} is not callable ({type(factory).__name__}); name a function or class that '
+                        'returns an nn.Module')
+    return factory
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and parentheses, at any depth (``a[x=[1,2]],b``)."""
+    parts, depth, start = [], 0, 0
+    for position, char in enumerate(text):
+        depth += char in '([{'
+        depth -= char in ')]}'
+        if char == ',' and depth == 0:
+            parts.append(text[start:position])
+            start = position + 1
+    return [part.strip() for part in [*parts, text[start:]] if part.strip()]
+
+
+def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
+    kwargs = {}
+    for item in _split_top_level(text):
+        key, sep, value = item.partition('=')
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f'bad constructor argument {item!r} in {spec!r}; write name[key=value,key=value]')
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value.strip()  # a bare word such as a layer name
+    return kwargs
+
+
+def parse_model_specs(text: str) -> list[ModelSpec]:
+    """Parse the ``--models`` comma list (commas inside brackets belong to the constructor arguments).
+
+    Raises:
+        ValueError: a malformed spec, an unknown timm name (with close matches) or a duplicate.
+        TypeError: an ``img_size`` argument that is not one integer.
+    """
+    specs = []
+    for item in _split_top_level(text):
+        match = re.fullmatch(r'([^\[\]]+?)(?:\[(.*)\])?', item)
+        if match is None:
+            raise ValueError(f'bad model spec {item!r}; write name, name[key=value,...] or file:/path.py:factory')
+        source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
+        if not isinstance(kwargs.get('img_size', 1), int):
+            raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
+        fast_path = kwargs.pop('fast_path', None)
+        if fast_path is not None and not isinstance(fast_path, bool):
+            raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
+        if source.startswith('file:'):
+            if source.count(':') < 2:
+                raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
+        elif any(char in source for char in '*?['):
+            raise ValueError(f'{item!r}: the benchmark takes exact model names, not patterns')
+        elif model_source(source):  # local-dir:FOLDER / hf-hub:REPO: the architecture saved there
+            check_model_source(source)
+        else:
+            expand_model_names(source)  # raises with close matches if the name is unknown
+        specs.append(ModelSpec(item, source, kwargs, fast_path))
+    if len({spec.text for spec in specs}) != len(specs):
+        raise ValueError(f'a model is listed twice in {text!r}')
+    if not specs:
+        raise ValueError('no model given')
+    return specs
+
+
+def step_loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of a timed training step: cross-entropy against labels drawn once (seeded) for a classifier's logits,
+    the mean square of any other output."""
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    if logits.ndim != 2:
+        return logits.float().square().mean()
+    if 'labels' not in targets:  # drawn once, when the number of classes is known
+        generator = torch.Generator().manual_seed(1)
+        targets['labels'] = torch.randint(logits.shape[1], (logits.shape[0],), generator=generator).to(logits.device)
+    return F.cross_entropy(logits.float(), targets['labels'])
+
+
+
+def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike | None) -> None:
+    """Refuse a ``--json`` file that cannot be written before any model runs (a usage error, exit 2)."""
+    reason = unwritable_file_reason(path) if path is not None else None
+    if reason:
+        parser.error(f'--json {str(path)!r} cannot be written: {reason}')
+
+
+def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any) -> None:
+    """Write the JSON report; a write that fails after the table was printed ends the process with exit status 4
+    and one line naming the file, the table kept above it (printed by the caller before)."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_json(path, data)
+    except OSError as error:
+        print(f'{parser.prog}: error: the report could not be written to --json {str(path)!r}: '
+              f'{error.strerror or error}; the table is printed above (free space or fix the permissions, or give '
+              f'another --json)', file=sys.stderr)
+        raise SystemExit(4) from None
