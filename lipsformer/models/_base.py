@@ -98,6 +98,10 @@ class LipsFormerBlock(nn.Module):
 
     With ``norm_position='pre'`` (the standard pre-norm Transformer, for ablations) the norms move into the branches:
     x <- x + DropPath(alpha1 (.) attn(norm1(x))), x <- x + DropPath(alpha2 (.) mlp(norm2(x))), norm1 always present.
+
+    ``forward`` decides once per call whether the block's fast form runs (``lipsformer.fastpath.active`` for the
+    input's device): the same function through faster kernels, part by part where the part's modules are plain.
+    timm's FX tracer keeps the block as a leaf, so a traced model runs what eager runs.
     """
 
     def __init__(
