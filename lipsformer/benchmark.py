@@ -566,8 +566,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = _config_from_args(args, parser)
     if config.count_kernels:
         from lipsformer.kernel_count import unsupported_reason
-        if unsupported_reason():
-            parser.error(f'--count-kernels: {unsupported_reason()}')
+        reason = unsupported_reason()
+        if reason:
+            parser.error(f'--count-kernels: {reason}')
     modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
     if not modes or set(modes) - set(MODES):
         parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')

@@ -643,8 +643,9 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     """
     if mode not in MODES:
         raise ValueError(f'unknown mode {mode!r}; choose from {MODES}')
-    if unsupported_reason():
-        raise RuntimeError(unsupported_reason())
+    reason = unsupported_reason()
+    if reason:
+        raise RuntimeError(reason)
     if precision not in PRECISIONS:
         raise ValueError(f'unknown precision {precision!r}; choose from {sorted(PRECISIONS)}')
     spec = parse_model_specs(spec)[0] if isinstance(spec, str) else spec
@@ -802,8 +803,9 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
     if args.batch_size < 1 or args.img_size < 1:
         parser.error('--batch-size and --img-size must be at least 1')
     check_report_path(parser, args.json)
-    if unsupported_reason():
-        parser.error(unsupported_reason())
+    reason = unsupported_reason()
+    if reason:
+        parser.error(reason)
     try:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
