@@ -8,11 +8,13 @@ the budget (and says so in the report):
 2. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
    224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
    mode (``python -m lipsformer.benchmark --profile``);
-3. ``python -m pytest tests/test_cuda.py``;
+3. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
+   the plain graph, the benchmark's CUDA path);
 4. the compiled runs: timm's Swin-T and both tiny models ``torch.compile``\\ d in the default mode, and
    LipsFormer-CSwin-T also with ``mode='reduce-overhead'``, one process each: compile time (the first step),
    steady-state training and inference images/s, peak memory;
-5. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process.
+5. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs);
+6. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process.
 
 It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
@@ -45,6 +47,8 @@ EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_c
 COMPILED = [(TIMM_SWIN, 'default'), ('lipsformer_cswin_tiny', 'default'), ('lipsformer_swin_tiny', 'default'),
             ('lipsformer_cswin_tiny', 'reduce-overhead')]
 MEMORY_MODELS = EAGER_MODELS[:3]
+# tests/test_cuda.py's tests that compile (pytest -k): they run after the compiled benchmarks, which matter more.
+CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
 KINDS = ('environment', 'eager', 'pytest', 'compiled', 'memory')
 DEFAULT_BUDGET_S = 540  # under the 10 minutes a loaned GPU command may run, with room for the start
 RESERVE_S = 15  # kept for writing the report
@@ -105,7 +109,8 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                  'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
         eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default')], SMOKE_MODELS[:1]
         # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
-        estimates = {'environment': 20, 'eager': 60, 'pytest': 60, 'compiled': 900, 'memory': 60}
+        estimates = {'environment': 20, 'eager': 60, 'pytest': 30, 'compiled': 900, 'pytest_compiled': 900,
+                     'memory': 60}
         profile = '1'
     else:
         common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
@@ -114,9 +119,11 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
         eager_models, compiled, memory_models = EAGER_MODELS, COMPILED, MEMORY_MODELS
         # Seconds on an H100 or H200, with margin: 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each;
         # a compiled model's first steps (training and inference graphs) take most of its time.
-        estimates = {'environment': 20, 'eager': 150, 'pytest': 150, 'compiled': 110, 'memory': 60}
+        estimates = {'environment': 20, 'eager': 150, 'pytest': 40, 'compiled': 100, 'pytest_compiled': 150,
+                     'memory': 60}
         profile = '3'
     benchmark = [python, '-m', 'lipsformer.benchmark']
+    pytest = [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py']
     steps = [
         Step('environment', [python, '-m', 'lipsformer.gpu_check', '--environment', str(work_dir / 'environment.json')],
              estimates['environment'], 60, 'environment', str(work_dir / 'environment.json')),
@@ -124,8 +131,8 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                                  *timed['eager'],
                                  '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
              estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
-        Step('tests/test_cuda.py', [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py'],
-             estimates['pytest'], 200, 'pytest'),  # held short: the compiled runs come after it
+        Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
+             estimates['pytest'], 120, 'pytest'),
     ]
     for index, (model, mode) in enumerate(compiled):
         path = str(work_dir / f'compiled_{index}.json')
@@ -135,6 +142,8 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
              *timed['compiled'], '--compile',
              *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--json', path],
             estimates['compiled'], 300, 'compiled', path, mode))
+    steps.append(Step('tests/test_cuda.py, compiled', [*pytest, '-k', CUDA_TESTS_THAT_COMPILE],
+                      estimates['pytest_compiled'], 240, 'pytest'))
     steps.append(Step('peak memory (eager training, fresh process each)',
                       [*benchmark, '--models', ','.join(memory_models), '--mode', 'train', *common, '--warmup', '2',
                        '--repeats', '1', '--steps', '1', '--json', str(work_dir / 'memory.json')],
@@ -324,10 +333,10 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
           f'Python {environment.get("python", "-")}; {report["date"]}; {elapsed_s:.0f} s of a {budget_s:.0f} s budget.',
           '', '| step | status | seconds | note |', '|---|---|---:|---|']
     md += [f'| {result.name} | {result.status} | {result.seconds:.0f} | {result.note} |' for result in results]
-    pytest_result = (by_kind.get('pytest') or [None])[0]
-    if pytest_result is not None and pytest_result.output_tail:
-        summary = [line for line in pytest_result.output_tail.splitlines() if line.strip()][-1:]
-        md += ['', f'tests/test_cuda.py: {summary[0] if summary else "-"}']
+    for pytest_result in by_kind.get('pytest', []):
+        if pytest_result.output_tail:
+            summary = [line for line in pytest_result.output_tail.splitlines() if line.strip()][-1:]
+            md += ['', f'{pytest_result.name}: {summary[0] if summary else "-"}']
     if eager:
         md += ['', '## Eager, interleaved in one process', '',
                'Images/s with the ratio to the first model and, in brackets, the median (interquartile range) of the '

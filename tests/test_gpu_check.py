@@ -2,6 +2,7 @@
 step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,7 +117,7 @@ def test_report_tables(tmp_path):
     results = [
         StepResult('environment', 'environment', 'ok', 3, 0, data={'gpu': 'NVIDIA H100 80GB HBM3', 'torch': '2.11'}),
         StepResult('eager benchmark', 'eager', 'ok', 100, 0, data=eager),
-        StepResult('tests/test_cuda.py', 'pytest', 'failed', 90, 1, 'exit status 1',
+        StepResult('tests/test_cuda.py, without compilation', 'pytest', 'failed', 90, 1, 'exit status 1',
                    '...\n1 failed, 7 passed in 80s\n'),
         StepResult(f'compiled {gpu_check.TIMM_SWIN} (default)', 'compiled', 'ok', 100, 0,
                    data=_benchmark_report([gpu_check.TIMM_SWIN], {'train': [3000], 'infer': [9000]}),
@@ -130,8 +131,8 @@ def test_report_tables(tmp_path):
     md_path, json_path = write_report(results, tmp_path, budget_s=540, elapsed_s=480)
     md = md_path.read_text()
     assert 'NVIDIA H100 80GB HBM3' in md and '480 s of a 540 s budget' in md
-    assert '| tests/test_cuda.py | failed | 90 | exit status 1 |' in md
-    assert 'tests/test_cuda.py: 1 failed, 7 passed in 80s' in md
+    assert '| tests/test_cuda.py, without compilation | failed | 90 | exit status 1 |' in md
+    assert 'tests/test_cuda.py, without compilation: 1 failed, 7 passed in 80s' in md
     assert ('| `lipsformer_swin_tiny` | 1000: 0.50x (0.50, 0.50-0.50) | 3000: 0.60x (0.60, 0.60-0.60) | 1300, 0.90 |'
             in md)
     assert '| `sm90_gemm` | 50.0 | 12.500 | 40.0% |' in md
@@ -193,3 +194,22 @@ def test_script_cpu_smoke_every_step(tmp_path):
     assert [(step['kind'], step['status']) for step in report['steps']] == [
         ('environment', 'ok'), ('eager', 'ok'), ('pytest', 'ok'), ('compiled', 'skipped'), ('memory', 'ok')]
     assert report['peak_memory']['results'][0]['peak_memory_mb'] > 0
+
+
+def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
+    """The two pytest steps select every test of tests/test_cuda.py once, and the second holds those that compile."""
+    steps = [step for step in plan_steps(tmp_path) if step.kind == 'pytest']
+    assert [step.name for step in steps] == ['tests/test_cuda.py, without compilation', 'tests/test_cuda.py, compiled']
+    selected = []
+    for step in steps:
+        argv = [sys.executable, '-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider', '-m', '',
+                *step.argv[step.argv.index('tests/test_cuda.py'):]]
+        completed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+        assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+        selected.append({line.split('::')[1].split('[')[0] for line in completed.stdout.splitlines() if '::' in line})
+    everything = set(re.findall(r'^def (test_\w+)', (REPO / 'tests' / 'test_cuda.py').read_text(), re.MULTILINE))
+    assert selected[0] | selected[1] == everything and not selected[0] & selected[1]
+    assert {'test_torch_compile_equals_eager', 'test_twenty_training_steps_lower_the_loss',
+            'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
+    order = [step.kind for step in plan_steps(tmp_path)]
+    assert order.index('compiled') > order.index('eager') and order[-2:] == ['pytest', 'memory']
