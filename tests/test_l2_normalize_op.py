@@ -86,6 +86,8 @@ _TRITON_CHECKS = textwrap.dedent('''
     qkv = torch.randn(4, 10, 3, 2, 8)                  # (windows, tokens, q/k/v, heads, head_dim)
     check(qkv.permute(2, 0, 3, 1, 4)[0], 1e-12, 12.0, 1e-5)   # a head's strided view of the projection
     check(torch.randn(6, 32), 1e-12, 1.0, 1e-5)        # contiguous rows
+    window_qkv = torch.randn(7, 49, 3, 3, 32)          # 1029 rows of a Swin head: several programs, the last partial
+    check(window_qkv.permute(2, 0, 3, 1, 4)[1], 1e-12, 12.0, 1e-5)
     check(torch.randn(2, 3, 4, 5, 6, 24).permute(0, 2, 1, 3, 4, 5), 1e-12, 10.0, 1e-5)  # five leading dims
     check(torch.randn(5, 7, 20), 1e-12, 1.0, 1e-5)     # a width that is not a power of two
     small = torch.randn(4, 16)

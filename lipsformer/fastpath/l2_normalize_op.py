@@ -25,6 +25,7 @@ import torch
 __all__ = ['l2_normalize', 'triton_available']
 
 _MAX_WIDTH = 1024  # the widest rows one program reduces (head dims are 32 to 128)
+_TILE = 4096  # elements a program loads: rows of one head are too short to keep a program's threads busy alone
 
 
 def triton_available(x: torch.Tensor) -> bool:
@@ -48,36 +49,46 @@ def _kernels() -> SimpleNamespace | None:
         return None
 
     @triton.jit
-    def forward(x_ptr, y_ptr, squared_norm_ptr, size1, size2, stride0, stride1, stride2, width, eps_squared, scale,
-                BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def forward(x_ptr, y_ptr, squared_norm_ptr, rows, size1, size2, stride0, stride1, stride2, width, eps_squared,
+                scale, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # ROWS rows a program: a head's row is 32 to 128 elements, far too little work for a program of its own
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         # rows of x are indexed by three leading dimensions of any strides (a head's view of a qkv projection)
         i2 = row % size2
         i1 = (row // size2) % size1
         i0 = row // (size2 * size1)
         columns = tl.arange(0, BLOCK)
-        in_row = columns < width
-        x = tl.load(x_ptr + i0 * stride0 + i1 * stride1 + i2 * stride2 + columns, mask=in_row, other=0.0)
-        x = x.to(tl.float32)
-        squared_norm = tl.maximum(tl.sum(x * x, axis=0), eps_squared)
-        y = x * (tl.rsqrt(squared_norm) * scale)
-        tl.store(y_ptr + row * width + columns, y.to(y_ptr.dtype.element_ty), mask=in_row)
-        tl.store(squared_norm_ptr + row, squared_norm)
+        in_rows = row < rows
+        inside = in_rows[:, None] & (columns < width)[None, :]
+        start = i0 * stride0 + i1 * stride1 + i2 * stride2
+        x = tl.load(x_ptr + start[:, None] + columns[None, :], mask=inside, other=0.0).to(tl.float32)
+        squared_norm = tl.maximum(tl.sum(x * x, axis=1), eps_squared)
+        y = x * (tl.rsqrt(squared_norm) * scale)[:, None]
+        tl.store(y_ptr + row[:, None] * width + columns[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(squared_norm_ptr + row, squared_norm, mask=in_rows)
 
     @triton.jit
-    def backward(grad_ptr, y_ptr, squared_norm_ptr, grad_x_ptr, width, eps_squared, scale, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def backward(grad_ptr, y_ptr, squared_norm_ptr, grad_x_ptr, rows, width, eps_squared, scale, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         columns = tl.arange(0, BLOCK)
-        in_row = columns < width
-        grad = tl.load(grad_ptr + row * width + columns, mask=in_row, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row * width + columns, mask=in_row, other=0.0).to(tl.float32)
-        squared_norm = tl.load(squared_norm_ptr + row)
+        in_rows = row < rows
+        inside = in_rows[:, None] & (columns < width)[None, :]
+        offsets = row[:, None] * width + columns[None, :]
+        grad = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        squared_norm = tl.load(squared_norm_ptr + row, mask=in_rows, other=1.0)
         unclamped = (squared_norm > eps_squared).to(tl.float32)
-        radial = tl.sum(grad * y, axis=0) / scale * unclamped
-        grad_x = (grad * scale - y * radial) * tl.rsqrt(squared_norm)
-        tl.store(grad_x_ptr + row * width + columns, grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_row)
+        radial = tl.sum(grad * y, axis=1) / scale * unclamped
+        grad_x = (grad * scale - y * radial[:, None]) * tl.rsqrt(squared_norm)[:, None]
+        tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=inside)
 
-    return SimpleNamespace(forward=forward, backward=backward, block=triton.next_power_of_2)
+    return SimpleNamespace(forward=forward, backward=backward, block=triton.next_power_of_2, cdiv=triton.cdiv)
+
+
+def _rows_per_program(block: int) -> int:
+    """Rows a program normalises: a tile of about :data:`_TILE` elements."""
+    return max(_TILE // block, 1)
 
 
 def _three_leading_dims(x: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]] | None:
@@ -122,8 +133,11 @@ def _l2_normalize(x: torch.Tensor, eps: float, scale: float) -> tuple[torch.Tens
     squared_norm = torch.empty((*x.shape[:-1], 1), dtype=_norm_dtype(x), device=x.device)
     rows = sizes[0] * sizes[1] * sizes[2]
     kernels = _kernels()
-    kernels.forward[(rows,)](x, y, squared_norm, sizes[1], sizes[2], strides[0], strides[1], strides[2], width,
-                             eps * eps, scale, BLOCK=kernels.block(width))
+    block = kernels.block(width)
+    rows_per_program = _rows_per_program(block)
+    kernels.forward[(kernels.cdiv(rows, rows_per_program),)](
+        x, y, squared_norm, rows, sizes[1], sizes[2], strides[0], strides[1], strides[2], width, eps * eps, scale,
+        ROWS=rows_per_program, BLOCK=block)
     return y, squared_norm
 
 
@@ -142,10 +156,12 @@ def _l2_normalize_backward(grad: torch.Tensor, y: torch.Tensor, squared_norm: to
         radial = (grad * y).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale * unclamped
         return ((grad * scale - y * radial.to(y.dtype)) * squared_norm.rsqrt().to(y.dtype)).to(y.dtype)
     grad_x = torch.empty_like(y)
-    width = y.shape[-1]
+    width, rows = y.shape[-1], y[..., 0].numel()
     kernels = _kernels()
-    kernels.backward[(y[..., 0].numel(),)](grad, y, squared_norm, grad_x, width, eps * eps, scale,
-                                           BLOCK=kernels.block(width))
+    block = kernels.block(width)
+    rows_per_program = _rows_per_program(block)
+    kernels.backward[(kernels.cdiv(rows, rows_per_program),)](
+        grad, y, squared_norm, grad_x, rows, width, eps * eps, scale, ROWS=rows_per_program, BLOCK=block)
     return grad_x
 
 
