@@ -8,13 +8,13 @@ the budget (and says so in the report):
 2. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
    224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
    mode (``python -m lipsformer.benchmark --profile``);
-3. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
-   the plain graph, the benchmark's CUDA path);
-4. the compiled runs: timm's Swin-T and both tiny models ``torch.compile``\\ d in the default mode, and
+3. the compiled runs: timm's Swin-T and both tiny models ``torch.compile``\\ d in the default mode, and
    LipsFormer-CSwin-T also with ``mode='reduce-overhead'``, one process each: compile time (the first step),
    steady-state training and inference images/s, peak memory;
-5. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs);
-6. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process.
+4. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
+   the plain graph, the benchmark's CUDA path);
+5. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process;
+6. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs).
 
 It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
@@ -41,16 +41,17 @@ from typing import Any
 __all__ = ['Step', 'StepResult', 'environment_facts', 'guard', 'main', 'plan_steps', 'run_steps', 'write_report']
 
 TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
-# The blocks' fast form named on (fast_path=True: off on CUDA by default until this check measures it) and off.
+# The blocks' fast form (fast_path=True, CUDA's default) and the plain module graph (fast_path=False).
 EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]',
                 'lipsformer_swin_tiny[fast_path=False]', 'lipsformer_cswin_tiny[fast_path=False]']
-COMPILED = [(TIMM_SWIN, 'default'), ('lipsformer_cswin_tiny', 'default'), ('lipsformer_swin_tiny', 'default'),
-            ('lipsformer_cswin_tiny', 'reduce-overhead')]
+# (model, torch.compile mode, seconds on an H200 with margin: compiling the inference and the training graph takes most)
+COMPILED = [(TIMM_SWIN, 'default', 120), ('lipsformer_swin_tiny', 'default', 140),
+            ('lipsformer_cswin_tiny', 'default', 330), ('lipsformer_cswin_tiny', 'reduce-overhead', 330)]
 MEMORY_MODELS = EAGER_MODELS[:3]
-# tests/test_cuda.py's tests that compile (pytest -k): they run after the compiled benchmarks, which matter more.
+# tests/test_cuda.py's tests that compile (pytest -k): they come last, after the compiled benchmarks.
 CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
 KINDS = ('environment', 'eager', 'pytest', 'compiled', 'memory')
-DEFAULT_BUDGET_S = 540  # under the 10 minutes a loaned GPU command may run, with room for the start
+DEFAULT_BUDGET_S = 570  # under the 10 minutes a loaned GPU command may run, with room for the report
 RESERVE_S = 15  # kept for writing the report
 # Tiny shapes for --cpu-smoke: every step's code path in seconds on a CPU.
 SMOKE_SWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[1,1,1,1],window_size=4,img_size=32'
@@ -107,20 +108,17 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
         common = ['--batch-size', '2', '--img-size', '32', '--precision', 'fp32', '--device', 'cpu', '--threads', '1']
         timed = {'eager': ['--warmup', '1', '--repeats', '2', '--steps', '1'],
                  'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
-        eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default')], SMOKE_MODELS[:1]
         # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
-        estimates = {'environment': 20, 'eager': 60, 'pytest': 30, 'compiled': 900, 'pytest_compiled': 900,
-                     'memory': 60}
+        eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default', 900)], SMOKE_MODELS[:1]
+        estimates = {'environment': 20, 'eager': 60, 'pytest': 30, 'pytest_compiled': 900, 'memory': 60}
         profile = '1'
     else:
         common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
         timed = {'eager': ['--warmup', '5', '--repeats', '5', '--steps', '5'],
                  'compiled': ['--warmup', '3', '--repeats', '3', '--steps', '5']}
         eager_models, compiled, memory_models = EAGER_MODELS, COMPILED, MEMORY_MODELS
-        # Seconds on an H100 or H200, with margin: 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each;
-        # a compiled model's first steps (training and inference graphs) take most of its time.
-        estimates = {'environment': 20, 'eager': 150, 'pytest': 40, 'compiled': 100, 'pytest_compiled': 150,
-                     'memory': 60}
+        # Seconds on an H200, with margin: 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each.
+        estimates = {'environment': 20, 'eager': 150, 'pytest': 120, 'pytest_compiled': 240, 'memory': 90}
         profile = '3'
     benchmark = [python, '-m', 'lipsformer.benchmark']
     pytest = [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py']
@@ -131,23 +129,24 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                                  *timed['eager'],
                                  '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
              estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
-        Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
-             estimates['pytest'], 120, 'pytest'),
     ]
-    for index, (model, mode) in enumerate(compiled):
+    # In order of need: a step that does not fit is skipped and the smaller ones after it still run.
+    for index, (model, mode, estimate_s) in enumerate(compiled):
         path = str(work_dir / f'compiled_{index}.json')
         steps.append(Step(
             f'compiled {model} ({mode})',
             [*benchmark, '--models', model, '--mode', 'infer,train', *common,
              *timed['compiled'], '--compile',
              *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--json', path],
-            estimates['compiled'], 300, 'compiled', path, mode))
-    steps.append(Step('tests/test_cuda.py, compiled', [*pytest, '-k', CUDA_TESTS_THAT_COMPILE],
-                      estimates['pytest_compiled'], 240, 'pytest'))
+            estimate_s, max(300, estimate_s + 60), 'compiled', path, mode))
+    steps.append(Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
+                      estimates['pytest'], 180, 'pytest'))
     steps.append(Step('peak memory (eager training, fresh process each)',
                       [*benchmark, '--models', ','.join(memory_models), '--mode', 'train', *common, '--warmup', '2',
                        '--repeats', '1', '--steps', '1', '--json', str(work_dir / 'memory.json')],
                       estimates['memory'], 180, 'memory', str(work_dir / 'memory.json')))
+    steps.append(Step('tests/test_cuda.py, compiled', [*pytest, '-k', CUDA_TESTS_THAT_COMPILE],
+                      estimates['pytest_compiled'], 300, 'pytest'))
     return [step for step in steps if kinds is None or step.kind in kinds]
 
 

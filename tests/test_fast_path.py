@@ -203,23 +203,23 @@ def test_gradient_penalties_differentiate_the_backward(name):
 
 
 def test_the_switch_is_on_by_default_only_on_the_devices_where_it_is_measured_faster():
-    assert fastpath.DEFAULT_DEVICES == {'cpu'}
-    assert use_fast_path('cpu') and not use_fast_path('cuda')
+    assert fastpath.DEFAULT_DEVICES == {'cpu', 'cuda'}
+    assert use_fast_path('cpu') and use_fast_path('cuda') and not use_fast_path('mps') and not use_fast_path('xpu')
     with set_fast_path(True):  # on for every device
-        assert use_fast_path('cuda') and use_fast_path('cpu')
+        assert use_fast_path('cuda') and use_fast_path('cpu') and use_fast_path('mps')
         with set_fast_path(None):  # the defaults again
-            assert use_fast_path('cpu') and not use_fast_path('cuda')
+            assert use_fast_path('cpu') and not use_fast_path('mps')
     with set_fast_path(False):
         assert not use_fast_path('cpu') and not use_fast_path('cuda')
 
 
-@pytest.mark.parametrize('value, cpu, cuda', [('auto', True, False), ('1', True, True), ('0', False, False)])
-def test_the_environment_variable_overrides_the_device_defaults(value, cpu, cuda):
-    code = 'import lipsformer.fastpath as f; print(f.use_fast_path("cpu"), f.use_fast_path("cuda"))'
+@pytest.mark.parametrize('value, cpu, mps', [('auto', True, False), ('1', True, True), ('0', False, False)])
+def test_the_environment_variable_overrides_the_device_defaults(value, cpu, mps):
+    code = 'import lipsformer.fastpath as f; print(f.use_fast_path("cpu"), f.use_fast_path("mps"))'
     result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                             env=dict(os.environ, LIPSFORMER_FAST_PATH=value))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(cpu), str(cuda)]
+    assert result.stdout.split() == [str(cpu), str(mps)]
 
 
 @pytest.mark.parametrize('name', TINY_MODELS)

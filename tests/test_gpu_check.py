@@ -150,9 +150,8 @@ def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
     assert eager[eager.index('--models') + 1].split(',') == gpu_check.EAGER_MODELS
     assert ['--batch-size', '128'] == eager[eager.index('--batch-size'):][:2] and '--profile' in eager
     assert [(step.argv[step.argv.index('--models') + 1], step.compile_mode) for step in steps.values()
-            if step.kind == 'compiled'] == gpu_check.COMPILED
+            if step.kind == 'compiled'] == [(model, mode) for model, mode, _ in gpu_check.COMPILED]
     assert '--compile-mode' in steps['compiled lipsformer_cswin_tiny (reduce-overhead)'].argv
-    assert sum(step.estimate_s for step in steps.values() if step.kind != 'compiled') < gpu_check.DEFAULT_BUDGET_S
 
 
 def test_script_dry_run_prints_the_plan(tmp_path):
@@ -212,4 +211,21 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
     assert {'test_torch_compile_equals_eager', 'test_twenty_training_steps_lower_the_loss',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
-    assert order.index('compiled') > order.index('eager') and order[-2:] == ['pytest', 'memory']
+    assert order == ['environment', 'eager', *['compiled'] * len(gpu_check.COMPILED), 'pytest', 'memory', 'pytest']
+
+
+def test_the_default_budget_keeps_the_eager_rows_timm_and_swin_compiled_and_the_plain_cuda_tests(tmp_path):
+    """Steps that take their estimates: the default budget runs the eager benchmark, the first two compiled models
+    and the tests that compile nothing, and skips what does not fit (a second call runs it: --steps)."""
+    steps = plan_steps(tmp_path)
+    now = [0.0]
+
+    def runner(argv, timeout_s, log):
+        now[0] += next(step.estimate_s for step in steps if step.argv == argv)
+        return 0, False, ''
+
+    results = run_steps(steps, gpu_check.DEFAULT_BUDGET_S, clock=lambda: now[0], runner=runner)
+    ran = [result.name for result in results if result.status == 'ok']
+    assert ran == ['environment', 'eager benchmark', f'compiled {gpu_check.TIMM_SWIN} (default)',
+                   'compiled lipsformer_swin_tiny (default)', 'tests/test_cuda.py, without compilation']
+    assert now[0] <= gpu_check.DEFAULT_BUDGET_S - gpu_check.RESERVE_S

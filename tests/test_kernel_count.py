@@ -225,8 +225,8 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, toy_spec, capsys):
 
 
 # The budget: kernels, non-matmul bytes and dispatched ops of each family's tiny model over timm's Swin-T's, one step
-# at batch 128, 224x224, bf16, for the blocks' fast form (fast_path=True) and the plain module graph (fast_path=False,
-# what CUDA runs by default until the fast form is measured faster there). Held at the measured ratios rounded up by
+# at batch 128, 224x224, bf16, for the blocks' fast form (fast_path=True, CUDA's default) and the plain module graph
+# (fast_path=False, what every tool that traces the model sees). Held at the measured ratios rounded up by
 # about 1%, so that a change that adds kernels or bytes fails; tighten them as the CUDA path gets leaner. Another
 # torch release dispatches other ops (decompositions, autograd formulas): the budget holds for the release it was
 # measured with, the newest the suite runs on.

@@ -35,8 +35,8 @@ _ENVIRONMENT_VARIABLE = 'LIPSFORMER_FAST_PATH'
 _ON, _OFF, _AUTO = ('1', 'true', 'on', 'yes'), ('0', 'false', 'off', 'no'), ('auto', '')
 
 # The device types on which the fast path is on unless switched: those where docs/performance.md measures it faster
-# than the plain module graph. CUDA is not among them until the GPU check measures its CUDA form.
-DEFAULT_DEVICES = frozenset({'cpu'})
+# than the plain module graph (on CUDA: in training for both families, in inference for LipsFormer-Swin).
+DEFAULT_DEVICES = frozenset({'cpu', 'cuda'})
 
 
 def _from_environment() -> bool | None:
