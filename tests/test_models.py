@@ -347,3 +347,28 @@ def test_onnx_export_with_dynamic_batch_matches_onnxruntime(name, tmp_path):
 def test_model_classes_are_exported():
     assert isinstance(_tiny('lipsformer_swin_tiny'), LipsFormerSwin)
     assert isinstance(_tiny('lipsformer_cswin_tiny'), LipsFormerCSwin)
+
+
+@pytest.mark.parametrize('fast', [True, False])
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_every_depthwise_conv_and_linear_layer_gets_a_contiguous_nhwc_map(name, fast):
+    """The stem's output is made contiguous NHWC, so that no block inherits the permuted layout of timm's PatchEmbed
+    (CenterNorm keeps a layout): on CUDA a channels-first depthwise conv runs a slow kernel of its own, and a linear
+    layer copies a non-contiguous input first."""
+    model = _tiny(name).eval()
+    layouts = []
+
+    names = {module: path for path, module in model.named_modules()}
+
+    def record(module, args):
+        conv = isinstance(module, torch.nn.Conv2d)  # an NCHW view of an NHWC map; a linear layer takes the map itself
+        layout = torch.channels_last if conv else torch.contiguous_format
+        layouts.append((names[module], args[0].is_contiguous(memory_format=layout)))
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Conv2d) and module.groups == module.in_channels > 1 or isinstance(
+                module, torch.nn.Linear):
+            module.register_forward_pre_hook(record)
+    with set_fast_path(fast), torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    assert len(layouts) > 10 and [path for path, ok in layouts if not ok] == []

@@ -426,7 +426,7 @@ class LipsFormer(nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        x = self.patch_embed(check_input(x, self.in_chans, self.input_divisor))
+        x = self._embed_patches(x)
         last_index = len(self.stages) - 1
         if torch.jit.is_scripting() or not stop_early:
             stages = self.stages
@@ -462,8 +462,15 @@ class LipsFormer(nn.Module):
             self.reset_classifier(0, '')
         return take_indices
 
+    def _embed_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """The patch embedding of a checked input as a contiguous NHWC map. timm's PatchEmbed returns a permuted view of
+        its NCHW convolution, and CenterNorm, being elementwise, keeps that layout: every block after it (and, through
+        CSwin's convolutional merges, every stage) would run its depthwise convolutions channels-first, which CUDA
+        does with a slow kernel of its own, and copy before its linear layers."""
+        return self.patch_embed(check_input(x, self.in_chans, self.input_divisor)).contiguous()
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(check_input(x, self.in_chans, self.input_divisor))
+        x = self._embed_patches(x)
         x = self.stages(x)
         return self.norm(x)
 
