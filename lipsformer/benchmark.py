@@ -340,14 +340,16 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float
     faults = [step_faults for _, step_faults in runs]
     images_per_s = statistics.median(samples)
     macs_per_image = counts['gmacs'] * (TRAIN_MACS_PER_FORWARD_MAC if mode == 'train' else 1)
-    device_type = torch.device(config.device).type
+    torch_compile_mode = compile_mode(spec, config)
+    # What this model ran with: compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels too.
+    fast_path = torch_compile_mode is None and spec.running(
+        functools.partial(use_fast_path, torch.device(config.device).type))()
     return {
         'model': spec.text,
         'mode': mode,
-        'compile': compile_mode(spec, config),  # torch.compile's mode, None for eager
-        # the switches this model ran with (compiled, the fast path steps aside and the C kernels go with it)
-        'fast_path': spec.running(functools.partial(use_fast_path, device_type))(),
-        'native_kernels': spec.native is not False and all(native_kernels().values()),
+        'compile': torch_compile_mode,  # torch.compile's mode, None for eager
+        'fast_path': fast_path,
+        'native_kernels': fast_path and spec.native is not False and all(native_kernels().values()),
         'input_size': list(counts['input_size']),
         'batch_size': config.batch_size,
         'params': counts['params'],

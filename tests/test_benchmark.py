@@ -513,6 +513,9 @@ def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
         batch_size=2, img_size=32, warmup=1, repeats=1, memory=False, retain_cpu_memory=False))
     eager, compiled = report['results']
     assert (eager['compile'], compiled['compile']) == (None, 'default') and compile_calls == ['default']
+    # compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels with it
+    assert (eager['fast_path'], eager['native_kernels'], compiled['fast_path'], compiled['native_kernels']) == (
+        True, True, False, False)
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1  # dynamo traced the compiled model
     assert format_table(report).splitlines()[2].split()[-1] == 'default'
     torch._dynamo.reset()
