@@ -6,15 +6,18 @@ Example (the CPU comparison of ``docs/performance.md``)::
         --mode infer,train --batch-size 16 --img-size 224 --precision fp32 --device cpu --json cpu.json
 
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
-window_size=12]``; ``img_size`` there also sets that model's input size, and ``fast_path=False`` or ``True`` runs
-that model with ``lipsformer.fastpath`` switched off or on whatever the device's default, so that both paths of one
-model are timed in one process), or ``file:/path/module.py:factory[...]`` for a model outside timm (the factory is
-any callable returning an ``nn.Module``; the file is imported and run, so only name files you trust). Per model and
-mode it reports images/s (models interleaved in the warm-up and in every repeat, median of the repeats), the median
-and interquartile range of its per-repeat ratios to the first model (paired within each repeat: the steadier figure
-when another job disturbs some repeats), the process's minor page faults per timed step, peak memory (each model in
-a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with ratios to the first
-model; ``docs/performance.md`` says how each is measured.
+window_size=12]``; ``img_size`` there also sets that model's input size; ``fast_path=False`` or ``True`` runs that model
+with ``lipsformer.fastpath`` switched off or on whatever the device's default, ``native=False`` with the fast paths'
+PyTorch code instead of the package's C kernels, and ``compile=True`` or ``compile=reduce-overhead`` (any
+``torch.compile`` mode) through ``torch.compile``, ``compile=False`` eager, whatever ``--compile`` says; so these forms
+of one model are timed in one process), or ``file:/path/module.py:factory[...]`` for a model outside timm (the factory
+is any callable returning an ``nn.Module``; the file is imported and run, so only name files you trust). Per model and
+mode it reports images/s (models interleaved in the warm-up and in every repeat, median of the repeats), the median and
+interquartile range of its per-repeat ratios to the first model (paired within each repeat: the steadier figure when
+another job disturbs some repeats), the process's minor page faults per timed step, peak memory (each model in a fresh
+process), activations saved for backward per image, params, GMACs and TFLOP/s, with ratios to the first model;
+``docs/performance.md`` says how each is measured. With ``--json``, the report is also written after each mode,
+``complete`` false until the end, so that a run cut short keeps the modes it finished.
 """
 
 import argparse
@@ -144,11 +147,21 @@ def saved_activations_mb(model: nn.Module, inputs: torch.Tensor, config: Benchma
     return sum(sizes.values()) / 2 ** 20 / inputs.shape[0]
 
 
-def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: BenchmarkConfig) -> Callable[[], None]:
-    """One inference forward, or one training step (forward, loss, backward, AdamW)."""
+def compile_mode(spec: ModelSpec | None, config: BenchmarkConfig) -> str | None:
+    """The ``torch.compile`` mode ``spec``'s model runs in ('default' for the default mode), or None for eager: the
+    spec's ``compile`` key, else ``--compile`` / ``--compile-mode`` (``config``)."""
+    default = (config.compile_mode or 'default') if config.compile else None
+    return default if spec is None else spec.compile_mode(default)
+
+
+def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: BenchmarkConfig,
+               spec: ModelSpec | None = None) -> Callable[[], None]:
+    """One inference forward, or one training step (forward, loss, backward, AdamW), compiled as :func:`compile_mode`
+    says for ``spec`` (without one, as ``config`` says)."""
     device_type = torch.device(config.device).type
     dtype = PRECISIONS[config.precision]
-    runner = torch.compile(model, mode=config.compile_mode) if config.compile else model
+    torch_compile_mode = compile_mode(spec, config)
+    runner = model if torch_compile_mode is None else torch.compile(model, mode=torch_compile_mode)
     if mode == 'infer':
         model.eval()
 
@@ -234,7 +247,7 @@ def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
     resident_mb = None if cuda else _reset_peak_rss()
     baseline_mb = peak_rss_mb() if resident_mb is None and not cuda else resident_mb
     model, inputs = _build(spec, benchmark_config)
-    step = spec.running(_make_step(model, inputs, mode, benchmark_config))
+    step = spec.running(_make_step(model, inputs, mode, benchmark_config, spec))
     for _ in range(max(2, benchmark_config.warmup)):  # the second train step is the first with optimizer state
         step()
     if cuda:
@@ -277,7 +290,8 @@ def _synchronize(device: str) -> None:
 def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: BenchmarkConfig,
                specs: list[ModelSpec]) -> ModeRuns:
     """Every timed run of every model, models interleaved within each repeat; then, if asked, each model's profile."""
-    steps = [spec.running(_make_step(model, inputs, mode, config)) for spec, (model, inputs) in zip(specs, models)]
+    steps = [spec.running(_make_step(model, inputs, mode, config, spec))
+             for spec, (model, inputs) in zip(specs, models)]
     names = [spec.text for spec in specs]
     cuda = torch.device(config.device).type == 'cuda'
     if cuda:
@@ -326,9 +340,16 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float
     faults = [step_faults for _, step_faults in runs]
     images_per_s = statistics.median(samples)
     macs_per_image = counts['gmacs'] * (TRAIN_MACS_PER_FORWARD_MAC if mode == 'train' else 1)
+    torch_compile_mode = compile_mode(spec, config)
+    # What this model ran with: compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels too.
+    fast_path = torch_compile_mode is None and spec.running(
+        functools.partial(use_fast_path, torch.device(config.device).type))()
     return {
         'model': spec.text,
         'mode': mode,
+        'compile': torch_compile_mode,  # torch.compile's mode, None for eager
+        'fast_path': fast_path,
+        'native_kernels': fast_path and spec.native is not False and all(native_kernels().values()),
         'input_size': list(counts['input_size']),
         'batch_size': config.batch_size,
         'params': counts['params'],
@@ -343,9 +364,15 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float
     }
 
 
-def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> dict:
+def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: BenchmarkConfig,
+                  progress: Callable[[dict], None] | None = None) -> dict:
     """Benchmark every model in every mode; returns the JSON-ready report (``config``, ``environment``,
-    ``results``: one row per model and mode, ratios relative to the first model)."""
+    ``results``: one row per model and mode, ratios relative to the first model; ``complete``: True).
+
+    Args:
+        progress: Called with the report so far (``complete`` False) after each mode, so that a run cut short keeps
+            the modes it finished.
+    """
     specs = parse_model_specs(models) if isinstance(models, str) else models
     retained = _configure_process(config)
     load_at_start = _load_average()
@@ -385,14 +412,23 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
             # A model too small to move the resident size has no meaningful ratio (and no zero division).
             row['memory_ratio'] = row['peak_memory_mb'] / first_memory if config.memory and first_memory else None
         results += rows
-    report = {'config': asdict(config) | {'steps': config.steps_per_run(), 'modes': list(modes),
-                                           'models': [spec.text for spec in specs]},
-              'environment': environment(config.device) | {'load_average_start': load_at_start,
-                                                           'cpu_freed_memory_retained': retained},
-              'results': results}
+        if progress is not None:
+            progress(_report(specs, modes, config, results, load_at_start, retained, complete=False))
+    report = _report(specs, modes, config, results, load_at_start, retained, complete=not config.count_kernels)
     if config.count_kernels:
         report['kernel_counts'] = [count.to_json() for count in _kernel_counts(specs, modes, config)]
+        report['complete'] = True
     return report
+
+
+def _report(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig, results: list[dict],
+            load_at_start: list[float] | None, retained: bool, complete: bool) -> dict:
+    return {'config': asdict(config) | {'steps': config.steps_per_run(), 'modes': list(modes),
+                                        'models': [spec.text for spec in specs]},
+            'environment': environment(config.device) | {'load_average_start': load_at_start,
+                                                         'cpu_freed_memory_retained': retained},
+            'results': list(results),
+            'complete': complete}  # False in a report written while the run goes on
 
 
 def _kernel_counts(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> list:
@@ -442,7 +478,7 @@ def environment(device: str) -> dict:
 def format_table(report: dict, markdown: bool = False) -> str:
     """The report's results as an aligned text table (or Markdown)."""
     header = ['model', 'mode', 'img/s', 'ratio', 'paired ratio (IQR)', 'ms/step', 'faults/step', 'peak MiB',
-              'mem ratio', 'act MiB/img', 'act ratio', 'params (M)', 'GMACs', 'TFLOP/s']
+              'mem ratio', 'act MiB/img', 'act ratio', 'params (M)', 'GMACs', 'TFLOP/s', 'compiled']
 
     def optional(value: float | None, digits: int) -> str:
         return '-' if value is None else f'{value:.{digits}f}'
@@ -452,7 +488,8 @@ def format_table(report: dict, markdown: bool = False) -> str:
               f'{row["ms_per_step"]:.1f}', f'{row["page_faults_per_step"]:.0f}', optional(row['peak_memory_mb'], 0),
               optional(row['memory_ratio'], 3), optional(row['saved_activations_mb_per_image'], 1),
               optional(row['saved_activations_ratio'], 3),
-              f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}']
+              f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}',
+              row.get('compile') or '-']  # torch.compile's mode, '-' for eager
              for row in report['results']]
     if markdown:
         return '\n'.join(['| ' + ' | '.join(header) + ' |', '|---|---|' + '---:|' * (len(header) - 2)] +
@@ -503,13 +540,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--img-size', type=int, default=224, help='input height and width')
     parser.add_argument('--precision', choices=sorted(PRECISIONS), default='fp32',
                         help='fp32, or autocast to bf16 / fp16 (fp16 training uses a GradScaler)')
-    parser.add_argument('--compile', action='store_true', help='torch.compile every model (warm-up compiles)')
+    parser.add_argument('--compile', action='store_true',
+                        help='torch.compile every model without a compile= key of its own (warm-up compiles)')
     parser.add_argument('--compile-mode', default=None,
                         help="torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs), "
                              'max-autotune, max-autotune-no-cudagraphs (default: default)')
     parser.add_argument('--channels-last', action='store_true', help='channels-last model and input')
     parser.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
-    parser.add_argument('--json', type=Path, help='write the full report (every timed sample included) here')
+    parser.add_argument('--json', type=Path,
+                        help='write the full report (every timed sample included) here, also after each mode '
+                             '("complete": false until the run ends)')
     parser.add_argument('--warmup', type=int, default=BenchmarkConfig.warmup,
                         help='untimed steps per model and mode (default: %(default)s)')
     parser.add_argument('--repeats', type=int, default=BenchmarkConfig.repeats,
@@ -576,11 +616,16 @@ def main(argv: list[str] | None = None) -> dict:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    command = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
+
+    def write_so_far(report: dict) -> None:
+        if write_report(parser, args.json, report | {'command': command}, partial=True):
+            _log(f'wrote the report so far to {args.json}')
     try:
-        report = run_benchmark(specs, modes, config)
+        report = run_benchmark(specs, modes, config, write_so_far if args.json is not None else None)
     except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
         parser.error(f'--img-size {config.img_size}: {error}')
-    report['command'] = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
+    report['command'] = command
     print(format_table(report, markdown=args.markdown))
     if config.profile_steps:
         print('\n' + format_profile_table(report, markdown=args.markdown))

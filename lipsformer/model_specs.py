@@ -1,6 +1,9 @@
 """Model specs, as the benchmark and the kernel counter take them: ``name[key=value,...]`` or
-``file:/path/module.py:factory[...]``, with ``fast_path=True`` / ``False`` switching ``lipsformer.fastpath`` for that
-model; the precisions they run in; the loss of a timed training step; and the checks of their JSON reports.
+``file:/path/module.py:factory[...]``, with three keys that are no constructor arguments: ``fast_path=True`` /
+``False`` switches ``lipsformer.fastpath`` for that model, ``native=False`` keeps the fast paths off the package's C
+kernels (their PyTorch code instead), and ``compile=True`` or ``compile='<mode>'`` runs that model through
+``torch.compile`` (``False``: eager, whatever ``--compile`` says); the precisions they run in; the loss of a timed
+training step; and the checks of their JSON reports.
 """
 import argparse
 import ast
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipsformer.fastpath import set_fast_path
+from lipsformer.fastpath.native import set_native_kernels
 from lipsformer.model_names import check_model_source, expand_model_names, model_source
 from lipsformer.utils import write_json
 from lipsformer.utils.io import unwritable_file_reason
@@ -36,13 +40,24 @@ class ModelSpec:
     source: str  # timm name, or 'file:/path.py:factory'
     kwargs: dict[str, Any] = field(default_factory=dict)
     fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
+    native: bool | None = None  # False: the fast paths' PyTorch code instead of the C kernels (None: the kernels)
+    compile: bool | str | None = None  # torch.compile: a mode, True (default mode) or False (eager); None: --compile
 
     def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
-        """``step`` with the fast paths switched as this spec asks."""
+        """``step`` with the fast paths and their C kernels switched as this spec asks."""
         def switched() -> Any:
-            with set_fast_path(self.fast_path):
+            with set_fast_path(self.fast_path), set_native_kernels(self.native):
                 return step()
         return switched
+
+    def compile_mode(self, default: str | None) -> str | None:
+        """The ``torch.compile`` mode this model runs in ('default' for the default mode), or None for eager;
+        ``default`` is the mode of the command line's ``--compile`` (None without it), for a spec without the key."""
+        if self.compile is None:
+            return default
+        if self.compile is True:
+            return 'default'
+        return self.compile or None
 
     @property
     def is_file(self) -> bool:
@@ -100,12 +115,27 @@ def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
     return kwargs
 
 
+def _compile_setting(value: Any, spec: str) -> bool | str | None:
+    """A spec's ``compile`` value, checked: None, True, False or one of torch.compile's modes."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f'{spec!r}: compile must be True, False or a torch.compile mode, got {value!r}')
+    from torch._inductor import list_mode_options  # the modes torch.compile takes (its docstring points here)
+    modes = list(list_mode_options())
+    if value not in modes:
+        raise ValueError(f'{spec!r}: compile={value!r} is no torch.compile mode; write compile=True (the default '
+                         f'mode) or one of {", ".join(modes)}')
+    return value
+
+
 def parse_model_specs(text: str) -> list[ModelSpec]:
     """Parse the ``--models`` comma list (commas inside brackets belong to the constructor arguments).
 
     Raises:
         ValueError: a malformed spec, an unknown timm name (with close matches) or a duplicate.
-        TypeError: an ``img_size`` argument that is not one integer.
+        TypeError: an ``img_size`` argument that is not one integer; a ``fast_path`` or ``native`` that is not True or
+            False, a ``compile`` that is not True, False or a string (an unknown mode is a ValueError).
     """
     specs = []
     for item in _split_top_level(text):
@@ -115,9 +145,11 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
         if not isinstance(kwargs.get('img_size', 1), int):
             raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
-        fast_path = kwargs.pop('fast_path', None)
-        if fast_path is not None and not isinstance(fast_path, bool):
-            raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
+        fast_path, native = kwargs.pop('fast_path', None), kwargs.pop('native', None)
+        for key, value in (('fast_path', fast_path), ('native', native)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f'{item!r}: {key} must be True or False, got {value!r}')
+        compile_setting = _compile_setting(kwargs.pop('compile', None), item)
         if source.startswith('file:'):
             if source.count(':') < 2:
                 raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
@@ -127,7 +159,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
             check_model_source(source)
         else:
             expand_model_names(source)  # raises with close matches if the name is unknown
-        specs.append(ModelSpec(item, source, kwargs, fast_path))
+        specs.append(ModelSpec(item, source, kwargs, fast_path, native, compile_setting))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')
     if not specs:
@@ -155,14 +187,21 @@ def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike |
         parser.error(f'--json {str(path)!r} cannot be written: {reason}')
 
 
-def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any) -> None:
-    """Write the JSON report; a write that fails after the table was printed ends the process with exit status 4
-    and one line naming the file, the table kept above it (printed by the caller before)."""
+def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any, partial: bool = False) -> bool:
+    """Write the JSON report atomically (a reader sees the previous whole file or the new one); a write that fails
+    after the table was printed ends the process with exit status 4 and one line naming the file, the table kept above
+    it (printed by the caller before). A ``partial`` report (the rows so far, while the run goes on) that cannot be
+    written is one warning line, and False returned: the run goes on to its final write."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_json(path, data)
     except OSError as error:
+        if partial:
+            print(f'{parser.prog}: warning: the report so far could not be written to --json {str(path)!r}: '
+                  f'{error.strerror or error}; the run goes on', file=sys.stderr)
+            return False
         print(f'{parser.prog}: error: the report could not be written to --json {str(path)!r}: '
               f'{error.strerror or error}; the table is printed above (free space or fix the permissions, or give '
               f'another --json)', file=sys.stderr)
         raise SystemExit(4) from None
+    return True

@@ -1,5 +1,6 @@
 """The benchmark harness (lipsformer.benchmark) on tiny timm models: report schema, ratios, counts, memory, CLI."""
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def test_the_table_shows_each_row_with_its_paired_ratio(report):
         cells = [cell.strip() for cell in line.strip('|').split('|')]
         assert cells[:4] == [row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}']
         assert cells[4] == '{:.3f} ({:.3f}-{:.3f})'.format(row['ratio_median'], *row['ratio_quartiles'])
+        assert cells[-1] == '-' and row['compile'] is None  # eager, as CONFIG asks
+        assert row['native_kernels'] is True and row['fast_path'] is True  # the CPU's defaults
 
 
 def test_ratio_quartiles_of_a_single_repeat():
@@ -154,7 +157,7 @@ def test_models_are_interleaved_and_alternate_direction():
 
 def test_warm_up_steps_are_interleaved_like_the_timed_ones(monkeypatch):
     calls, first, second = [], torch.nn.Identity(), torch.nn.Identity()
-    monkeypatch.setattr(benchmark, '_make_step', lambda model, inputs, mode, config: lambda: calls.append(
+    monkeypatch.setattr(benchmark, '_make_step', lambda model, inputs, mode, config, spec: lambda: calls.append(
         'a' if model is first else 'b'))
     config = BenchmarkConfig(warmup=3, repeats=2)
     runs = benchmark._time_mode([(first, None), (second, None)], 'train', config,
@@ -288,7 +291,7 @@ def test_cli_end_to_end_with_a_model_outside_timm(tmp_path):
         check=True, capture_output=True, text=True)
     assert completed.stdout.splitlines()[0].split()[:4] == ['model', 'mode', 'img/s', 'ratio']
     saved = json.loads(out.read_text())
-    assert saved['command'].startswith('python -m lipsformer.benchmark --models')
+    assert saved['command'].startswith('python -m lipsformer.benchmark --models') and saved['complete'] is True
     assert saved['environment']['torch_threads'] == 1 and saved['config']['threads'] == 1
     assert saved['config']['retain_cpu_memory'] is True  # the default, as in train.py
     vit, cnn = saved['results'][:2]
@@ -397,3 +400,144 @@ def test_kernel_counting_refuses_an_unsupported_torch(capsys, monkeypatch):
         kernel_count.main(['--models', 'test_vit[img_size=32]'])
     with pytest.raises(RuntimeError, match='needs torch >= 99.0'):
         kernel_count.count_step('test_vit[img_size=32]', 'infer', 2, 32)
+
+
+def test_a_model_spec_can_take_its_own_compile_mode_and_keep_off_the_c_kernels():
+    """``compile`` and ``native`` are no constructor arguments: ``compile=True`` is torch.compile's default mode, a
+    mode string that mode, ``False`` eager whatever ``--compile`` says, and a spec without it follows ``--compile``."""
+    default, eager, compiled, mode = parse_model_specs(
+        "test_vit,test_vit[compile=False],test_vit[compile=True,native=False],test_vit[compile='reduce-overhead']")
+    assert [spec.kwargs for spec in (default, eager, compiled, mode)] == [{}] * 4
+    assert (compiled.compile, compiled.native, mode.compile, default.native) == (True, False, 'reduce-overhead', None)
+    plain, flagged = BenchmarkConfig(), BenchmarkConfig(compile=True, compile_mode='max-autotune')
+    assert [benchmark.compile_mode(spec, plain) for spec in (default, eager, compiled, mode)] == [
+        None, None, 'default', 'reduce-overhead']
+    assert [benchmark.compile_mode(spec, flagged) for spec in (default, eager, compiled, mode)] == [
+        'max-autotune', None, 'default', 'reduce-overhead']
+    assert benchmark.compile_mode(None, BenchmarkConfig(compile=True)) == 'default'
+    (bare,) = parse_model_specs('test_vit[compile=max-autotune-no-cudagraphs]')  # a bare word is a string too
+    assert bare.compile == 'max-autotune-no-cudagraphs'
+
+
+@pytest.mark.parametrize('text, error, message', [
+    ('test_vit[compile=fast]', ValueError, r"'test_vit\[compile=fast\]': compile='fast' is no torch.compile mode; "
+                                           r'write compile=True \(the default mode\) or one of default, .*reduce-over'),
+    ('test_vit[compile=1]', TypeError, r"'test_vit\[compile=1\]': compile must be True, False or a torch.compile mode"),
+    ('test_vit[native=0]', TypeError, r"'test_vit\[native=0\]': native must be True or False, got 0"),
+])
+def test_bad_compile_or_native_keys_say_what_is_accepted(text, error, message, capsys):
+    with pytest.raises(error, match=message):
+        parse_model_specs(text)
+    with pytest.raises(SystemExit, match='2'):
+        main(['--models', text])
+    assert re.search(message, capsys.readouterr().err)  # a usage error, before any model runs
+
+
+def test_make_step_compiles_as_the_spec_says(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, 'compile', lambda model, mode=None: compiled.append(mode) or model)
+    config = BenchmarkConfig(batch_size=2, img_size=32, compile=True)
+    model, inputs = _build(ModelSpec('test_vit', 'test_vit'), config)
+    eager, own_mode = parse_model_specs('test_vit[compile=False],test_vit[compile=max-autotune-no-cudagraphs]')
+    _make_step(model, inputs, 'infer', config, eager)()
+    assert compiled == []
+    _make_step(model, inputs, 'infer', config, own_mode)()
+    _make_step(model, inputs, 'train', BenchmarkConfig(batch_size=2, img_size=32))()
+    _make_step(model, inputs, 'train', config)()  # no spec: --compile's mode
+    assert compiled == ['max-autotune-no-cudagraphs', 'default']
+
+
+def _spec_arguments(shape: dict) -> str:
+    """A tiny model's keyword arguments as a model spec writes them: ``key=value,...``."""
+    return ','.join(f'{key}={list(value) if isinstance(value, tuple) else value}' for key, value in shape.items())
+
+
+def _count_kernel_calls(monkeypatch) -> list[str]:
+    """The names of the C kernels called from now on, through every caller of ``native.call_kernel``."""
+    from lipsformer.fastpath import depthwise_conv, lean_autograd, native
+    calls = []
+
+    def counted(library, name, tensors, sizes, real=native.call_kernel):
+        calls.append(name)
+        return real(library, name, tensors, sizes)
+    for module in (native, depthwise_conv, lean_autograd):
+        monkeypatch.setattr(module, 'call_kernel', counted)
+    return calls
+
+
+def test_native_false_runs_the_fast_path_without_the_c_kernels(monkeypatch):
+    """``native=False`` keeps the fast path (fast_path stays on) but off the C kernels while its model runs: none is
+    called, and the gradients equal those the kernels give; the other model in the same process still calls them."""
+    from tiny_models import TINY_SWIN
+
+    from lipsformer.fastpath import native
+    calls = _count_kernel_calls(monkeypatch)
+    tiny = f'lipsformer_swin_tiny[{_spec_arguments(TINY_SWIN)}'
+    with_kernels, without = parse_model_specs(f'{tiny}],{tiny},native=False]')
+    assert 'native' not in without.kwargs and without.fast_path is None
+    config = BenchmarkConfig(batch_size=2, img_size=64)
+    gradients = []
+    for spec in (with_kernels, without):
+        torch.manual_seed(0)
+        model, inputs = _build(spec, config)
+        calls.clear()
+        spec.running(_make_step(model, inputs, 'train', config, spec))()  # one AdamW step: the gradients stay
+        gradients.append({name: parameter.grad for name, parameter in model.named_parameters()})
+        assert native._enabled is True  # restored after the step
+        if spec is with_kernels:
+            assert {'depthwise7_weight_grad', 'gelu_residual_backward'} <= set(calls)
+        else:
+            assert calls == []
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    report = run_benchmark([with_kernels, without], ['train'], BenchmarkConfig(
+        batch_size=2, img_size=64, warmup=0, repeats=1, memory=False, retain_cpu_memory=False))
+    assert [row['native_kernels'] for row in report['results']] == [True, False]
+
+
+def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
+    """``compile=True`` runs that model alone through torch.compile (dynamo for real; its eager backend here, for
+    speed), interleaved with the eager one; the rows say which is which, and the first step times compilation."""
+    import torch._dynamo
+    from tiny_models import SMALLEST_SWIN
+
+    compile_calls, real_compile = [], torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda model, mode=None: compile_calls.append(mode) or real_compile(
+        model, mode=None, backend='eager'))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    tiny = f'lipsformer_swin_tiny[{_spec_arguments(SMALLEST_SWIN)}'
+    specs = parse_model_specs(f'{tiny}],{tiny},compile=True]')
+    report = run_benchmark(specs, ['infer'], BenchmarkConfig(
+        batch_size=2, img_size=32, warmup=1, repeats=1, memory=False, retain_cpu_memory=False))
+    eager, compiled = report['results']
+    assert (eager['compile'], compiled['compile']) == (None, 'default') and compile_calls == ['default']
+    # compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels with it
+    assert (eager['fast_path'], eager['native_kernels'], compiled['fast_path'], compiled['native_kernels']) == (
+        True, True, False, False)
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1  # dynamo traced the compiled model
+    assert format_table(report).splitlines()[2].split()[-1] == 'default'
+    torch._dynamo.reset()
+
+
+def test_the_report_is_written_after_each_mode_and_marked_complete_at_the_end(tmp_path, monkeypatch):
+    """A run cut short (here: the training mode fails) leaves the modes it finished in --json, ``complete`` false."""
+    real_time_mode = benchmark._time_mode
+
+    def inference_only(models, mode, config, specs):
+        if mode == 'train':
+            raise KeyboardInterrupt  # as a time limit's signal would stop the run
+        return real_time_mode(models, mode, config, specs)
+    monkeypatch.setattr(benchmark, '_time_mode', inference_only)
+    out = tmp_path / 'report.json'
+    argv = ['--models', 'test_vit,resnet10t', '--img-size', '32', '--batch-size', '2', '--warmup', '0', '--repeats',
+            '1', '--no-memory', '--no-retain-cpu-memory', '--json', str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv + ['--mode', 'infer,train'])
+    saved = json.loads(out.read_text())
+    assert saved['complete'] is False and saved['command'].startswith('python -m lipsformer.benchmark --models')
+    assert [(row['model'], row['mode']) for row in saved['results']] == [('test_vit', 'infer'), ('resnet10t', 'infer')]
+    assert saved['config']['modes'] == ['infer', 'train']
+    finished = main(argv + ['--mode', 'infer'])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(finished)) and finished['complete'] is True

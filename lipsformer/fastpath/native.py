@@ -20,7 +20,9 @@ the kernel is built in a private temporary folder instead. Either way one warnin
 The kernels run their threads on PyTorch's own OpenMP team where they find its runtime, so that they do not contend
 for the cores with PyTorch's threads. Where a kernel cannot be built (no compiler, a failing one) a warning says so,
 once per source, and the callers keep their PyTorch path, which gives the same values more slowly;
-``LIPSFORMER_NATIVE=0`` picks that path without the warning. ``$CC`` picks the compiler (default ``cc``).
+``LIPSFORMER_NATIVE=0`` picks that path without the warning, for the whole process; :class:`set_native_kernels`
+picks it for a block of code (the benchmark's ``native=False`` model spec). ``$CC`` picks the compiler (default
+``cc``).
 """
 import ctypes
 import functools
@@ -41,7 +43,8 @@ import torch
 from ..utils.env import cpu_name, cpuinfo
 from ..utils.io import atomic_path, write_text
 
-__all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels']
+__all__ = ['CPU_KERNELS', 'call_kernel', 'cpu_kernels', 'load_native', 'native_cache_dir', 'native_kernels',
+           'set_native_kernels']
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 CPU_KERNELS = 'fastpath/cpu_kernels.c'  # the fast paths' kernels, as load_native takes it
@@ -50,6 +53,31 @@ _ARCH_FLAGS = (('-march=native',), ())  # the second where the compiler does not
 _DIGEST_SUFFIX = '.sha256'
 _TRUST_HINT = ('Set LIPSFORMER_CACHE_DIR to a folder of your own that you can write and no one else can '
                '(or LIPSFORMER_NATIVE=0 for the PyTorch path).')
+
+
+_enabled = True  # set_native_kernels: whether cpu_kernels hands out the C kernels
+
+
+class set_native_kernels:  # noqa: N801 (a function that is also a context manager, as fastpath's set_fast_path)
+    """Let the fast paths call the C kernels (``True`` or ``None``, the default: where they can be built) or not
+    (``False``: their PyTorch path, the same values more slowly): ``set_native_kernels(False)`` for the rest of the
+    process, or ``with set_native_kernels(False): ...`` for a block, after which the previous state returns.
+
+    Unlike ``LIPSFORMER_NATIVE=0``, read once per process by :func:`load_native`, it can change between two calls, so
+    that one process times a model with its kernels and without them; ``True`` cannot override that variable.
+    """
+
+    def __init__(self, enable: bool | None = True) -> None:
+        global _enabled
+        self.previous = _enabled
+        _enabled = enable is None or bool(enable)
+
+    def __enter__(self) -> 'set_native_kernels':
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _enabled
+        _enabled = self.previous
 
 
 def native_cache_dir() -> Path:
@@ -323,8 +351,9 @@ def call_kernel(library: ctypes.CDLL, name: str, tensors: tuple[torch.Tensor, ..
 def cpu_kernels(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The layers' kernels (:data:`CPU_KERNELS`) where they may stand in for PyTorch ops on ``tensors`` in a backward:
     all float32 on CPU, the backward not recorded by autograd (a double backward) nor traced by dynamo (the C calls are
-    invisible to both); else None, as where they cannot be built."""
-    if (all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors) and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()):
+    invisible to both), and not switched off (:class:`set_native_kernels`); else None, as where they cannot be built.
+    This is the one place the callers get a kernel from."""
+    if (_enabled and all(t.device.type == 'cpu' and t.dtype == torch.float32 for t in tensors)
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
         return load_native(CPU_KERNELS)
     return None
