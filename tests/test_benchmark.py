@@ -233,7 +233,7 @@ def test_a_model_spec_can_switch_the_fast_paths_off_for_its_model():
     assert fast.fast_path is None and plain.fast_path is False and 'fast_path' not in plain.kwargs
     assert plain.running(use_fast_path)() is False and fast.running(use_fast_path)() is True and use_fast_path()
     (forced,) = parse_model_specs('lipsformer_cswin_tiny[fast_path=True]')
-    assert forced.running(lambda: use_fast_path('cuda'))() is True and not fast.running(lambda: use_fast_path('cuda'))()
+    assert forced.running(lambda: use_fast_path('mps'))() is True and not fast.running(lambda: use_fast_path('mps'))()
     config = BenchmarkConfig(batch_size=2, img_size=64, memory=False)
     report = run_benchmark([fast, plain], ['train'], config)
     assert report['environment']['fast_path'] is True
