@@ -9,11 +9,13 @@ Everything that computes a model's layers other than through their modules is he
   inside a block's fast form);
 - ``blocks``: the weighted residual, the token-wise linear layers with alpha folded in, timm's MLP, the conv shortcut;
 - ``lean_autograd``: autograd Functions whose backwards keep fewer activations (twice differentiable, autocast-aware);
+- ``l2_normalize_op``: SCSA's q/k normalisation as the ``lipsformer::l2_normalize`` custom op, one Triton kernel a
+  direction on a GPU (a tile of rows a program), PyTorch elsewhere;
 - ``onednn_linear``: token-wise products on CPU through oneDNN's 1x1 convolution;
 - ``depthwise_conv``: the 7x7 depthwise conv with a faster CPU weight gradient; ``cpu_kernels.c``, the C kernels of
   the CPU backward (that weight gradient, the GELU residual's), built by ``native``;
 - ``native``: the package's C kernels, compiled for the CPU on first use, cached and checked before loading
-  (:func:`native_kernels`: which of them this process can use);
+  (:func:`native_kernels`: which of them this process can use; ``set_native_kernels(False)``: their PyTorch code);
 - CenterNorm through LayerNorm's fused kernel (:func:`center_norm`).
 
 The modules in ``lipsformer.layers`` and ``lipsformer.models`` hold the plain path, which reads like the paper. The
