@@ -1,4 +1,4 @@
-"""The GPU check in one command, sized for a short loan of a GPU: ``scripts/gpu_check.sh OUT_DIR``.
+"""The GPU check in one command, sized to run within 10 minutes on a GPU: ``scripts/gpu_check.sh OUT_DIR``.
 
 Steps, in order of what matters most, each a subprocess under its own time limit (``timeout``), each failure recorded
 while the check goes on, and a time guard that skips a step whose usual duration would not fit in what is left of
@@ -51,7 +51,7 @@ MEMORY_MODELS = EAGER_MODELS[:3]
 # tests/test_cuda.py's tests that compile (pytest -k): they come last, after the compiled benchmarks.
 CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
 KINDS = ('environment', 'eager', 'pytest', 'compiled', 'memory')
-DEFAULT_BUDGET_S = 570  # under the 10 minutes a loaned GPU command may run, with room for the report
+DEFAULT_BUDGET_S = 570  # a check under 10 minutes, with room for the report
 RESERVE_S = 15  # kept for writing the report
 # Tiny shapes for --cpu-smoke: every step's code path in seconds on a CPU.
 SMOKE_SWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[1,1,1,1],window_size=4,img_size=32'

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command, sized for a short loan of an H100 or H200:
+# The GPU check in one command, sized to run within 10 minutes on an H100 or H200:
 #
 #   scripts/gpu_check.sh OUT_DIR [--budget SECONDS] [--cpu-smoke] [--dry-run]
 #

@@ -216,7 +216,7 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
 
 def test_the_default_budget_keeps_the_eager_rows_timm_and_swin_compiled_and_the_plain_cuda_tests(tmp_path):
     """Steps that take their estimates: the default budget runs the eager benchmark, the first two compiled models
-    and the tests that compile nothing, and skips what does not fit (a second call runs it: --steps)."""
+    and the tests that compile nothing, and skips what does not fit (a second run takes it: --steps)."""
     steps = plan_steps(tmp_path)
     now = [0.0]
 
