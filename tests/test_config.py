@@ -120,6 +120,24 @@ def test_mistakes_name_key_value_and_what_is_allowed(override, message):
         _config('lipsformer_swin_tiny.yaml', *override.split(' '))
 
 
+@pytest.mark.parametrize('override, message', [
+    ('optimizer.lr=.inf', r'optimizer.lr: got inf; expected a finite number'),
+    ('optimizer.lr=inf', r"optimizer.lr: got 'inf'; expected a finite number"),
+    ('optimizer.lr=1e400', r"optimizer.lr: got '1e400'; expected a finite number"),
+    ('optimizer.weight_decay=.inf', r'optimizer.weight_decay: got inf; expected a finite number'),
+    ('scheduler.min_lr=-.inf', r'scheduler.min_lr: got -inf; expected a finite number'),
+    ('scheduler.warmup_epochs=.nan', r'scheduler.warmup_epochs: got nan; expected a finite number'),
+    ('optimizer.clip_grad=.inf', r'optimizer.clip_grad: got inf; expected a finite number'),
+    ('augment.scale=[0.5,.inf]', r'augment.scale\[1\]: got inf; expected a finite number'),
+    ('data.std=[.inf,1,1]', r'data.std\[0\]: got inf; expected a finite number'),
+])
+def test_every_float_must_be_finite(override, message):
+    """An infinite learning rate used to pass the rule lr > 0 (NaN and 0 did not) and made every update
+    non-finite."""
+    with pytest.raises(ConfigError, match=message):
+        _config('lipsformer_swin_tiny.yaml', override)
+
+
 def test_broken_files_are_reported(tmp_path):
     (tmp_path / 'bad.yaml').write_text('optimizer: {lr: [1, 2\n')
     with pytest.raises(ConfigError, match='is not valid YAML'):

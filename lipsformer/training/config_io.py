@@ -10,6 +10,7 @@ name such as ``lipsformer_cswin_tiny`` works from an installed wheel (:func:`res
 """
 import dataclasses
 import difflib
+import math
 import os
 import textwrap
 import types
@@ -291,6 +292,10 @@ def _unknown_key_message(prefix: str, key: str, valid: list[str]) -> str:
     return f"unknown config key '{prefix}{key}'{hint}; keys allowed in {where}: {', '.join(valid)}"
 
 
+class _NotFiniteError(ConfigError):
+    """A number where the key takes one, but infinite or NaN."""
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check ``value`` against ``annotation``, converting only lossless cases (int -> float, '1e-3' -> 0.001)."""
     origin = typing.get_origin(annotation)
@@ -301,6 +306,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(key, value, option)
+            except _NotFiniteError:  # the type fits: say why the number is refused, not which types the key takes
+                raise
             except ConfigError:
                 continue
         raise ConfigError(f'{key}: got {value!r}; expected {_describe(annotation)}')
@@ -326,8 +333,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
     elif annotation is float:
         number = _as_float(value)
-        if number is not None:
+        if number is not None and math.isfinite(number):
             return number
+        if number is not None:  # .inf, .nan, 1e400: nothing the run could train or schedule with
+            raise _NotFiniteError(f'{key}: got {value!r}; expected a finite number')
     elif annotation is str:
         if isinstance(value, str):
             return value
