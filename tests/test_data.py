@@ -142,3 +142,30 @@ def test_an_image_of_unknown_range_is_refused_with_its_file_named(tmp_path, capl
         image, _, readable, _ = EvalImageDataset([path], data_config)[0]
     assert not readable and not image.any()
     assert f'skipping unreadable image {path}: {path!r} holds floating-point pixels' in caplog.text
+
+
+def test_training_splits_read_tiffs_and_name_the_files_they_leave_out(tmp_path, caplog):
+    """An image-folder split reads TIFFs (16-bit grey scaled as its 8-bit copy) as timm's folder reader reads PNGs;
+    a file of another type, or a link that points nowhere, is named in a warning as skipped."""
+    rng = np.random.default_rng(0)
+    expected = {}
+    for label in range(2):
+        folder = tmp_path / 'train' / f'class_{label}'
+        os.makedirs(folder)
+        for index, suffix in enumerate(('.png', '.tif', '.TIFF')):
+            pixels = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+            wide = suffix == '.TIFF'
+            Image.fromarray(pixels.astype(np.uint16) * 257 if wide else pixels).save(folder / f'{index}{suffix}')
+            expected[f'class_{label}/{index}{suffix}'] = (torch.from_numpy(pixels), label)
+    (tmp_path / 'train' / 'class_0' / 'notes.txt').write_text('not an image')
+    os.symlink(tmp_path / 'nowhere.dat', tmp_path / 'train' / 'class_1' / 'gone.dat')
+    with caplog.at_level(logging.WARNING, logger='lipsformer.data.sources'):
+        dataset = open_split(DataSource(data_dir=str(tmp_path), in_chans=1), 'train', 'data.train_split', True,
+                             transforms.PILToTensor())
+    assert len(dataset) == 6
+    for index in range(len(dataset)):
+        name = os.path.relpath(dataset.dataset.filename(index, absolute=True), tmp_path / 'train')
+        image, label = dataset[index]
+        assert label == expected[name][1] and torch.equal(image[0], expected[name][0])
+    assert "skipping 2 file(s) under" in caplog.text
+    assert 'class_0/notes.txt, class_1/gone.dat' in caplog.text

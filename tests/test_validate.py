@@ -192,6 +192,46 @@ def test_corrupt_images_are_skipped_and_reported(vit, tmp_path, capsys):
     assert results[('imagenet-real', 'val')]['skipped'] == [junk, truncated]
 
 
+def test_tiffs_are_read_and_every_file_left_out_is_named_as_skipped(vit, tmp_path, capsys):
+    """TIFFs (8-bit RGB and 16-bit grey) score as their 8-bit PNG copies; a file of another type, a file in a folder
+    inside a class folder and links that point nowhere are each counted in ``images`` and named in ``skipped``."""
+    import numpy as np
+    from PIL import Image
+    placements = dict(zip(vit.photos[:12], vit.classes[:12]))
+    pngs, tiffs = build_tree(str(tmp_path / 'pngs'), placements), build_tree(str(tmp_path / 'tiffs'), placements)
+    for index, photo in enumerate(vit.photos[:12]):
+        with Image.open(photo) as image:
+            pixels = np.asarray(image.convert('RGB' if index % 2 else 'L'))
+        for tree in (pngs, tiffs):
+            jpeg = os.path.join(tree, imagenet_synsets()[vit.classes[index]], os.path.basename(photo))
+            os.remove(jpeg)
+            stem = os.path.splitext(jpeg)[0]
+            if tree == pngs:
+                Image.fromarray(pixels).save(stem + '.png')
+            elif index % 2:
+                Image.fromarray(pixels).save(stem + '.tif')
+            else:  # each 8-bit value v as v * 257, which the reader maps back to v
+                Image.fromarray(pixels.astype(np.uint16) * 257).save(stem + '.TIFF')
+    expected = by_dataset(run_validate([*vit.args, '--data-dir', pngs], tmp_path, capsys))[('imagenet', 'pngs')]
+    result = by_dataset(run_validate([*vit.args, '--data-dir', tiffs], tmp_path, capsys))[('imagenet', 'tiffs')]
+    assert result['images'] == 12 and result['skipped'] == [] and result['count'] == 12
+    assert {k: result[k] for k in ('top1', 'top5')} == {k: expected[k] for k in ('top1', 'top5')}
+
+    val = build_tree(str(tmp_path / 'val'), placements)
+    synset = os.path.join(val, imagenet_synsets()[vit.classes[0]])
+    notes, nested = os.path.join(synset, 'notes.txt'), os.path.join(synset, 'more', 'extra.JPEG')
+    with open(notes, 'w') as f:
+        f.write('not an image')
+    os.makedirs(os.path.dirname(nested))
+    shutil.copy(vit.photos[0], nested)
+    dangling_image, dangling_other = os.path.join(synset, 'gone.JPEG'), os.path.join(synset, 'gone.dat')
+    os.symlink(str(tmp_path / 'nowhere.JPEG'), dangling_image)
+    os.symlink(str(tmp_path / 'nowhere.dat'), dangling_other)
+    result = by_dataset(run_validate([*vit.args, '--data-dir', val], tmp_path, capsys))[('imagenet', 'val')]
+    assert result['images'] == 16 and result['count'] == 12
+    assert sorted(result['skipped']) == sorted([notes, nested, dangling_image, dangling_other])
+
+
 def test_settings_override_the_pretrained_cfg(vit, tmp_path, capsys):
     data_config = dict(VIT_DATA_CONFIG, input_size=(3, 48, 48), crop_pct=1.0, interpolation='bilinear')
     expected = reference_accuracy(reference_topk(vit.model, vit.photos, data_config), [[c] for c in vit.classes])

@@ -5,14 +5,22 @@ to 0..255, leaving it nearly black and white; here its values are scaled to the 
 rounded), which keeps a 16-bit copy of an 8-bit image (each value times 257) equal to it. Pillow reads 16-bit RGB
 and grey-with-alpha PNGs as their 8-bit modes itself (the high byte). Images whose range cannot be known from their
 mode (32-bit integers, floats) are refused with the file named, never guessed.
+
+:data:`IMAGE_EXTENSIONS` are the files an image folder is read from, in training and evaluation alike: timm's and
+torchvision's ImageFolder's types together (TIFF among them), so that no image the reader decodes is left out.
 """
 import io
 import os
 
 import numpy as np
 from PIL import Image
+from timm.data.readers.img_extensions import get_img_extensions
+from torchvision.datasets.folder import IMG_EXTENSIONS as TORCHVISION_IMG_EXTENSIONS
 
-__all__ = ['ImageMode', 'UnreadableImageError', 'read_image']
+__all__ = ['IMAGE_EXTENSIONS', 'ImageMode', 'UnreadableImageError', 'is_image_file', 'read_image']
+
+# The file types of an image folder (lower case, with the dot): .jpeg .jpg .png .bmp .pgm .ppm .tif .tiff .webp.
+IMAGE_EXTENSIONS = frozenset(get_img_extensions(as_set=True) | set(TORCHVISION_IMG_EXTENSIONS))
 
 # Pillow's modes of 16-bit unsigned grey pixels (byte orders).
 _SIXTEEN_BIT_MODES = ('I;16', 'I;16L', 'I;16B', 'I;16N')
@@ -21,6 +29,12 @@ _SIXTEEN_BIT_MAX = 65535
 
 class UnreadableImageError(ValueError):
     """An image whose pixels cannot be turned into the model's input faithfully; the message names the file."""
+
+
+def is_image_file(name: str) -> bool:
+    """Whether a file of this name is read as an image (its extension, in any case, is one of
+    :data:`IMAGE_EXTENSIONS`)."""
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
 def _name(image: Image.Image) -> str:

@@ -8,6 +8,7 @@ Debian package when it is installed, the transform is attached, and a map-style 
 :class:`~.datasets.RobustDataset`. Training (``lipsformer.training.data.create_split``, from a run's config) and the
 stability experiment open their splits here.
 """
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from torchvision import transforms
 
 from .datasets import RobustDataset, class_map_of
 from .fashion_mnist import prepare_dataset
-from .images import ImageMode
+from .images import IMAGE_EXTENSIONS, ImageMode
 from .splits import (
     DatasetError,
     DatasetNotFoundError,
@@ -29,10 +30,13 @@ from .splits import (
     class_folders_without_images,
     listing,
     loose_images,
+    non_image_files,
     split_folder,
 )
 
-__all__ = ['DataSource', 'decode_here', 'is_image_folder', 'open_split']
+__all__ = ['DataSource', 'decode_here', 'is_image_folder', 'open_split', 'reader_options']
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,15 @@ def decode_here(dataset: Dataset) -> bool:
 def is_image_folder(dataset: str) -> bool:
     """timm reads a name without a ``prefix/`` as a folder (or tar) of class folders; torchvision's ImageFolder too."""
     return '/' not in dataset or dataset.lower() in ('torch/image_folder', 'torch/folder')
+
+
+def reader_options(dataset: str, root: str | None) -> dict[str, str]:
+    """What ``create_dataset`` passes on to timm's reader of ``dataset`` under ``root``: for a folder of class
+    folders, the file types to read (timm's folder reader takes them as its input key), every type the package's
+    reader decodes (:data:`~.images.IMAGE_EXTENSIONS`, TIFF among them) rather than timm's JPEG and PNG."""
+    if '/' in dataset or root is None or not os.path.isdir(root):
+        return {}
+    return {'input_key': ';'.join(sorted(IMAGE_EXTENSIONS))}
 
 
 def open_split(source: DataSource, split: str, option: str, is_training: bool, transform: Callable[[Any], Any],
@@ -132,7 +145,7 @@ def _create(source: DataSource, split: str, option: str, is_training: bool, root
         return create_dataset(
             source.dataset, root=root, split=split, search_split=False, is_training=is_training, class_map=class_map,
             download=source.download, batch_size=source.batch_size, num_samples=num_samples, seed=source.seed,
-            input_img_mode=source.image_mode)
+            input_img_mode=source.image_mode, **reader_options(source.dataset, root))
     except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
         raise DatasetNotFoundError(f'{option}: cannot open the {split!r} split of dataset '
                                    f'{source.dataset or "(image folder)"!r} under {source.data_dir!r}: '
@@ -149,6 +162,10 @@ def _open_folder_split(source: DataSource, split: str, option: str, is_training:
             f'{option}: {root!r} holds {len(loose)} image(s) outside any class folder ({listing(loose, 3)}); an '
             f'image-folder split is <split>/<class>/<image>, its classes being its sub-folders. Move each image into '
             f'the folder of its class')
+    left_out = non_image_files(root) if os.path.isdir(root) else []
+    if left_out:
+        _logger.warning('%s: skipping %d file(s) under %r that are not images (read: %s): %s', option, len(left_out),
+                        root, ' '.join(sorted(IMAGE_EXTENSIONS)), listing(left_out, 5))
     dataset = _create(source, split, option, is_training, root, '', num_samples)
     found = class_map_of(dataset) or {}
     reference, described = class_map, 'the training split\'s classes'

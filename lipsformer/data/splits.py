@@ -17,11 +17,12 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 
-from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
+from .images import is_image_file
+
 __all__ = ['DatasetError', 'DatasetNotFoundError', 'check_split_classes', 'check_torchvision_split',
-           'class_folders_without_images', 'listing', 'loose_images', 'split_folder']
+           'class_folders_without_images', 'listing', 'loose_images', 'non_image_files', 'split_folder']
 
 _logger = logging.getLogger(__name__)
 
@@ -91,9 +92,20 @@ def loose_images(folder: str) -> list[str]:
     """The image files directly in ``folder`` (not in a sub-folder), which an image-folder split has none of."""
     if not os.path.isdir(folder):
         return []
-    extensions = get_img_extensions(as_set=True)
-    return [entry.name for entry in os.scandir(folder) if entry.is_file() and not entry.name.startswith('.')
-            and os.path.splitext(entry.name)[1].lower() in extensions]
+    return [entry.name for entry in os.scandir(folder) if not entry.is_dir() and not entry.name.startswith('.')
+            and is_image_file(entry.name)]
+
+
+def non_image_files(folder: str) -> list[str]:
+    """The files at any depth under ``folder`` that an image folder's reader leaves out for their type (links that
+    point nowhere included), as paths relative to it in natural order; hidden files (``.DS_Store``) are not data
+    and are not listed."""
+    left_out = []
+    for parent, folders, files in os.walk(folder, followlinks=True):
+        folders[:] = [name for name in folders if not name.startswith('.')]
+        left_out.extend(os.path.relpath(os.path.join(parent, name), folder) for name in files
+                        if not name.startswith('.') and not is_image_file(name))
+    return sorted(left_out, key=natural_key)
 
 
 def check_torchvision_split(dataset: str, split: str, key: str) -> None:
@@ -110,12 +122,11 @@ def class_folders_without_images(root: str, class_to_idx: Mapping[str, int]) -> 
     """Class folders directly under ``root`` that hold no image at any depth (the reader never sees them)."""
     if not os.path.isdir(root):
         return []
-    extensions = get_img_extensions(as_set=True)
     empty = []
     for entry in os.scandir(root):
         if entry.name.startswith('.') or not entry.is_dir() or entry.name in class_to_idx:
             continue
-        if not any(os.path.splitext(f)[1].lower() in extensions for _, _, files in os.walk(entry.path) for f in files):
+        if not any(is_image_file(f) for _, _, files in os.walk(entry.path) for f in files):
             empty.append(entry.name)
     return empty
 

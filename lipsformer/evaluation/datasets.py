@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import Accelerator
 from timm.data import create_dataset
+from timm.utils.misc import natural_key
 from torch.utils.data import IterableDataset
 
 from ..data import (
@@ -23,6 +24,7 @@ from ..data import (
     prepare_dataset,
     split_folder,
 )
+from ..data.sources import reader_options
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
@@ -69,14 +71,14 @@ class DatasetResult:
         dataset: ``imagenet``, ``imagenet-real``, ``imagenet-v2`` or ``imagefolder``.
         name: Folder name (tells V2 variants apart).
         path: The data set folder.
-        images: Image files found.
+        images: Files found: the images read and the files left out (``skipped`` names those, and the unreadable).
         count: Images that counted (readable, and for ReaL with a non-empty label set).
         top1: Top-1 accuracy in percent (``None`` if nothing counted).
         top5: Top-5 accuracy in percent (top-k with k = number of classes below 5).
         images_per_s: Throughput of the pass that produced the predictions.
         classes: Classes with at least one image in the data set (a subset of ImageNet has fewer than 1000).
         num_classes: Classes of the label space (1000 for the ImageNet layouts).
-        skipped: Unreadable image files, left out.
+        skipped: Files not scored: unreadable images, and files that are not images in a class folder.
     """
     dataset: str
     name: str
@@ -156,7 +158,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
             check_torchvision_split(name, split, 'data.split')
         prepare_dataset(name, request.data_dir, request.download)
         dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
-                                 download=request.download)
+                                 download=request.download, **reader_options(name, request.data_dir))
     except DatasetError as e:
         raise EvaluationError(f'--dataset {name}: {e}') from e
     except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
@@ -176,7 +178,8 @@ def _result(dataset: str, images: ImageList, score: Score, images_per_s: float, 
     name = images.paths[0].split('/')[0] if images.source is not None else os.path.basename(
         os.path.normpath(images.root))
     return DatasetResult(
-        dataset=dataset, name=name, path=images.root, images=len(images.paths), count=score.count, top1=score.top1,
+        dataset=dataset, name=name, path=images.root, images=len(images.paths) + len(images.left_out),
+        count=score.count, top1=score.top1,
         top5=score.topk, images_per_s=images_per_s, classes=len(set(targets[targets >= 0].tolist())),
         num_classes=images.num_classes, skipped=skipped)
 
@@ -202,9 +205,11 @@ def evaluate(
     for planned in passes:
         predictions = predict(model, planned.images.paths, data_config, accelerator, settings, name=planned.dataset,
                               source=planned.images.source)
-        skipped = [path for path, ok in zip(planned.images.paths, predictions.readable.tolist()) if not ok]
-        if skipped:
-            _logger.warning('%s: skipped %d unreadable images, e.g. %s', planned.dataset, len(skipped), skipped[0])
+        unreadable = [path for path, ok in zip(planned.images.paths, predictions.readable.tolist()) if not ok]
+        if unreadable:
+            _logger.warning('%s: skipped %d unreadable images, e.g. %s', planned.dataset, len(unreadable),
+                            unreadable[0])
+        skipped = sorted([*planned.images.left_out, *unreadable], key=natural_key)
         images_per_s = len(planned.images.paths) / predictions.seconds
         targets = predictions.targets if planned.images.source is not None else torch.tensor(planned.images.targets)
         score = score_labels(predictions.topk, targets, predictions.readable)

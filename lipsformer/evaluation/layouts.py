@@ -11,14 +11,15 @@ read the wrong way does not crash: it silently scores at chance. The known traps
   integer value.
 """
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from timm.data import ImageNetInfo
-from timm.data.readers.img_extensions import get_img_extensions
 from timm.utils.misc import natural_key
 
+from ..data.images import IMAGE_EXTENSIONS, is_image_file
 from ..data.splits import check_split_classes
 from .errors import EvaluationError
 
@@ -26,6 +27,8 @@ __all__ = ['ImageList', 'check_imagenet_class_names', 'imagenet_synsets', 'list_
            'list_image_folder']
 
 IMAGENET_NUM_CLASSES = 1000
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class ImageList:
         num_classes: Number of classes the layout defines.
         source: For ``dataset``: the timm / torchvision dataset the images and their labels are read from (then
             ``paths`` only name its samples and ``targets`` is empty).
+        left_out: Files in the class folders that are not read: not of an image type (:data:`IMAGE_EXTENSIONS`), or
+            in a folder below a class folder; reported as skipped.
     """
     root: str
     paths: list[str]
@@ -47,6 +52,7 @@ class ImageList:
     layout: str
     num_classes: int
     source: Any = None
+    left_out: tuple[str, ...] = ()
 
     @property
     def classes_present(self) -> int:
@@ -74,11 +80,10 @@ def _class_folders(root: str | os.PathLike, what: str) -> tuple[str, list[str]]:
     root = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root):
         raise EvaluationError(f'{what} folder {root!r} does not exist or is not a folder')
-    extensions = get_img_extensions(as_set=True)
     with os.scandir(root) as entries:
         entries = list(entries)
     folders = [e.name for e in entries if e.is_dir() and not e.name.startswith('.')]
-    loose_images = [e.name for e in entries if e.is_file() and os.path.splitext(e.name)[1].lower() in extensions]
+    loose_images = [e.name for e in entries if not e.is_dir() and is_image_file(e.name)]
     if loose_images:
         raise EvaluationError(
             f'{what} folder {root!r} has {len(loose_images)} images directly inside it ({_examples(loose_images)}); '
@@ -90,18 +95,29 @@ def _class_folders(root: str | os.PathLike, what: str) -> tuple[str, list[str]]:
 
 
 def _collect(root: str, class_to_idx: dict[str, int], layout: str, num_classes: int, what: str) -> ImageList:
-    """List the image files of every class folder, naturally sorted by relative path."""
-    extensions = get_img_extensions(as_set=True)
-    samples = []
+    """List the image files of every class folder, naturally sorted by relative path, and the files left out.
+
+    A class folder's image files are read, links that point nowhere too (each is then skipped as unreadable, with
+    the reason); its other files, and the files of any folder inside it, are left out and reported as skipped.
+    """
+    samples, left_out = [], []
     for folder, target in class_to_idx.items():
         with os.scandir(os.path.join(root, folder)) as entries:
-            samples.extend(
-                (os.path.join(folder, e.name), target) for e in entries
-                if e.is_file() and os.path.splitext(e.name)[1].lower() in extensions)
+            entries = [e for e in entries if not e.name.startswith('.')]
+        samples.extend((os.path.join(folder, e.name), target) for e in entries
+                       if not e.is_dir() and is_image_file(e.name))
+        left_out.extend(os.path.join(folder, e.name) for e in entries if not e.is_dir() and not is_image_file(e.name))
+        left_out.extend(os.path.join(folder, e.name, name) for e in entries if e.is_dir()
+                        for name in _files_below(e.path))
+    types = ' '.join(sorted(IMAGE_EXTENSIONS))
     if not samples:
+        others = f'; it holds {len(left_out)} other files ({_examples(left_out)})' if left_out else ''
         raise EvaluationError(
-            f'{what} folder {root!r} has its {len(class_to_idx)} class folders but no images in them '
-            f'(looked for {", ".join(sorted(extensions))})')
+            f'{what} folder {root!r} has its {len(class_to_idx)} class folders but no images directly in them '
+            f'(looked for {types}){others}')
+    if left_out:
+        _logger.warning('%s folder %r: skipping %d files that are not images directly in a class folder (read: %s): '
+                        '%s', what, root, len(left_out), types, _examples(left_out))
     samples.sort(key=lambda sample: natural_key(sample[0]))
     return ImageList(
         root=root,
@@ -109,7 +125,17 @@ def _collect(root: str, class_to_idx: dict[str, int], layout: str, num_classes: 
         targets=[target for _, target in samples],
         layout=layout,
         num_classes=num_classes,
+        left_out=tuple(os.path.join(root, relative) for relative in sorted(left_out, key=natural_key)),
     )
+
+
+def _files_below(folder: str) -> list[str]:
+    """The files (not hidden) at any depth under ``folder``, relative to it: a folder inside a class folder."""
+    below = []
+    for parent, folders, files in os.walk(folder, followlinks=True):
+        folders[:] = [name for name in folders if not name.startswith('.')]
+        below.extend(os.path.relpath(os.path.join(parent, name), folder) for name in files if not name.startswith('.'))
+    return below
 
 
 def _explain_wrong_folders(root: str, folders: list[str], synsets: list[str], what: str) -> EvaluationError:
