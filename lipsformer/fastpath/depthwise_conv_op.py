@@ -1,0 +1,270 @@
+"""Depthwise convolution of NHWC maps as the ``lipsformer::depthwise_conv2d`` custom op (a fast path).
+
+    y[b, h, w, c] = bias[c] + sum_{i, j} W[c, 0, i, j] x[b, h + i - p, w + j - p, c]      (x is zero outside the map)
+
+with stride 1, an odd square kernel of 3 to 7 (p = k // 2, 'same' padding): the conv shortcuts' 7x7 and CSwin's LePE
+3x3. On a GPU cuDNN runs these convolutions far from the memory bandwidth they need, above all their weight gradient
+(docs/performance.md); here each pass is one Triton kernel that reads its inputs once from memory and accumulates in
+float32:
+
+- forward: a program computes a tile of pixels of one image (about 64) for up to 32 channels, one masked load of the
+  shifted input tile per tap (the taps' loads overlap and hit the cache);
+- input gradient: the same kernel over the output gradient with the kernel flipped, the transpose of a stride-1
+  'same' convolution by an odd kernel;
+- weight and bias gradient: a program sums ``g * shifted x`` (and ``g``) over a chunk of tiles for every tap into a
+  row of float32 partial sums; the chunks' rows are summed afterwards, in a fixed order (no atomics: the same inputs
+  give the same bits).
+
+It is a ``torch.library`` custom op with fake-tensor registrations and an autograd formula, so that ``torch.compile``
+and ``torch.export`` see one operation a pass. A recorded backward (``create_graph=True``) differentiates PyTorch's
+convolution instead, so second derivatives are the plain expression's. Where Triton cannot run (no Triton, a CPU
+tensor outside Triton's interpreter) each op is PyTorch's convolution on the channels-last view.
+
+``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
+"""
+import functools
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from .lean_autograd import differentiate_plain
+
+__all__ = ['KERNEL_SIZES', 'depthwise_conv2d_op', 'triton_available']
+
+KERNEL_SIZES = (3, 5, 7)
+_BLOCK_C = 32  # channels a program computes: 64 bytes of a bf16 pixel, one coalesced load per tap
+_TILE = 64  # pixels a program computes (forward) or a loop step sums over (weight gradient)
+_WEIGHT_GRAD_PROGRAMS = 1024  # programs of the weight gradient across channel blocks: enough to fill a large GPU
+
+
+def triton_available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for ``x``: on a GPU (or on the CPU under Triton's interpreter,
+    ``TRITON_INTERPRET=1``), in float32, bfloat16 or float16, with Triton installed."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if not (x.device.type == 'cuda' or x.device.type == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'):
+        return False
+    return _kernels() is not None
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace | None:
+    """The Triton kernels, compiled on first use (Triton is imported only then); None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def convolve(x_ptr, w_ptr, b_ptr, y_ptr, height, width, channels, tiles_w, tiles_per_image,
+                 sx_b, sx_h, sx_w, sx_c, K: tl.constexpr, FLIP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program: TILE_H x TILE_W pixels of one image, BLOCK_C channels
+        tile = tl.program_id(0)
+        image = (tile // tiles_per_image).to(tl.int64)
+        tile = tile % tiles_per_image
+        pixel = tl.arange(0, TILE_H * TILE_W)
+        h = (tile // tiles_w) * TILE_H + pixel // TILE_W
+        w = (tile % tiles_w) * TILE_W + pixel % TILE_W
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_channels = c < channels
+        acc = tl.zeros((TILE_H * TILE_W, BLOCK_C), dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + c, mask=in_channels, other=0.0).to(tl.float32)[None, :]
+        x_image = x_ptr + image * sx_b
+        for tap in tl.static_range(K * K):
+            hh = h + (tap // K - K // 2)
+            ww = w + (tap % K - K // 2)
+            inside = (hh >= 0) & (hh < height) & (ww >= 0) & (ww < width)
+            offsets = hh.to(tl.int64)[:, None] * sx_h + ww.to(tl.int64)[:, None] * sx_w + c[None, :] * sx_c
+            x = tl.load(x_image + offsets, mask=inside[:, None] & in_channels[None, :], other=0.0)
+            # the input gradient convolves by the flipped kernel: tap t reads weight K*K-1-t
+            weight = tl.load(w_ptr + c * (K * K) + (tap + FLIP * (K * K - 1 - 2 * tap)), mask=in_channels,
+                             other=0.0)
+            acc += x.to(tl.float32) * weight.to(tl.float32)[None, :]
+        out = ((image * height + h) * width + w).to(tl.int64)
+        in_map = (h < height) & (w < width)
+        tl.store(y_ptr + out[:, None] * channels + c[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=in_map[:, None] & in_channels[None, :])
+
+    @triton.jit
+    def weight_grad(x_ptr, g_ptr, partial_ptr, height, width, channels, tiles_w, tiles_per_image, tiles,
+                    tiles_per_program, sx_b, sx_h, sx_w, sx_c, sg_b, sg_h, sg_w, sg_c, K: tl.constexpr,
+                    ROWS: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program: a chunk of tiles_per_program tiles, BLOCK_C channels; row t < K*K of its partial sums is
+        # tap t's, row K*K the bias's
+        chunk = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_channels = c < channels
+        row = tl.arange(0, ROWS)
+        pixel = tl.arange(0, TILE_H * TILE_W)
+        acc = tl.zeros((ROWS, BLOCK_C), dtype=tl.float32)
+        first = chunk * tiles_per_program
+        for tile in range(first, tl.minimum(first + tiles_per_program, tiles)):
+            image = (tile // tiles_per_image).to(tl.int64)
+            in_image = tile % tiles_per_image
+            h = (in_image // tiles_w) * TILE_H + pixel // TILE_W
+            w = (in_image % tiles_w) * TILE_W + pixel % TILE_W
+            in_map = (h < height) & (w < width)
+            g_offsets = h.to(tl.int64)[:, None] * sg_h + w.to(tl.int64)[:, None] * sg_w + c[None, :] * sg_c
+            g = tl.load(g_ptr + image * sg_b + g_offsets, mask=in_map[:, None] & in_channels[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.where(row[:, None] == K * K, tl.sum(g, axis=0)[None, :], 0.0)
+            x_image = x_ptr + image * sx_b
+            for tap in tl.static_range(K * K):
+                hh = h + (tap // K - K // 2)
+                ww = w + (tap % K - K // 2)
+                inside = in_map & (hh >= 0) & (hh < height) & (ww >= 0) & (ww < width)
+                offsets = hh.to(tl.int64)[:, None] * sx_h + ww.to(tl.int64)[:, None] * sx_w + c[None, :] * sx_c
+                x = tl.load(x_image + offsets, mask=inside[:, None] & in_channels[None, :], other=0.0)
+                acc += tl.where(row[:, None] == tap, tl.sum(g * x.to(tl.float32), axis=0)[None, :], 0.0)
+        out = (chunk.to(tl.int64) * ROWS + row)[:, None] * channels + c[None, :]
+        tl.store(partial_ptr + out, acc, mask=(row < K * K + 1)[:, None] & in_channels[None, :])
+
+    return SimpleNamespace(convolve=convolve, weight_grad=weight_grad, next_power_of_2=triton.next_power_of_2,
+                           cdiv=triton.cdiv)
+
+
+def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace) -> tuple[int, int, int, int, int]:
+    """(TILE_H, TILE_W, BLOCK_C, tiles across, tiles per image): tiles of about :data:`_TILE` pixels, at most 8 wide
+    and no larger than the map (a 1-pixel-wide stripe is computed 64 rows at a time)."""
+    tile_w = min(8, kernels.next_power_of_2(width))
+    tile_h = min(_TILE // tile_w, kernels.next_power_of_2(height))
+    block_c = min(_BLOCK_C, kernels.next_power_of_2(channels))
+    tiles_w = kernels.cdiv(width, tile_w)
+    return tile_h, tile_w, block_c, tiles_w, kernels.cdiv(height, tile_h) * tiles_w
+
+
+def _padding(weight: torch.Tensor) -> tuple[int, int]:
+    return weight.shape[-2] // 2, weight.shape[-1] // 2
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """PyTorch's convolution of the NHWC map's channels-last NCHW view, NHWC out."""
+    return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=_padding(weight),
+                    groups=x.shape[-1]).permute(0, 2, 3, 1)
+
+
+def _convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, flip: bool) -> torch.Tensor:
+    """The Triton convolution kernel: x (B, H, W, C) of any strides by weight (C, 1, K, K) (flipped), NHWC out."""
+    batch, height, width, channels = x.shape
+    y = torch.empty((batch, height, width, channels), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    kernels = _kernels()
+    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels)
+    weight = weight.contiguous()
+    kernels.convolve[(batch * tiles_per_image, kernels.cdiv(channels, block_c))](
+        x, weight, weight if bias is None else bias.contiguous(), y, height, width, channels, tiles_w,
+        tiles_per_image, *x.stride(), K=weight.shape[-1], FLIP=int(flip), HAS_BIAS=bias is not None, TILE_H=tile_h,
+        TILE_W=tile_w, BLOCK_C=block_c)
+    return y
+
+
+@torch.library.custom_op('lipsformer::depthwise_conv2d', mutates_args=())
+def _depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if not triton_available(x):
+        return _plain(x, weight, bias).contiguous()
+    return _convolve(x, weight, bias, flip=False)
+
+
+@_depthwise_conv2d.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op('lipsformer::depthwise_conv2d_input_grad', mutates_args=())
+def _depthwise_conv2d_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if not triton_available(grad):
+        return _plain(grad, weight.flip(-2, -1), None).contiguous()
+    return _convolve(grad, weight, None, flip=True)
+
+
+@_depthwise_conv2d_input_grad.register_fake
+def _(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(grad.shape)
+
+
+@torch.library.custom_op('lipsformer::depthwise_conv2d_weight_grad', mutates_args=())
+def _depthwise_conv2d_weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dL/dW (C, 1, K, K), dL/dbias (C,)) in x's dtype, summed in float32."""
+    batch, height, width, channels = x.shape
+    taps = kernel_size * kernel_size
+    if x.numel() == 0:
+        return x.new_zeros(channels, 1, kernel_size, kernel_size), x.new_zeros(channels)
+    if not triton_available(x):
+        weight_grad = torch.nn.grad.conv2d_weight(
+            x.permute(0, 3, 1, 2).float(), (channels, 1, kernel_size, kernel_size), grad.permute(0, 3, 1, 2).float(),
+            padding=kernel_size // 2, groups=channels)
+        return weight_grad.to(x.dtype), grad.sum((0, 1, 2), dtype=torch.float32).to(x.dtype)
+    kernels = _kernels()
+    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels)
+    tiles = batch * tiles_per_image
+    channel_blocks = kernels.cdiv(channels, block_c)
+    tiles_per_program = kernels.cdiv(tiles, max(_WEIGHT_GRAD_PROGRAMS // channel_blocks, 1))
+    chunks = kernels.cdiv(tiles, tiles_per_program)
+    rows = kernels.next_power_of_2(taps + 1)
+    partial = torch.empty((chunks, rows, channels), dtype=torch.float32, device=x.device)
+    kernels.weight_grad[(chunks, channel_blocks)](
+        x, grad, partial, height, width, channels, tiles_w, tiles_per_image, tiles, tiles_per_program, *x.stride(),
+        *grad.stride(), K=kernel_size, ROWS=rows, TILE_H=tile_h, TILE_W=tile_w, BLOCK_C=block_c)
+    summed = partial[:, :taps + 1].sum(0)
+    weight_grad = summed[:taps].t().contiguous().to(x.dtype).view(channels, 1, kernel_size, kernel_size)
+    return weight_grad, summed[taps].to(x.dtype, copy=True)  # no output a view of the other
+
+
+@_depthwise_conv2d_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    channels = x.shape[-1]
+    return x.new_empty(channels, 1, kernel_size, kernel_size), x.new_empty(channels)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    need_x, need_weight, need_bias = ctx.needs_input_grad
+    if torch.is_grad_enabled():
+        # A recorded backward: PyTorch's convolution differentiated, so that second derivatives are the plain ones.
+        return differentiate_plain(_plain, (x, weight, bias), (need_x, need_weight, need_bias), grad)
+    grad_x = torch.ops.lipsformer.depthwise_conv2d_input_grad(grad, weight) if need_x else None
+    grad_weight = grad_bias = None
+    if need_weight or need_bias:
+        grad_weight, grad_bias = torch.ops.lipsformer.depthwise_conv2d_weight_grad(x, grad, weight.shape[-1])
+    return grad_x, grad_weight if need_weight else None, grad_bias if need_bias else None
+
+
+_depthwise_conv2d.register_autograd(_backward, setup_context=_setup_context)
+
+
+def depthwise_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Stride-1 depthwise convolution of an NHWC map ``x`` (B, H, W, C), any strides, by ``weight`` (C, 1, K, K),
+    K odd from 3 to 7, with 'same' zero padding and an optional ``bias`` (C,); a contiguous NHWC map out.
+
+    Under autocast the three tensors are cast to autocast's dtype, as ``F.conv2d`` casts them; otherwise they must
+    share one dtype.
+    """
+    channels = x.shape[-1] if x.dim() == 4 else None
+    if (x.dim() != 4 or weight.dim() != 4 or weight.shape[0] != channels or weight.shape[1] != 1
+            or weight.shape[2] != weight.shape[3] or weight.shape[2] not in KERNEL_SIZES):
+        raise ValueError(f'depthwise_conv2d_op takes an NHWC map (B, H, W, C) and a (C, 1, K, K) weight with K in '
+                         f'{KERNEL_SIZES}; got a map of shape {list(x.shape)} and a weight of shape '
+                         f'{list(weight.shape)}')
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f'depthwise_conv2d_op takes a bias of shape ({channels},), got {list(bias.shape)}')
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    if weight.dtype != x.dtype or bias is not None and bias.dtype != x.dtype:
+        raise TypeError(f'depthwise_conv2d_op needs one dtype for the map ({x.dtype}), the weight ({weight.dtype}) and '
+                        f'the bias ({None if bias is None else bias.dtype}); cast them, or run under autocast')
+    return torch.ops.lipsformer.depthwise_conv2d(x, weight, bias)

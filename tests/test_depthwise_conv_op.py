@@ -1,0 +1,205 @@
+"""The ``lipsformer::depthwise_conv2d`` custom op: NHWC depthwise convolution, one Triton kernel a pass on a GPU.
+
+Its Triton kernels run here on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, which must be set
+before Triton is imported: those checks run in a subprocess) against ``F.conv2d``; its PyTorch form, fake-tensor
+registrations, autograd formula, compilation and export are checked in this process.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lipsformer.fastpath import depthwise_conv_op
+from lipsformer.fastpath.depthwise_conv_op import depthwise_conv2d_op
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=weight.shape[-1] // 2,
+                    groups=x.shape[-1]).permute(0, 2, 3, 1)
+
+
+@pytest.mark.parametrize('kernel_size', depthwise_conv_op.KERNEL_SIZES)
+@pytest.mark.parametrize('with_bias', [True, False])
+def test_the_pytorch_form_is_f_conv2d_to_first_and_second_order(kernel_size, with_bias):
+    x = torch.randn(2, 5, 6, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 1, kernel_size, kernel_size, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, dtype=torch.float64, requires_grad=True) if with_bias else None
+    inputs = (x, weight) + ((bias,) if with_bias else ())
+    torch.testing.assert_close(depthwise_conv2d_op(x, weight, bias), _reference(x, weight, bias))
+    assert torch.autograd.gradcheck(depthwise_conv2d_op, inputs)
+    assert torch.autograd.gradgradcheck(depthwise_conv2d_op, inputs)
+
+
+def test_the_op_checks_out_under_torch_library_opcheck():
+    """Schema, fake-tensor and autograd registrations agree with the implementation, with and without a bias."""
+    x = torch.randn(2, 6, 5, 4, requires_grad=True)
+    weight = torch.randn(4, 1, 3, 3, requires_grad=True)
+    bias = torch.randn(4, requires_grad=True)
+    torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d.default, (x, weight, bias))
+    torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d.default, (x, weight, None))
+    grad = torch.randn(2, 6, 5, 4)  # the backward's ops run under no_grad: they have no gradient of their own
+    torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d_input_grad.default, (grad, weight.detach()))
+    torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d_weight_grad.default, (x.detach(), grad, 3))
+
+
+def test_a_first_order_backward_is_one_op_a_gradient():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 7, 7, 8, requires_grad=True)
+    weight = torch.randn(8, 1, 7, 7, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    y = depthwise_conv2d_op(x, weight, bias)
+    with Recorder() as recorder:
+        y.backward(torch.ones_like(y))
+    lipsformer_ops = [name for name in recorder.ops if name.startswith('lipsformer::')]
+    assert lipsformer_ops == ['lipsformer::depthwise_conv2d_input_grad', 'lipsformer::depthwise_conv2d_weight_grad']
+    assert not any(name.startswith('aten::convolution') for name in recorder.ops)
+
+
+class _Convolve(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(6, 6, 7, padding=3, groups=6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return depthwise_conv2d_op(x, self.conv.weight, self.conv.bias)
+
+
+def test_compile_without_a_graph_break_and_export_keep_the_one_op():
+    module = _Convolve()
+    x = torch.randn(2, 9, 9, 6)
+    exported = torch.export.export(module, (x,))
+    targets = [node.target for node in exported.graph.nodes if node.op == 'call_function']
+    assert torch.ops.lipsformer.depthwise_conv2d.default in targets
+    assert torch.ops.aten.convolution.default not in targets
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(x), module(x))
+    assert len(graphs) == 1
+    assert any(node.target is torch.ops.lipsformer.depthwise_conv2d.default for node in graphs[0].graph.nodes)
+    inductor = torch.compile(module, fullgraph=True)
+    x.requires_grad_()
+    inductor(x).sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    _reference(expected, module.conv.weight, module.conv.bias).sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+
+
+def test_bad_input_is_refused_with_what_was_wrong():
+    x = torch.randn(1, 4, 4, 3)
+    with pytest.raises(ValueError, match=r'\(C, 1, K, K\) weight with K in \(3, 5, 7\)'):
+        depthwise_conv2d_op(x, torch.randn(3, 1, 4, 4))
+    with pytest.raises(ValueError, match='NHWC map'):
+        depthwise_conv2d_op(x.permute(0, 3, 1, 2)[0], torch.randn(3, 1, 3, 3))
+    with pytest.raises(ValueError, match=r'bias of shape \(3,\)'):
+        depthwise_conv2d_op(x, torch.randn(3, 1, 3, 3), torch.randn(4))
+    with pytest.raises(TypeError, match='one dtype'):
+        depthwise_conv2d_op(x.double(), torch.randn(3, 1, 3, 3))
+
+
+def test_autocast_runs_the_op_in_its_dtype_as_f_conv2d():
+    x = torch.randn(2, 5, 5, 4)
+    weight = torch.randn(4, 1, 3, 3, requires_grad=True)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        ours = depthwise_conv2d_op(x, weight, None)
+        expected = _reference(x, weight, None)
+    assert ours.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, expected)
+    ours.float().sum().backward()
+    assert weight.grad.dtype == torch.float32
+
+
+# The Triton kernels against F.conv2d in float64 (float32 and bf16 inputs, float32 reference on the same values).
+# Tolerances: float32 within 1e-5 relative; bf16 within 2^-7 of the sum of the magnitudes that make each output (the
+# op rounds its float32 sum to bf16 once: at most 2^-8 of |y| <= that sum; the reference sums in float64).
+_TRITON_CHECKS = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+    from lipsformer.fastpath import depthwise_conv_op
+
+    torch.manual_seed(0)
+
+    def reference(x, weight, bias):
+        return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=weight.shape[-1] // 2,
+                        groups=x.shape[-1]).permute(0, 2, 3, 1)
+
+    def close(ours, expected, bound, dtype):
+        error = (ours.double() - expected).abs()
+        limit = 1e-5 * bound + 1e-6 if dtype == torch.float32 else 2.0 ** -7 * bound + 1e-6
+        assert bool((error <= limit).all()), f'max error {error.max().item()}, at most {limit.max().item()} allowed'
+
+    def check(x, kernel_size, with_bias=True, dtype=torch.float32):
+        channels = x.shape[-1]
+        weight = torch.randn(channels, 1, kernel_size, kernel_size).to(dtype)
+        bias = torch.randn(channels).to(dtype) if with_bias else None
+        x = x.to(dtype)
+        assert depthwise_conv_op.triton_available(x), 'the Triton kernels should run under the interpreter'
+        ours = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+        exact = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+        y = depthwise_conv_op.depthwise_conv2d_op(*ours)
+        assert y.dtype == dtype and y.is_contiguous() and y.shape == x.shape
+        expected = reference(*exact)
+        magnitude = reference(*[t.detach().abs() if t is not None else None for t in exact])
+        close(y, expected, magnitude, dtype)
+        grad = torch.randn(x.shape, dtype=torch.float64).to(dtype).double()
+        torch.autograd.backward(y, grad.to(dtype))
+        torch.autograd.backward(expected, grad)
+        x_bound = F.conv2d(grad.abs().permute(0, 3, 1, 2), exact[1].detach().abs().flip(-2, -1),
+                           padding=kernel_size // 2, groups=channels).permute(0, 2, 3, 1)
+        close(ours[0].grad, exact[0].grad, x_bound, dtype)
+        w_bound = torch.nn.grad.conv2d_weight(exact[0].detach().abs().permute(0, 3, 1, 2), exact[1].shape,
+                                              grad.abs().permute(0, 3, 1, 2), padding=kernel_size // 2,
+                                              groups=channels)
+        close(ours[1].grad, exact[1].grad, w_bound, dtype)
+        if with_bias:
+            close(ours[2].grad, exact[2].grad, grad.abs().sum((0, 1, 2)), dtype)
+
+    # maps whose sides are not multiples of the tiles (8 wide, 64 pixels), every kernel size
+    for size, kernel_size in [((1, 1), 7), ((7, 7), 7), ((14, 14), 5), ((3, 100), 3), ((9, 1), 3), ((1, 20), 7)]:
+        check(torch.randn(2, *size, 3), kernel_size)
+    check(torch.randn(1, 56, 56, 3), 3)                       # many tiles a map
+    # channel counts that are and are not multiples of a channel block (32), up to several blocks
+    for channels in (96, 200, 384):
+        check(torch.randn(1, 3, 5, channels), 3)
+    check(torch.randn(2, 6, 5, 40), 7, with_bias=False)
+    # batch 0 and 1
+    check(torch.randn(0, 7, 7, 8), 7)
+    check(torch.randn(1, 7, 7, 8), 7)
+    # strided inputs: a channels-first tensor viewed as NHWC, a slice of a wider map, a stripe of a map
+    check(torch.randn(2, 8, 6, 5).permute(0, 2, 3, 1), 3)
+    check(torch.randn(2, 7, 9, 24)[:, :, 1:8, 4:20], 5)
+    # the weight gradient over several programs of several tiles each, the last program's chunk partial
+    depthwise_conv_op._WEIGHT_GRAD_PROGRAMS = 3
+    check(torch.randn(3, 17, 9, 8), 7)
+    depthwise_conv_op._WEIGHT_GRAD_PROGRAMS = 1024
+    # bf16 and fp16 inputs, summed in float32
+    check(torch.randn(2, 14, 14, 40), 7, dtype=torch.bfloat16)
+    check(torch.randn(2, 9, 3, 8), 3, dtype=torch.float16)
+    print('triton ok')
+''')
+
+
+def test_the_triton_kernels_under_the_interpreter():
+    pytest.importorskip('triton')
+    result = subprocess.run([sys.executable, '-c', _TRITON_CHECKS], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, 'TRITON_INTERPRET': '1'})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'triton ok' in result.stdout
