@@ -10,7 +10,7 @@ import timm
 
 import lipsformer  # noqa: F401  (registers the models)
 from lipsformer.training import ConfigError, load_config, reference_yaml
-from lipsformer.training.config_io import config_from_dict, parse_override
+from lipsformer.training.config_io import config_from_dict, config_to_yaml, parse_override
 from lipsformer.training.session import check_config_callables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +91,42 @@ def test_base_files_merge_and_cycles_fail(tmp_path):
     (tmp_path / 'loop.yaml').write_text('base: loop.yaml\n')
     with pytest.raises(ConfigError, match='includes itself'):
         load_config(tmp_path / 'loop.yaml')
+
+
+def test_base_takes_a_packaged_name_and_replace_drops_the_base_s_keys(tmp_path):
+    """base: took only paths relative to the file, and mappings always merged, so a config switching from Swin to
+    CSwin kept the base's window_size in model.kwargs."""
+    (tmp_path / 'quick_cswin.yaml').write_text(
+        'base: quickstart\nmodel:\n  name: lipsformer_cswin_tiny\n'
+        '  kwargs: !replace {embed_dim: 32, depths: [1, 1, 1, 1], num_heads: [2, 2, 4, 8], split_size: [1, 2, 2, 1]}\n'
+        'train: {epochs: 1}\n')
+    config = load_config(tmp_path / 'quick_cswin.yaml')
+    quickstart = load_config('quickstart')
+    assert config.model.kwargs == {'embed_dim': 32, 'depths': [1, 1, 1, 1], 'num_heads': [2, 2, 4, 8],
+                                   'split_size': [1, 2, 2, 1]}
+    assert (config.model.name, config.model.img_size, config.train.epochs) == ('lipsformer_cswin_tiny', 32, 1)
+    assert config.data == quickstart.data and config.optimizer == quickstart.optimizer
+    timm.create_model(config.model.name, img_size=32, in_chans=1, **config.model.kwargs)  # no stray window_size
+    assert type(config.model.kwargs) is dict and 'window_size' not in config_to_yaml(config)
+    (tmp_path / 'grandchild.yaml').write_text('base: quick_cswin.yaml\nmodel: {kwargs: {mlp_ratio: 2.0}}\n')
+    assert load_config(tmp_path / 'grandchild.yaml').model.kwargs == {**config.model.kwargs, 'mlp_ratio': 2.0}
+    (tmp_path / 'section.yaml').write_text('base: quickstart\naugment: !replace {hflip: 0.0}\n')
+    assert load_config(tmp_path / 'section.yaml').augment == load_config(None, ['augment.hflip=0.0']).augment
+    assert load_config(None, ['model.kwargs=!replace {a: 1}']).model.kwargs == {'a': 1}  # overrides replace anyway
+
+
+@pytest.mark.parametrize('text, message', [
+    ('base: quickstrat\n', r"base: 'quickstrat' is no file .*quickstrat', nor a packaged config \(did you mean "
+                            r"quickstart\?\)"),
+    ('base: 3\n', r'base must name another YAML file .a path relative to this file, or a packaged config'),
+    ('base: quickstart\nmodel: {img_size: !replace 64}\n', r'!replace marks a mapping'),
+    ('model: {kwargs: !replace {depth: 2}}\n', r"marks model.kwargs !replace, which replaces a mapping of the base "
+                                                r"config, but has no base:"),
+])
+def test_base_and_replace_mistakes_are_said(tmp_path, text, message):
+    (tmp_path / 'child.yaml').write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / 'child.yaml')
 
 
 @pytest.mark.parametrize('override, message', [

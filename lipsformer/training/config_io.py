@@ -1,8 +1,11 @@
 """Reading, overriding, checking and writing training configs.
 
 A config is YAML with the sections of :class:`~lipsformer.training.config.Config`. A file may start from
-another with ``base: other.yaml`` (a path relative to the file); its keys are merged over the base's. Command-line
-overrides ``key.sub=value`` are parsed as YAML values and applied last. Every key, type and value is checked before
+another with ``base: other.yaml``: a path relative to the file, else a packaged config's name (``base: quickstart``),
+as ``--config`` takes it. Its keys are merged over the base's, mapping by mapping; a mapping tagged ``!replace``
+(``kwargs: !replace {split_size: [1, 2, 7, 7]}``) replaces the base's instead, so that keys it leaves out are gone.
+Command-line overrides ``key.sub=value`` are parsed as YAML values and applied last, each replacing the value at its
+key. Every key, type and value is checked before
 anything is built, and a mistake raises :class:`ConfigError` naming the key, the value and what is allowed. A key
 given twice in one mapping is an error too (plain YAML keeps the last one and drops the other without a word).
 The recipes ship inside the package (``lipsformer/configs``; a clone's top-level ``configs`` links there), so a bare
@@ -27,6 +30,7 @@ __all__ = ['PACKAGED_CONFIGS', 'coerce_key', 'config_from_dict', 'config_to_dict
            'resolve_config_path']
 
 _BASE_KEY = 'base'
+REPLACE_TAG = '!replace'
 PACKAGED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 
@@ -46,6 +50,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     f'and ignore the other, so keep one of them', key_node.start_mark)
             lines[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+class _Replace(dict):
+    """A mapping tagged ``!replace`` in a config with ``base:``: it replaces the base's mapping at its key instead of
+    being merged into it."""
+
+
+def _construct_replace(loader: _UniqueKeyLoader, node: yaml.Node) -> _Replace:
+    if not isinstance(node, yaml.MappingNode):
+        raise yaml.constructor.ConstructorError(
+            None, None, f'{REPLACE_TAG} marks a mapping (kwargs: {REPLACE_TAG} {{split_size: [1, 2, 7, 7]}}); any '
+                        f'other value replaces the base\'s already', node.start_mark)
+    return _Replace(loader.construct_mapping(node, deep=True))
+
+
+_UniqueKeyLoader.add_constructor(REPLACE_TAG, _construct_replace)
 
 
 def _load_yaml(stream: Any) -> Any:
@@ -85,13 +105,18 @@ def resolve_config_path(name: str | os.PathLike) -> str:
     path = os.fspath(name)
     if os.path.isfile(path):
         return path
-    stem = path.removesuffix('.yaml')
+    return _packaged_config(path, f'cannot read config file {path!r}: no such file')
+
+
+def _packaged_config(name: str, missing: str) -> str:
+    """The packaged config ``name`` names, or a :class:`ConfigError` that starts with ``missing`` and lists them."""
+    stem = name.removesuffix('.yaml')
     packaged = os.path.join(PACKAGED_CONFIGS, *stem.split('/')) + '.yaml'
-    if not os.path.isabs(path) and '..' not in stem.split('/') and os.path.isfile(packaged):
+    if not os.path.isabs(name) and '..' not in stem.split('/') and os.path.isfile(packaged):
         return packaged
     close = difflib.get_close_matches(os.path.basename(stem), packaged_config_names(), n=1, cutoff=0.7)
     hint = f' (did you mean {close[0]}?)' if close else ''
-    raise ConfigError(f'cannot read config file {path!r}: no such file, nor a packaged config{hint}; packaged: '
+    raise ConfigError(f'{missing}, nor a packaged config{hint}; packaged: '
                       f'{", ".join(n for n in packaged_config_names() if "/" not in n)} and the folders ablations/, '
                       f'authors/, base/')
 
@@ -116,7 +141,7 @@ def parse_override(override: str) -> tuple[str, Any]:
         value = _load_yaml(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f'override {override!r}: the value is not valid YAML ({e})') from e
-    return key, value
+    return key, _plain_data(value)  # an override replaces the value at its key, tagged !replace or not
 
 
 def coerce_key(key: str, value: Any) -> Any:
@@ -193,7 +218,9 @@ def reference_yaml() -> str:
     """A YAML file with every key at its default, each preceded by its documentation and what it allows."""
     lines = ['# Every training config key, at its default, documented once (generated from',
              '# lipsformer/training/config.py by `python train.py --print-reference`).',
-             '# A config file may start with `base: other.yaml` and override any subset of these keys;',
+             '# A config file may start with `base: other.yaml` (relative to the file) or `base: NAME` (a packaged',
+             '# config) and override any subset of these keys; a mapping tagged !replace replaces the base\'s',
+             '# instead of being merged into it;',
              '# train.py also takes overrides as key.sub=value arguments (values parsed as YAML).', '']
     defaults = Config()
     hints = typing.get_type_hints(Config)
@@ -239,21 +266,51 @@ def _read_yaml_with_bases(path: str, chain: tuple[str, ...]) -> dict[str, Any]:
         raise ConfigError(f'config file {path!r} must hold a mapping of sections, got {type(data).__name__}')
     base = data.pop(_BASE_KEY, None)
     if base is None:
+        replaced = _replaced_keys(data)
+        if replaced:
+            raise ConfigError(f'{path!r} marks {", ".join(replaced)} {REPLACE_TAG}, which replaces a mapping of the '
+                              f'base config, but has no base:; remove the tag or add base: NAME')
         return data
-    if not isinstance(base, str):
-        raise ConfigError(f'{path!r}: base must be a path to another YAML file, got {base!r}')
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f'{path!r}: base must name another YAML file (a path relative to this file, or a packaged '
+                          f'config such as quickstart), got {base!r}')
     base_path = os.path.join(os.path.dirname(path), base)
+    if not os.path.isfile(base_path):  # as --config: a file that exists wins over a packaged name
+        base_path = _packaged_config(base, f'{path!r}: base: {base!r} is no file {base_path!r}')
     return _deep_merge(_read_yaml_with_bases(base_path, chain + (real_path,)), data)
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` merged into ``base``: mappings key by key, except those tagged ``!replace``, which replace."""
     merged = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if isinstance(value, _Replace):
+            merged[key] = _plain_data(value)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
+
+
+def _plain_data(value: Any) -> Any:
+    """``value`` with every ``!replace`` mapping in it a plain dict (what a config holds once merged)."""
+    if isinstance(value, dict):
+        return {key: _plain_data(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain_data(item) for item in value]
+    return value
+
+
+def _replaced_keys(data: dict[str, Any], prefix: str = '') -> list[str]:
+    """The dotted keys of the mappings tagged ``!replace`` in ``data``."""
+    found = []
+    for key, value in data.items():
+        if isinstance(value, _Replace):
+            found.append(f'{prefix}{key}')
+        elif isinstance(value, dict):
+            found += _replaced_keys(value, f'{prefix}{key}.')
+    return found
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
