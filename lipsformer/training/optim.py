@@ -1,4 +1,10 @@
-"""Optimizer, schedule, losses, mixup and EMA built from timm, with the paper's batch-size scaling."""
+"""Optimizer, schedule, losses, mixup and EMA built from timm, with the paper's batch-size scaling.
+
+Adam and AdamW run torch's fused kernel (``fused=True``: one launch updates every parameter) where the parameters live
+on a CUDA device, and its multi-tensor (``foreach``) form elsewhere: on the CPU the recipes keep what they were measured
+with. Both are the same update (tests/test_optim.py); a checkpoint saved by one resumes into the other.
+"""
+import logging
 import math
 
 import torch
@@ -9,6 +15,13 @@ from timm.scheduler import create_scheduler_v2
 from timm.scheduler.scheduler import Scheduler
 
 from .config import Config
+
+_logger = logging.getLogger(__name__)
+
+# timm's names of the optimizers it builds as torch.optim.Adam / AdamW, which take fused=True
+FUSED_OPTIMIZERS = ('adam', 'adamw')
+# where the fused kernel is chosen by default; other devices keep the multi-tensor form
+FUSED_DEVICE_TYPES = ('cuda',)
 
 
 def global_batch_size(config: Config, num_processes: int) -> int:
@@ -25,15 +38,36 @@ def lr_scale(config: Config, global_batch: int) -> float:
     return ratio if config.optimizer.lr_scaling == 'linear' else math.sqrt(ratio)
 
 
-def create_optimizer(model: torch.nn.Module, config: Config, global_batch: int) -> torch.optim.Optimizer:
+def fused_by_default(name: str, device_types: set[str]) -> bool:
+    """Whether optimizer ``name`` runs torch's fused kernel for parameters on ``device_types``: Adam or AdamW with
+    every parameter on a CUDA device (:data:`FUSED_DEVICE_TYPES`) that torch has fused kernels for."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list of such devices
+    supported = set(_get_fused_kernels_supported_devices()) & set(FUSED_DEVICE_TYPES)
+    return name.lower() in FUSED_OPTIMIZERS and bool(device_types) and device_types <= supported
+
+
+def create_optimizer(model: torch.nn.Module, config: Config, global_batch: int,
+                     fused: bool | None = None) -> torch.optim.Optimizer:
     """timm's optimizer over two parameter groups: weight matrices decay, everything else (1-D parameters such as
     norms, biases and alpha, plus the model's ``no_weight_decay()`` names such as position tables) decays with
     ``optimizer.no_decay_weight_decay`` (0 in the paper, 5e-4 in the authors' code). With ``optimizer.layer_decay``
     timm's ``create_optimizer_v2(model, layer_decay=...)`` makes those two groups per layer of the model's
-    ``group_matcher()``, each with its ``lr_scale`` (which the schedule applies)."""
+    ``group_matcher()``, each with its ``lr_scale`` (which the schedule applies).
+
+    Args:
+        model: The model, on the device it trains on.
+        config: The run's config (``optimizer.*``).
+        global_batch: Images per update over all processes (for ``optimizer.lr_base_batch_size``).
+        fused: Run torch's fused Adam / AdamW kernel; None: :func:`fused_by_default` for the parameters' devices.
+    """
     opt = config.optimizer
     settings = dict(opt=opt.name, lr=opt.lr * lr_scale(config, global_batch), momentum=opt.momentum, eps=opt.eps,
                     betas=tuple(opt.betas))
+    if fused is None:
+        fused = fused_by_default(opt.name, {parameter.device.type for parameter in model.parameters()})
+    if fused:
+        settings['fused'] = True
+    _logger.info('optimizer %s: %s', opt.name, 'fused kernel' if fused else 'multi-tensor form where torch has one')
     # timm marks the decaying groups with the weight decay it is given and the others with 0: given 1, they are told
     # apart, then set to the two configured decays
     if opt.layer_decay is not None:

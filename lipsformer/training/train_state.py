@@ -423,6 +423,12 @@ def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any
     owner = model if is_sharded(accelerator) else accelerator.unwrap_model(model, keep_torch_compile=False)
     inner = getattr(optimizer, 'optimizer', optimizer)
     configured = [{key: value for key, value in group.items() if key != 'params'} for group in inner.param_groups]
+    # The kernel is this optimizer's (a state saved by the multi-tensor form resumes into the fused one): torch places
+    # the loaded step counts where the loaded group's kernel wants them.
+    if 'param_groups' in state_dict:
+        state_dict = dict(state_dict, param_groups=[
+            {**saved, **{key: configured[index][key] for key in _KERNEL_SETTINGS if key in configured[index]}}
+            if index < len(configured) else saved for index, saved in enumerate(state_dict['param_groups'])])
     try:
         set_optimizer_state_dict(owner, inner, state_dict, options=StateDictOptions(full_state_dict=True))
     except (KeyError, ValueError, RuntimeError) as e:
@@ -432,10 +438,16 @@ def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any
     for index, (group, settings) in enumerate(zip(inner.param_groups, configured, strict=True)):
         for key, value in settings.items():
             saved = group.get(key)
-            if key not in ('lr', 'initial_lr') and _plain(saved) != _plain(value):  # the schedule sets the lr
+            if key not in _UNCOMPARED_SETTINGS and _plain(saved) != _plain(value):
                 changed.append(f'group {index} {key}: {_plain(saved)!r} -> {_plain(value)!r}')
             group[key] = value
     return changed
+
+
+# Which kernel runs the update follows the device, not the recipe.
+_KERNEL_SETTINGS = ('fused', 'foreach', 'capturable', 'differentiable')
+# Settings a resume does not report as changed: the schedule sets the lr, the device the kernel.
+_UNCOMPARED_SETTINGS = ('lr', 'initial_lr', *_KERNEL_SETTINGS)
 
 
 def _plain(value: Any) -> Any:
