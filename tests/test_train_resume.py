@@ -129,6 +129,20 @@ def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(data_dir, tmp_p
         'epoch_0001', 'step_00000008', 'epoch_0002']
 
 
+def test_metrics_lines_past_an_older_checkpoint_are_moved_to_orphaned_and_said(data_dir, tmp_path, caplog):
+    """The file appeared without a word; the lines of the abandoned epochs must stay, and the user must learn where."""
+    run_dir = tmp_path / 'run'
+    _run(data_dir, run_dir, **{'train.epochs': 3})
+    before = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
+    with caplog.at_level(logging.WARNING):
+        _run(data_dir, run_dir, resume=str(run_dir / 'checkpoints' / 'epoch_0001'), **{'train.epochs': 3})
+    assert ('metrics.jsonl: 2 line(s) past the checkpoint resumed from (epoch 2, 3) are moved to '
+            'metrics.jsonl.orphaned') in caplog.text
+    assert [json.loads(line) for line in open(run_dir / 'metrics.jsonl.orphaned')] == before[1:]
+    after = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
+    assert after[0] == before[0] and [line['epoch'] for line in after] == [1, 2, 3]
+
+
 def test_a_torn_metrics_line_is_dropped_and_said(data_dir, one_epoch, caplog):
     with open(os.path.join(one_epoch, 'metrics.jsonl'), 'a') as f:
         f.write('{"epoch": 2, "step": 1')  # a kill or a full disk during an append

@@ -20,6 +20,8 @@ LOG_FILE = 'train.log'
 METRICS_FILE = 'metrics.jsonl'
 _SHARED_CHECK_FILE = '.shared-check'
 
+_logger = logging.getLogger(__name__)
+
 
 def check_run_folder_shared(accelerator: Any, run_dir: str) -> None:
     """Refuse a run folder that some processes cannot see (a node-local path on a multi-node run).
@@ -98,12 +100,23 @@ class MetricsFile:
     def reset(self, history: list[dict[str, Any]]) -> None:
         """Make the file hold exactly ``history`` (the epochs of the checkpoint a run resumes from).
 
-        Lines for epochs past the checkpoint, written before an interruption, are kept in a ``.orphaned`` file.
+        Lines for epochs past the checkpoint (scored by a start that went further, or by the branch an older
+        checkpoint's resume abandons) are appended to ``metrics.jsonl.orphaned``, and the log says so.
         """
         existing = self.lines.read()
         if len(existing) > len(history):
-            JsonLines(f'{self.lines.path}.orphaned').append(existing[len(history):])
+            orphaned = existing[len(history):]
+            JsonLines(self.orphaned_path).append(orphaned)
+            epochs = [str(line.get('epoch', '?')) for line in orphaned]
+            _logger.warning('%s: %d line(s) past the checkpoint resumed from (epoch %s) are moved to %s; the file '
+                            'keeps the epochs of the run continued from there', os.path.basename(self.lines.path),
+                            len(orphaned), ', '.join(epochs), os.path.basename(self.orphaned_path))
         self.lines.rewrite(history)
+
+    @property
+    def orphaned_path(self) -> str:
+        """Where the lines of epochs past a resumed checkpoint are kept."""
+        return f'{self.lines.path}.orphaned'
 
     def append(self, line: dict[str, Any]) -> None:
         self.lines.append([line])
