@@ -621,3 +621,25 @@ def test_a_rejected_model_keyword_is_a_one_line_error_naming_it(vit, capsys):
     err = _fails(['--model', 'test_vit', '--checkpoint', vit.checkpoint, '--data-dir', vit.val, '--img-size', '32',
                   '--model-kwargs', 'depth=1', 'window_size=7'], capsys)
     assert "error: --model-kwargs: test_vit does not accept ['window_size'] (" in err and 'Traceback' not in err
+
+
+def test_a_torchvision_dataset_is_written_into_a_data_folder_only_when_asked_to_download(tmp_path, capsys):
+    """Without --dataset-download, a missing or empty --data-dir is an error naming the option, and stays as it
+    was; with it, Fashion-MNIST is unpacked there (from the Debian package when installed)."""
+    from lipsformer.data import DEBIAN_FASHION_MNIST
+    from lipsformer.evaluation.datasets import DataRequest, plan_datasets
+    missing, empty = tmp_path / 'missing', tmp_path / 'empty'
+    os.makedirs(empty)
+    base = ['--model', 'test_vit', '--num-classes', '10', '--img-size', '32', '--dataset', 'torch/fashion_mnist',
+            '--split', 'test']
+    err = _fails([*base, '--data-dir', str(missing)], capsys)
+    assert f"Fashion-MNIST is not in the data folder: {str(missing)!r} does not exist" in err
+    assert 'Nothing is written into a data folder unasked: --dataset-download' in err
+    assert not missing.exists()
+    err = _fails([*base, '--data-dir', str(empty)], capsys)
+    assert 'FashionMNIST' in err and 'lacks train-images-idx3-ubyte' in err and os.listdir(empty) == []
+    if os.path.isdir(DEBIAN_FASHION_MNIST):
+        (planned,) = plan_datasets(DataRequest(str(missing), dataset='torch/fashion_mnist', split='test',
+                                               download=True))
+        assert len(planned.images.paths) == 10_000 and planned.images.num_classes == 10
+        assert sorted(os.listdir(missing / 'FashionMNIST' / 'raw'))[0] == 't10k-images-idx3-ubyte'

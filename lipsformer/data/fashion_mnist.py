@@ -6,6 +6,7 @@ unpacks them where torchvision's ``FashionMNIST(root)`` (timm's ``torch/fashion_
 needed.
 """
 import gzip
+import logging
 import os
 import shutil
 
@@ -16,6 +17,8 @@ from ..utils.io import atomic_open
 from .splits import DatasetNotFoundError
 
 __all__ = ['DEBIAN_FASHION_MNIST', 'FASHION_MNIST_FILES', 'prepare_dataset', 'read_fashion_mnist', 'read_idx']
+
+_logger = logging.getLogger(__name__)
 
 DEBIAN_FASHION_MNIST = '/usr/share/datasets/fashion-mnist'
 
@@ -69,7 +72,8 @@ def read_fashion_mnist(split: str, folder: str = DEBIAN_FASHION_MNIST) -> tuple[
     return arrays[0], arrays[1].long()
 
 
-def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str = DEBIAN_FASHION_MNIST) -> None:
+def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str = DEBIAN_FASHION_MNIST,
+                    unpack: bool = True, download_option: str = 'set data.download=true') -> None:
     """Make a torchvision dataset readable offline when a local copy exists.
 
     torchvision's ``FashionMNIST(root)`` reads the four uncompressed IDX files from ``<root>/FashionMNIST/raw``; the
@@ -81,9 +85,13 @@ def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str
         root: The dataset root (``data.data_dir``).
         download: Whether torchvision may download what is missing.
         debian_dir: Where the Debian package keeps its gzipped IDX files.
+        unpack: Whether the Debian package's copy may be unpacked into ``root`` (training's data folder is its own
+            to fill; validate.py writes into one only when asked to download).
+        download_option: What lets the command download, for the message (``--dataset-download``).
 
     Raises:
-        DatasetNotFoundError: Fashion-MNIST is neither in the root nor in the Debian package and ``download`` is off.
+        DatasetNotFoundError: Fashion-MNIST is not in the root and may neither be unpacked there from the Debian
+            package nor downloaded.
     """
     if name.lower() != 'torch/fashion_mnist':
         return
@@ -95,7 +103,15 @@ def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str
     if not missing:
         return
     packaged = [os.path.join(debian_dir, f + '.gz') for f in missing]
+    if not unpack and not download:
+        where = f'{root!r} does not exist' if not os.path.isdir(root) else f'{raw_dir!r} lacks {", ".join(missing)}'
+        local = (f'unpacks the copy of the Debian package ({debian_dir}) there' if all(map(os.path.isfile, packaged))
+                 else 'lets torchvision download it there')
+        raise DatasetNotFoundError(f'Fashion-MNIST is not in the data folder: {where}. Nothing is written into a data '
+                                   f'folder unasked: {download_option} {local}, or give the folder that holds '
+                                   f'FashionMNIST/raw')
     if all(os.path.isfile(p) for p in packaged):
+        _logger.info('unpacking Fashion-MNIST from %s into %s', debian_dir, raw_dir)
         os.makedirs(raw_dir, exist_ok=True)
         for name_, source in zip(missing, packaged, strict=True):
             _gunzip_atomically(source, os.path.join(raw_dir, name_))
@@ -104,7 +120,7 @@ def prepare_dataset(name: str, root: str | None, download: bool, debian_dir: str
         return
     raise DatasetNotFoundError(
         f'Fashion-MNIST is not in {raw_dir} (missing {", ".join(missing)}). Install the Debian package '
-        f'(apt-get install dataset-fashion-mnist, files in {debian_dir}), or set data.download=true to let '
+        f'(apt-get install dataset-fashion-mnist, files in {debian_dir}), or {download_option} to let '
         f'torchvision download it, or put the four IDX files there yourself.')
 
 

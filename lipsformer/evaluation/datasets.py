@@ -156,7 +156,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
     try:
         if name.lower().startswith('torch/'):
             check_torchvision_split(name, split, 'data.split')
-        prepare_dataset(name, request.data_dir, request.download)
+        prepare_dataset(name, request.data_dir, request.download, unpack=False, download_option='--dataset-download')
         dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
                                  download=request.download, **reader_options(name, request.data_dir))
     except DatasetError as e:
