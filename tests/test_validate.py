@@ -623,6 +623,32 @@ def test_a_rejected_model_keyword_is_a_one_line_error_naming_it(vit, capsys):
     assert "error: --model-kwargs: test_vit does not accept ['window_size'] (" in err and 'Traceback' not in err
 
 
+def test_a_datasets_classes_are_matched_by_name_with_those_saved_with_the_weights(vit, tmp_path, capsys):
+    """--dataset labels its classes in its own order (torchvision's ImageFolder: sorted names, of the folders it
+    has); a model whose saved classes are those names in another order is scored by name (100% for a model right on
+    every image), and one without some of them is refused with both lists."""
+    torch.manual_seed(3)
+    model = timm.create_model('test_vit', img_size=32, num_classes=10).eval()
+    names = [f'kind_{(7 * i) % 10}' for i in range(10)]  # index 1 is kind_7: not the sorted order of the names
+    export = str(tmp_path / 'export')
+    save_for_hf(model, export, model_config={'label_names': names}, safe_serialization=True)
+    predicted = reference_topk(model, vit.photos, VIT_DATA_CONFIG)[:, 0].tolist()
+    assert len(set(predicted)) > 1
+    data = tmp_path / 'data'
+    for photo, index in zip(vit.photos, predicted):
+        os.makedirs(data / names[index], exist_ok=True)
+        shutil.copyfile(photo, data / names[index] / os.path.basename(photo))
+    args = ['--checkpoint', export, '--img-size', '32', '--dataset', 'torch/image_folder', '--data-dir', str(data)]
+    (result,) = run_validate(args, tmp_path, capsys)['results']
+    assert (result['count'], result['top1'], result['num_classes']) == (24, 100.0, 10)
+    present = sorted(names[index] for index in set(predicted))
+    os.rename(data / present[0], data / 'kind_x')
+    err = _fails(args, capsys)
+    assert "--dataset torch/image_folder: its classes are not among those saved with the model's weights" in err
+    assert f"(kind_x). Its classes: {', '.join(sorted([*present[1:], 'kind_x']))}; the model's: " \
+           f"{', '.join(sorted(names))}. Score it" in err
+
+
 def test_a_torchvision_dataset_is_written_into_a_data_folder_only_when_asked_to_download(tmp_path, capsys):
     """Without --dataset-download, a missing or empty --data-dir is an error naming the option, and stays as it
     was; with it, Fashion-MNIST is unpacked there (from the Debian package when installed)."""

@@ -12,19 +12,21 @@ import torch
 from accelerate import Accelerator
 from timm.data import create_dataset
 from timm.utils.misc import natural_key
-from torch.utils.data import IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ..data import (
     DatasetError,
     DatasetNotFoundError,
     RobustDataset,
     check_torchvision_split,
+    class_names_of,
     decode_here,
     num_classes_of,
     prepare_dataset,
     split_folder,
 )
 from ..data.sources import reader_options
+from ..data.splits import listing
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
@@ -169,8 +171,48 @@ def open_named_dataset(request: DataRequest) -> ImageList:
                               f'(torch/<name>, hfds/<name>)')
     decode_here(dataset)  # EvalImageDataset reads the bytes with the package's reader
     root = request.data_dir or name
+    source, num_classes = RobustDataset(dataset, is_training=False), num_classes_of(dataset) or 0
+    names = class_names_of(dataset)
+    if request.class_names is not None and names is not None and list(names) != list(request.class_names):
+        source, num_classes = ClassesByName(source, _model_indices(name, names, request.class_names)), len(
+            request.class_names)
+        _logger.info('--dataset %s: its classes are labelled by their names among the %d classes saved with the '
+                     'model\'s weights (the two number them differently)', name, num_classes)
     return ImageList(root=root, paths=[f'{split}/{i}' for i in range(len(dataset))], targets=[], layout='dataset',
-                     num_classes=num_classes_of(dataset) or 0, source=RobustDataset(dataset, is_training=False))
+                     num_classes=num_classes, source=source)
+
+
+def _model_indices(dataset: str, names: list[str], model_names: list[str]) -> tuple[int, ...]:
+    """The model's class index of each class of a data set, found by name.
+
+    Raises:
+        EvaluationError: A class of the data set is not among the model's (or a name is there twice).
+    """
+    position = {class_name: index for index, class_name in enumerate(model_names)}
+    unknown = [class_name for class_name in names if class_name not in position]
+    if unknown or len(set(names)) != len(names) or len(position) != len(model_names):
+        raise EvaluationError(
+            f'--dataset {dataset}: its classes are not among those saved with the model\'s weights, so its labels '
+            f'would be scored against the wrong outputs ({listing(unknown, 20) if unknown else "a name given twice"}). '
+            f'Its classes: {listing(names, 100)}; the model\'s: {listing(model_names, 100)}. Score it with a model '
+            f'trained on these classes')
+    return tuple(position[class_name] for class_name in names)
+
+
+class ClassesByName(Dataset):
+    """A data set's ``(image, target)`` samples with each target renumbered to the model's index of its class (a
+    negative target, an unreadable image, is kept)."""
+
+    def __init__(self, dataset: Dataset, model_indices: tuple[int, ...]):
+        self.dataset = dataset
+        self.model_indices = model_indices
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[object, int]:
+        image, target = self.dataset[index]
+        return image, self.model_indices[target] if target >= 0 else target
 
 
 def _result(dataset: str, images: ImageList, score: Score, images_per_s: float, skipped: list[str],
