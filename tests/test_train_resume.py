@@ -4,6 +4,7 @@ newer ones are moved aside), a torn metrics line."""
 import json
 import logging
 import os
+import re
 import signal
 import time
 
@@ -176,6 +177,32 @@ def test_changed_keys_are_recorded_with_the_step_they_apply_from(data_dir, one_e
     assert (f'resuming with config keys changed since the checkpoint, applied from step {steps}: optimizer.lr: '
             f'0.002 -> 0.005, train.epochs: 1 -> 2; config.yaml holds them, config.before_step_{steps:08d}.yaml '
             f'what the steps before used') in caplog.text
+
+
+def test_a_resume_into_a_new_folder_keeps_the_config_of_the_steps_before_it_names(data_dir, one_epoch, tmp_path,
+                                                                                   caplog):
+    """The log named config.before_step_<step>.yaml, which was written only where a config.yaml was replaced."""
+    steps = read_meta(latest_checkpoint(one_epoch))['progress']['step']
+    new_dir = tmp_path / 'continued'
+    _run(data_dir, new_dir, resume=latest_checkpoint(one_epoch), **{'train.epochs': 2, 'optimizer.lr': 5e-3})
+    named = re.search(r'config.yaml holds them, (\S+) what the steps before used', caplog.text).group(1)
+    assert named == f'config.before_step_{steps:08d}.yaml'
+    assert load_config(new_dir / named) == load_config(os.path.join(one_epoch, 'config.yaml'))
+    assert load_config(new_dir / 'config.yaml').optimizer.lr == 5e-3
+
+
+def test_resuming_an_older_checkpoint_under_the_current_config_keeps_the_checkpoint_s(data_dir, tmp_path, caplog):
+    """config.yaml already held the new values, so nothing was renamed, yet the log named a file."""
+    run_dir = tmp_path / 'run'
+    _run(data_dir, run_dir, **{'train.epochs': 1, 'checkpoint.every_n_steps': 3})
+    changed = {'train.epochs': 2, 'optimizer.lr': 5e-3, 'checkpoint.every_n_steps': 3}
+    _run(data_dir, run_dir, resume='auto', **changed)
+    caplog.clear()
+    _run(data_dir, run_dir, resume=str(run_dir / 'checkpoints' / 'step_00000003'), **changed)
+    named = re.search(r'config.yaml holds them, (\S+) what the steps before used', caplog.text).group(1)
+    assert named == 'config.before_step_00000003.yaml'
+    assert load_config(run_dir / named).optimizer.lr == 2e-3
+    assert load_config(run_dir / 'config.yaml').optimizer.lr == 5e-3
 
 
 def test_wall_time_counts_every_start(data_dir, tmp_path):

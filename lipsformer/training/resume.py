@@ -9,7 +9,8 @@
 - Applied and said: the optimizer's settings (weight decay, betas, eps, momentum, ...) are the config's, and those
   that differ from the checkpoint's are logged; a changed schedule follows the config; every other changed key is
   listed with its old and new value and the step it applies from, and ``config.yaml`` takes the new values while the
-  previous one is kept as ``config.before_step_<step>.yaml``.
+  config of the steps before is kept as ``config.before_step_<step>.yaml`` (the checkpoint's, in a folder that did
+  not hold it).
 - Refused as well: changed keys on a run that has finished all its epochs, since nothing would train with them while
   ``config.yaml`` (which repeats the run) would claim them.
 - An explicit ``--resume`` of an older checkpoint abandons the run's newer ones: they are moved to
@@ -17,6 +18,7 @@
 """
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +26,6 @@ import torch
 from ..weight_files import CheckpointError
 from .config_io import config_to_dict, flat_dict
 from .optim import best_metric_name, total_epochs
-from .run_files import earlier_config_name
 from .session import Session
 from .train_state import (
     SavedState,
@@ -36,18 +37,30 @@ from .train_state import (
     set_aside,
 )
 
-__all__ = ['resume_session']
+__all__ = ['ConfigChange', 'log_config_change', 'resume_session']
 
 _logger = logging.getLogger(__name__)
 
 
-def resume_session(session: Session, candidates: list[str], explicit: bool) -> None:
+@dataclass
+class ConfigChange:
+    """Config keys a resume changed: from which step, ``key: old -> new`` each, and the checkpoint's config."""
+    step: int
+    keys: list[str]
+    earlier: dict[str, Any]
+
+
+def resume_session(session: Session, candidates: list[str], explicit: bool) -> ConfigChange | None:
     """Restore the first readable of ``candidates`` into the session, after checking that it fits.
 
     Args:
         session: The freshly built run.
         candidates: Checkpoint folders, the preferred first (:func:`~.train_state.checkpoints_to_resume`).
         explicit: The user named the checkpoint (no fallback; the run's newer checkpoints are abandoned).
+
+    Returns:
+        The config keys changed since the checkpoint (None when none did), for :func:`log_config_change` once
+        ``config.yaml`` is written.
 
     Raises:
         CheckpointError: No candidate is readable, or the checkpoint does not fit the config.
@@ -66,10 +79,6 @@ def resume_session(session: Session, candidates: list[str], explicit: bool) -> N
     if changed_settings:
         _logger.warning('the optimizer continues with the config\'s settings, not the checkpoint\'s: %s',
                         '; '.join(changed_settings))
-    if changed:
-        _logger.warning('resuming with config keys changed since the checkpoint, applied from step %d: %s; '
-                        'config.yaml holds them, %s what the steps before used', progress.step, ', '.join(changed),
-                        earlier_config_name(progress.step))
     if session.accelerator.is_main_process:
         if explicit:
             _abandon_newer(session.run_dir, progress.position())
@@ -78,6 +87,16 @@ def resume_session(session: Session, candidates: list[str], explicit: bool) -> N
     _logger.info('resumed from %s: epoch %d, micro-batch %d, step %d%s', saved.folder, progress.epoch + 1,
                  progress.batch_in_epoch, progress.step,
                  '; the last epoch\'s evaluation comes first' if progress.unscored else '')
+    return ConfigChange(progress.step, changed, saved.meta.get('config', {})) if changed else None
+
+
+def log_config_change(change: ConfigChange, kept: str | None) -> None:
+    """Say which keys a resume changed, from which step, and which file holds the config of the steps before
+    (``kept``, as :func:`~.run_files.write_config` returned it: only a file that exists is named)."""
+    before = (f'{os.path.basename(kept)} what the steps before used' if kept is not None else
+              'the checkpoint\'s meta.json what the steps before used')
+    _logger.warning('resuming with config keys changed since the checkpoint, applied from step %d: %s; config.yaml '
+                    'holds them, %s', change.step, ', '.join(change.keys), before)
 
 
 def _all_processes(accelerator: Any, ok: bool) -> bool:

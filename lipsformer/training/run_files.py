@@ -66,19 +66,42 @@ def earlier_config_name(step: int) -> str:
     return f'config.before_step_{step:08d}.yaml'
 
 
-def write_config(config: Config, run_dir: str, from_step: int = 0) -> None:
-    """Write ``config.yaml``, the config of the steps from ``from_step`` on; an earlier, different one is kept as
-    ``config.before_step_<from_step>.yaml`` (with the time appended when that name is taken)."""
+def write_config(config: Config, run_dir: str, from_step: int = 0, earlier: dict[str, Any] | None = None) -> str | None:
+    """Write ``config.yaml``, the config of the steps from ``from_step`` on, and keep the config of the steps before
+    as ``config.before_step_<from_step>.yaml`` (with the time appended when that name is taken).
+
+    Args:
+        config: The run's config.
+        run_dir: The run folder.
+        from_step: The step the config applies from (a resume's).
+        earlier: The config the steps before ``from_step`` trained with (a resumed checkpoint's, when keys
+            changed), for a folder whose ``config.yaml`` does not hold it: a new ``--output`` resumed from another
+            run's checkpoint, or an older checkpoint resumed under the current config.
+
+    Returns:
+        The file that now holds the config of the steps before ``from_step``, or None when none was kept.
+    """
     path = os.path.join(run_dir, CONFIG_FILE)
+    current = None
     if os.path.isfile(path):
         with open(path) as f:
-            if yaml.safe_load(f) == config_to_dict(config):
-                return
-        earlier = os.path.join(run_dir, earlier_config_name(from_step))
-        if os.path.exists(earlier):
-            earlier = earlier.replace('.yaml', f'.{time.strftime("%Y%m%d-%H%M%S")}.yaml')
-        os.rename(path, earlier)
-    dump_config(config, path)
+            current = yaml.safe_load(f)
+    wanted = config_to_dict(config)
+    kept = None
+    if current is not None and current != wanted:
+        kept = _free_name(os.path.join(run_dir, earlier_config_name(from_step)))
+        os.rename(path, kept)
+    elif earlier is not None and earlier != wanted:
+        kept = _free_name(os.path.join(run_dir, earlier_config_name(from_step)))
+        write_text(kept, yaml.safe_dump(earlier, sort_keys=False, default_flow_style=None))
+    if current != wanted:
+        dump_config(config, path)
+    return kept
+
+
+def _free_name(path: str) -> str:
+    """``path``, or ``path`` with the time before its extension when that name is taken."""
+    return path.replace('.yaml', f'.{time.strftime("%Y%m%d-%H%M%S")}.yaml') if os.path.exists(path) else path
 
 
 def attach_log_file(run_dir: str, is_main: bool) -> logging.Handler | None:

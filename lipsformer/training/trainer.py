@@ -28,7 +28,7 @@ from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, scheduled_lr, total_epochs
-from .resume import resume_session
+from .resume import log_config_change, resume_session
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .run_lock import RunFolderInUseError, RunLock
 from .session import (
@@ -106,11 +106,12 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         _say_distribution(accelerator)
         session = create_session(config, run_dir, accelerator, trusted_callables)
         session.started_at = start_time
-        if candidates:
-            resume_session(session, candidates, explicit=resume != 'auto')
+        change = resume_session(session, candidates, explicit=resume != 'auto') if candidates else None
         metrics = MetricsFile(run_dir)
         if accelerator.is_main_process:
-            write_config(config, run_dir, session.progress.step)
+            kept = write_config(config, run_dir, session.progress.step, change.earlier if change else None)
+            if change is not None:
+                log_config_change(change, kept)
             metrics.reset(session.progress.history)
         start_trackers(accelerator, config, run_dir)
         with StopSignal() as stop:
