@@ -8,6 +8,7 @@ import shutil
 
 import huggingface_hub
 import pytest
+import safetensors.torch
 import timm
 import timm.models._hub
 import torch
@@ -253,6 +254,34 @@ def test_validate_scores_a_local_dir_export_as_training_did(run_dir, data_dir, t
     epochs = [json.loads(line) for line in open(os.path.join(run_dir, 'metrics.jsonl'))]
     (best,) = [line for line in epochs if line.get('epoch') == summary['best_epoch'] and 'val_top1' in line]
     assert result['top1'] == pytest.approx(best['val_top1']) and result['count'] == best['val_samples']
+
+
+def test_results_are_bound_to_the_weights_by_content(run_dir, data_dir, tmp_path, capsys):
+    """A results file made on a run's export joins the card of a byte-identical copy of the run folder (the
+    weights' SHA-256, not their path, binds them); it is refused for other weights, naming both."""
+    run = _copy(run_dir, tmp_path)
+    results = tmp_path / 'results.json'
+    AcceleratorState._reset_state(reset_partial_state=True)  # as a new process has it
+    assert validate_main(['--checkpoint', run, '--data-layout', 'imagefolder', '--data-dir',
+                          os.path.join(data_dir, 'validation'), '--workers', '0', '--results-file', str(results)]) == 0
+    record = json.loads(results.read_text())
+    (result,) = record['results']
+    weights = os.path.join(run, 'export', 'best', 'model.safetensors')
+    assert record['checkpoint'] == weights
+    copy = str(tmp_path / 'copy')
+    shutil.copytree(run, copy)
+    assert hub_main(['card', copy, '--results', str(results), '--no-lipschitz']) == 0
+    card = open(os.path.join(copy, 'export', 'best', 'README.md')).read()
+    assert f'validate.py on {result["count"]} images of {result["path"]}' in card
+    shutil.rmtree(run)  # the scored folder moved away: the copy still makes its card
+    assert hub_main(['card', copy, '--results', str(results), '--no-lipschitz']) == 0
+    last = os.path.join(copy, 'export', 'last', 'model.safetensors')
+    state = load_file(last)
+    state = {name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    safetensors.torch.save_file(state, os.path.join(copy, 'export', 'best', 'model.safetensors'))
+    assert hub_main(['card', copy, '--results', str(results), '--no-lipschitz']) == 2
+    err = capsys.readouterr().err
+    assert f'scores {weights} (sha256 {record["checkpoint_sha256"]}), not this export\'s model.safetensors' in err
 
 
 def test_lipschitz_and_benchmark_take_local_dir(run_dir, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The results of a validate.py run: one record per model, printed as a table and written as JSON or CSV.
 
-A record holds the model, checkpoint, evaluation settings, package versions and a ``results`` list with one entry
+A record holds the model, checkpoint (its path and the SHA-256 of its bytes, which bind the scores to the weights
+wherever the file is moved or copied), evaluation settings, package versions and a ``results`` list with one entry
 per data set (see :class:`~lipsformer.evaluation.datasets.DatasetResult`), each with timm validate.py's columns too:
 ``top1``, ``top1_err``, ``top5``, ``top5_err``, ``param_count`` (millions), ``img_size``, ``crop_pct`` and
 ``interpolation``. The JSON file holds the record, or a list of
@@ -8,6 +9,7 @@ records when several models were evaluated; the CSV has one row per model and da
 atomically, so an interrupted run never leaves a half-written results file over an earlier one.
 """
 import csv
+import hashlib
 import io
 import json
 import os
@@ -18,7 +20,7 @@ from importlib import metadata
 from ..utils.io import write_text
 from .datasets import DatasetResult
 
-__all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
+__all__ = ['file_sha256', 'package_versions', 'model_record', 'format_table', 'write_results']
 
 _PACKAGES = ('lipsformer', 'timm', 'torch', 'torchvision', 'accelerate', 'pillow')
 _CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'classes', 'num_classes', 'top1', 'top5',
@@ -37,13 +39,21 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, as a hex string."""
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
 def model_record(model_name: str, checkpoint: str | None, settings: dict, results: list[DatasetResult],
                  param_count: int) -> dict:
-    """The JSON record of one evaluated model; ``param_count`` is its number of parameters."""
+    """The JSON record of one evaluated model; ``checkpoint`` is its weights file (None: timm's pretrained weights),
+    ``param_count`` its number of parameters."""
     millions = round(param_count / 1e6, 2)  # as timm's validate.py reports it
     return {
         'model': model_name,
         'checkpoint': checkpoint,
+        'checkpoint_sha256': file_sha256(checkpoint) if checkpoint else None,
         'param_count': millions,
         'settings': settings,
         'versions': package_versions(),

@@ -22,6 +22,7 @@ from huggingface_hub import EvalResult, ModelCardData
 from timm.data import ImageNetInfo
 
 from ..complexity import model_complexity
+from ..evaluation.results import file_sha256
 from ..lipschitz.analysis import analyze
 from ..training import Config, ConfigError, load_config
 from ..training.run_files import METRICS_FILE
@@ -275,16 +276,24 @@ def _validate_scores(path: str, export: ExportFolder, label_names: list[str] | N
         raise CardError(f'cannot read the results file {path!r}: {e}') from e
     records = records if isinstance(records, list) else [records]
     weights = os.path.realpath(os.path.join(export.path, 'model.safetensors'))
+    weights_sha256 = None
     scores = []
     for record in records:
         if not isinstance(record, dict) or 'results' not in record:
             raise CardError(f'{path!r} is not a validate.py --results-file JSON (no "results" in it)')
-        checkpoint = record.get('checkpoint')
+        checkpoint, scored_sha256 = record.get('checkpoint'), record.get('checkpoint_sha256')
         ema = record.get('settings', {}).get('use_ema')
-        if checkpoint is None or os.path.realpath(checkpoint) != weights or ema:
-            raise CardError(f'{path!r} scores {checkpoint or record.get("model")}' + (' (EMA)' if ema else '')
-                            + f', not this export\'s model.safetensors ({weights}); score it with validate.py '
-                              f'--checkpoint {export.path} --results-file FILE')
+        if scored_sha256 is not None:  # bound by content: a moved or copied run folder keeps its scores
+            weights_sha256 = weights_sha256 or file_sha256(weights)
+            same_weights = scored_sha256 == weights_sha256
+        else:  # a results file of an older validate.py names the weights by path only
+            same_weights = checkpoint is not None and os.path.realpath(checkpoint) == weights
+        if not same_weights or ema:
+            scored = f'{checkpoint or record.get("model")}' + (f' (sha256 {scored_sha256})' if scored_sha256 else '')
+            raise CardError(f'{path!r} scores {scored}' + (' (EMA)' if ema else '')
+                            + f', not this export\'s model.safetensors ({weights}'
+                            + (f', sha256 {weights_sha256}' if weights_sha256 else '') + '); score it with '
+                              f'validate.py --checkpoint {export.path} --results-file FILE')
         for result in record['results']:
             name = result['dataset'] if result['dataset'] != 'imagefolder' else ''
             hub_id, title = hub_dataset(name, label_names)
