@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from image_data import make_image_folder
 from probe_models import SIGNALS_AT_CALLS
 from training_support import tiny_overrides
 
@@ -83,6 +84,18 @@ def test_other_training_classes_are_refused(data_dir, tmp_path, one_epoch):
     with pytest.raises(CheckpointError, match="trained on the classes class_0, class_1, class_2, class_3, the training "
                                               "split now has kind_0, kind_1, kind_2, kind_3"):
         _run(str(renamed), one_epoch, resume='auto')
+
+
+def test_a_smaller_copy_of_the_data_is_refused_naming_the_data_set_size(data_dir, tmp_path, one_epoch):
+    """The refusal spoke of another batch layout and told the user to keep train.batch_size, which they had."""
+    smaller = make_image_folder(str(tmp_path / 'smaller'), train_per_class=6)
+    before = _folder_state(one_epoch)
+    with pytest.raises(CheckpointError, match=r"epoch_0001' was saved at an epoch boundary with 48 training images "
+                                              r"\(6 updates an epoch\); the training data now has 24 images "
+                                              r"\(3 updates an epoch\) with the same batch layout: data.data_dir "
+                                              r"'.*smaller' \(split 'train'\) holds another data set"):
+        _run(smaller, one_epoch, resume='auto')
+    assert _folder_state(one_epoch) == before
 
 
 def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_one_before_taken(data_dir, tmp_path, caplog):

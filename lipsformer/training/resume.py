@@ -37,7 +37,7 @@ from .train_state import (
     set_aside,
 )
 
-__all__ = ['ConfigChange', 'log_config_change', 'resume_session']
+__all__ = ['ConfigChange', 'log_config_change', 'resume_session', 'training_images']
 
 _logger = logging.getLogger(__name__)
 
@@ -163,17 +163,34 @@ def _head(names: list[str], limit: int = 6) -> str:
     return ', '.join(names[:limit]) + (f' ... ({len(names)} in all)' if len(names) > limit else '')
 
 
+def training_images(session: Session) -> int:
+    """The images of an epoch of training: the training split's, or ``data.train_num_samples`` of a stream."""
+    batches = session.train_batches
+    return session.config.data.train_num_samples if batches.iterable else len(batches.dataset)
+
+
 def _check_geometry(saved: SavedState, session: Session) -> None:
     before, now = saved.meta.get('geometry', {}), session.geometry()
     mid_epoch = saved.progress.batch_in_epoch > 0
-    keys = ('world_size', 'batch_size', 'grad_accum_steps', 'updates_per_epoch') if mid_epoch else (
-        'global_batch_size', 'updates_per_epoch')
+    where = 'mid-epoch' if mid_epoch else 'at an epoch boundary'
+    keys = ('world_size', 'batch_size', 'grad_accum_steps') if mid_epoch else ('global_batch_size',)
     different = [f'{k} {before.get(k)} -> {now[k]}' for k in keys if before.get(k) != now[k]]
     if different:
-        where = 'mid-epoch' if mid_epoch else 'at an epoch boundary'
+        upe = [f'updates_per_epoch {before.get("updates_per_epoch")} -> {now["updates_per_epoch"]}'] if before.get(
+            'updates_per_epoch') != now['updates_per_epoch'] else []
         raise CheckpointError(f'{saved.folder!r} was saved {where} with another batch layout '
-                              f'({"; ".join(different)}); resume with the same processes, train.batch_size and '
+                              f'({"; ".join(different + upe)}); resume with the same processes, train.batch_size and '
                               f'train.grad_accum_steps')
+    if before.get('updates_per_epoch') != now['updates_per_epoch']:  # the same batches, so another data set
+        saved_images, images = before.get('train_images'), training_images(session)
+        counted = f'{saved_images} training images' if saved_images is not None else 'another training set'
+        data = session.config.data
+        raise CheckpointError(
+            f'{saved.folder!r} was saved {where} with {counted} ({before.get("updates_per_epoch")} updates an epoch); '
+            f'the training data now has {images} images ({now["updates_per_epoch"]} updates an epoch) with the same '
+            f'batch layout: data.data_dir {data.data_dir!r} (split {data.train_split!r}) holds another data set than '
+            f'the run trained on. Resume with that data, or start a new run from the weights with '
+            f'model.init_checkpoint={os.path.join(saved.folder, "model.safetensors")}')
 
 
 def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -28,7 +28,7 @@ from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
 from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
 from .optim import best_metric_name, scheduled_lr, total_epochs
-from .resume import log_config_change, resume_session
+from .resume import log_config_change, resume_session, training_images
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .run_lock import RunFolderInUseError, RunLock
 from .session import (
@@ -266,7 +266,8 @@ def _save(session: Session, name: str) -> bool:
     if progress.batch_in_epoch:
         progress.epoch_totals = session.tally.totals(session.accelerator)
     progress.wall_time_s = session.wall_time_s()
-    meta = dict(geometry=session.geometry(), config=config_to_dict(session.config), time=time.time(),
+    meta = dict(geometry=dict(session.geometry(), train_images=training_images(session)),
+                config=config_to_dict(session.config), time=time.time(),
                 model=dict(name=session.config.model.name, kwargs=session.model_kwargs,
                            class_names=session.class_names))
     session.last_checkpoint = save_checkpoint(session.run_dir, name, session.training_objects(), progress, meta)
