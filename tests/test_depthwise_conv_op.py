@@ -17,6 +17,11 @@ from lipsformer.fastpath import depthwise_conv_op
 from lipsformer.fastpath.depthwise_conv_op import depthwise_conv2d_op
 
 
+def _is_the_op(target) -> bool:
+    """A graph node's target is the forward op (dynamo records the packet, export the overload)."""
+    return target in (torch.ops.lipsformer.depthwise_conv2d, torch.ops.lipsformer.depthwise_conv2d.default)
+
+
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=weight.shape[-1] // 2,
                     groups=x.shape[-1]).permute(0, 2, 3, 1)
@@ -94,7 +99,7 @@ def test_compile_without_a_graph_break_and_export_keep_the_one_op():
     compiled = torch.compile(module, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(x), module(x))
     assert len(graphs) == 1
-    assert any(node.target is torch.ops.lipsformer.depthwise_conv2d.default for node in graphs[0].graph.nodes)
+    assert any(_is_the_op(node.target) for node in graphs[0].graph.nodes)
     inductor = torch.compile(module, fullgraph=True)
     x.requires_grad_()
     inductor(x).sum().backward()
@@ -203,3 +208,176 @@ def test_the_triton_kernels_under_the_interpreter():
                             env={**os.environ, 'TRITON_INTERPRET': '1'})
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'triton ok' in result.stdout
+
+
+# --- Where the models run the op ---------------------------------------------------------------------------------
+# The op stands in for a depthwise conv only where its kernel runs (a GPU, or Triton's interpreter); here
+# ``_INTERPRETED`` is set so that it applies on the CPU, where the op then computes with PyTorch's convolution: these
+# tests check which calls reach it, the interpreter test above checks its kernels.
+
+def _depthwise_modules(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Conv2d) and module.groups > 1]
+
+
+class _OpRecorder:
+    """Counts the ops a call dispatches, not those that a lipsformer op's own implementation dispatches."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if recorder.inside:
+                    return func(*args, **(kwargs or {}))
+                recorder.ops.append((func.name(), args))
+                recorder.inside = func.namespace == 'lipsformer'
+                try:
+                    return func(*args, **(kwargs or {}))
+                finally:
+                    recorder.inside = False
+
+        self.ops = []
+        self.inside = False
+        self.mode = Mode()
+
+    def count(self, name: str) -> int:
+        return sum(op == name for op, _ in self.ops)
+
+    def convolutions(self, kernel_size: tuple[int, int], depthwise: bool) -> int:
+        """aten convolutions (forward) by ``kernel_size``, depthwise (groups > 1) or not."""
+        return sum(op == 'aten::convolution' and tuple(args[1].shape[-2:]) == kernel_size and (args[8] > 1) == depthwise
+                   for op, args in self.ops)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.mode.__exit__(*exc_info)
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    """The op's kernel switched on (``set_fast_path(True)``) and applying on the CPU."""
+    from lipsformer.fastpath import set_fast_path
+    monkeypatch.setattr(depthwise_conv_op, '_INTERPRETED', True)
+    monkeypatch.setattr(depthwise_conv_op, '_TRITON_INSTALLED', True)
+    with set_fast_path(True):
+        yield
+
+
+def _tiny(name: str) -> torch.nn.Module:
+    import timm
+    from tiny_models import TINY_MODELS
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=5, drop_path_rate=0.0, **TINY_MODELS[name])
+
+
+@pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
+def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_compiled_plain_graph(
+        name, kernel_on_cpu):
+    from lipsformer.fastpath import set_fast_path
+    model = _tiny(name)
+    x = torch.randn(2, 3, 64, 64)
+    convs = _depthwise_modules(model)
+    # every conv shortcut's dw and, in CSwin, every branch's LePE
+    assert all(n.endswith('.dw') or n.endswith('.lepe') for n in convs) and any(n.endswith('.dw') for n in convs)
+    with _OpRecorder() as recorder:
+        logits = model(x)
+        logits.logsumexp(-1).sum().backward()
+    assert recorder.count('lipsformer::depthwise_conv2d') == len(convs)
+    assert recorder.count('lipsformer::depthwise_conv2d_weight_grad') == len(convs)
+    assert not any(recorder.convolutions((k, k), depthwise=True) for k in (3, 7))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with set_fast_path(False):
+        plain_logits = model(x)
+        plain_logits.logsumexp(-1).sum().backward()
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+    # compiled, the plain module graph runs (the fast form steps aside) and the graphs keep one op per conv
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled_logits = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(compiled_logits, logits, rtol=1e-5, atol=1e-5)
+    in_graphs = sum(_is_the_op(node.target) for graph in graphs for node in graph.graph.nodes)
+    assert in_graphs == len(convs)
+
+
+def test_cswin_merges_are_not_depthwise_and_keep_their_convolution(kernel_on_cpu):
+    model = _tiny('lipsformer_cswin_tiny').eval()
+    with _OpRecorder() as recorder, torch.no_grad():
+        model(torch.randn(1, 3, 64, 64))
+    assert recorder.convolutions((2, 2), depthwise=False) == 3
+
+
+def test_a_hooked_or_wrapped_depthwise_conv_is_called_as_its_module(kernel_on_cpu):
+    model = _tiny('lipsformer_cswin_tiny').eval()
+    convs = _depthwise_modules(model)
+    seen = []
+    hooked = model.stages[0].blocks[0].conv_shortcuts[0].dw
+    handle = hooked.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].shape))
+    with _OpRecorder() as recorder, torch.no_grad():
+        model(torch.randn(1, 3, 64, 64))
+    handle.remove()
+    assert seen == [torch.Size([1, 16, 16, 16])]  # NCHW, as nn.Conv2d takes it
+    assert recorder.count('lipsformer::depthwise_conv2d') == len(convs) - 1
+
+
+def test_the_kernel_steps_aside_for_fx_tracing_and_timms_exportable_config(kernel_on_cpu):
+    from timm.layers import set_layer_config
+
+    from lipsformer.layers import ConvShortcut
+    shortcut = ConvShortcut(8, pointwise=True, alpha_init=0.1).eval()
+    traced = torch.fx.symbolic_trace(shortcut)
+    assert not any('lipsformer' in str(node.target) for node in traced.graph.nodes)
+    assert {node.target for node in traced.graph.nodes if node.op == 'call_module'} >= {'dw', 'pw'}
+    x = torch.randn(1, 5, 5, 8)
+    with set_layer_config(exportable=True), _OpRecorder() as recorder:
+        shortcut(x)
+    assert recorder.count('lipsformer::depthwise_conv2d') == 0
+    with _OpRecorder() as recorder:
+        shortcut(x)
+    assert recorder.count('lipsformer::depthwise_conv2d') == 1
+
+
+@pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
+def test_the_kernel_is_off_by_default_where_no_gpu_measured_it(name, monkeypatch):
+    """Without ``set_fast_path(True)`` the models call the modules: the op becomes a device's default only once
+    docs/performance.md measures it faster there (``KERNEL_DEFAULT_DEVICES``)."""
+    from lipsformer.fastpath import KERNEL_DEFAULT_DEVICES
+    monkeypatch.setattr(depthwise_conv_op, '_INTERPRETED', True)
+    monkeypatch.setattr(depthwise_conv_op, '_TRITON_INSTALLED', True)
+    assert 'cpu' not in KERNEL_DEFAULT_DEVICES['depthwise_conv2d']
+    with _OpRecorder() as recorder, torch.no_grad():
+        _tiny(name).eval()(torch.randn(1, 3, 64, 64))
+    assert recorder.count('lipsformer::depthwise_conv2d') == 0
+
+
+@pytest.mark.parametrize('fast', [True, False])
+def test_the_pointwise_conv_is_a_product_over_channels_and_a_hook_still_reaches_the_module(fast):
+    from lipsformer.fastpath import set_fast_path
+    from lipsformer.layers import ConvShortcut
+    torch.manual_seed(0)
+    shortcut = ConvShortcut(8, pointwise=True, alpha_init=0.3)
+    x = torch.randn(2, 5, 6, 8)
+    nchw = x.permute(0, 3, 1, 2)
+    expected = x + shortcut.alpha(F.gelu(shortcut.pw(F.gelu(shortcut.dw(nchw)))).permute(0, 2, 3, 1))
+    with set_fast_path(fast), _OpRecorder() as recorder:
+        torch.testing.assert_close(shortcut(x), expected)
+    convolutions = [args for op, args in recorder.ops if op == 'aten::convolution']
+    assert [tuple(args[1].shape[-2:]) for args in convolutions] in ([(7, 7)], [])  # the depthwise conv alone
+    seen = []
+    shortcut.pw.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape))
+    with set_fast_path(fast):
+        torch.testing.assert_close(shortcut(x), expected)
+    assert seen == [torch.Size([2, 8, 5, 6])]

@@ -18,6 +18,7 @@ from timm.layers import DropPath, Mlp
 
 from . import lean_autograd
 from .depthwise_conv import depthwise_conv2d
+from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
 from .onednn_linear import linear as onednn_linear
 from .switch import plain
 
@@ -73,8 +74,12 @@ def mlp(module: Mlp, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tenso
 def conv_shortcut(x: torch.Tensor, dw: nn.Conv2d, pw: nn.Conv2d | None, scale: torch.Tensor,
                   drop_path: DropPath) -> torch.Tensor:
     """``x + drop_path(scale (.) GELU(pw(GELU(dw(x)))))`` on an NHWC map (``pw=None``: ``GELU(dw(x))``), exact
-    GELUs, dw a stride-1 depthwise conv with 'same' padding and pw a 1x1 conv."""
-    z = depthwise_conv2d(x, dw.weight, dw.bias)
+    GELUs, dw a stride-1 depthwise conv with 'same' padding and pw a 1x1 conv. The depthwise conv is the
+    ``lipsformer::depthwise_conv2d`` op where its kernel applies (``depthwise_kernel_applies``)."""
+    if depthwise_kernel_applies(dw, x):
+        z = depthwise_conv2d_op(x, dw.weight, dw.bias)
+    else:
+        z = depthwise_conv2d(x, dw.weight, dw.bias)
     if pw is not None:
         z = lean_autograd.scaled_linear(z, pw.weight.flatten(1), pw.bias, gelu=True)
     scale = _residual_scale(z, scale, drop_path)

@@ -23,20 +23,50 @@ tensor outside Triton's interpreter) each op is PyTorch's convolution on the cha
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """
 import functools
+import importlib.util
 import os
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from .lean_autograd import differentiate_plain
+from .switch import kernel_enabled, plain, traced
 
-__all__ = ['KERNEL_SIZES', 'depthwise_conv2d_op', 'triton_available']
+__all__ = ['KERNEL_SIZES', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 'triton_available']
 
 KERNEL_SIZES = (3, 5, 7)
 _BLOCK_C = 32  # channels a program computes: 64 bytes of a bf16 pixel, one coalesced load per tap
 _TILE = 64  # pixels a program computes (forward) or a loop step sums over (weight gradient)
 _WEIGHT_GRAD_PROGRAMS = 1024  # programs of the weight gradient across channel blocks: enough to fill a large GPU
+
+
+# Read once, outside any compiled region: dynamo reads these flags instead of importing Triton in a traced call.
+_TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
+_INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1'
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor) -> bool:
+    """Whether :func:`depthwise_conv2d_op` stands in for ``conv`` on the NHWC map ``x``: the kernel switched on for
+    x's device (``switch.kernel_enabled``), Triton kernels there (a GPU, or the CPU under Triton's interpreter), x in
+    a dtype they take, and ``conv`` a plain ``nn.Conv2d`` (no hooks, wrapper or parametrization) that is a stride-1
+    depthwise convolution with 'same' zero padding and a square kernel of :data:`KERNEL_SIZES`."""
+    if not _TRITON_INSTALLED or traced():  # a traced map is a proxy: nothing may be read of it
+        return False
+    device_type = x.device.type
+    if not (device_type == 'cuda' or device_type == 'cpu' and _INTERPRETED):
+        return False
+    if x.dtype not in _KERNEL_DTYPES or not kernel_enabled('depthwise_conv2d', device_type):
+        return False
+    if not plain(conv, nn.Conv2d):
+        return False
+    size = conv.kernel_size[0]
+    return (conv.groups == conv.in_channels == conv.out_channels == x.shape[-1] and size in KERNEL_SIZES
+            and tuple(conv.kernel_size) == (size, size) and tuple(conv.stride) == (1, 1)
+            and tuple(conv.dilation) == (1, 1) and tuple(conv.padding) == (size // 2, size // 2)
+            and conv.padding_mode == 'zeros')
 
 
 def triton_available(x: torch.Tensor) -> bool:

@@ -29,7 +29,8 @@ from torch.autograd import forward_ad
 from torch.fx import _symbolic_trace
 from torch.nn.modules import module as torch_module
 
-__all__ = ['DEFAULT_DEVICES', 'active', 'engage', 'engaged', 'plain', 'set_fast_path', 'transformed', 'use_fast_path']
+__all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'active', 'engage', 'engaged', 'kernel_enabled', 'plain',
+           'set_fast_path', 'traced', 'transformed', 'use_fast_path']
 
 _ENVIRONMENT_VARIABLE = 'LIPSFORMER_FAST_PATH'
 _ON, _OFF, _AUTO = ('1', 'true', 'on', 'yes'), ('0', 'false', 'off', 'no'), ('auto', '')
@@ -37,6 +38,12 @@ _ON, _OFF, _AUTO = ('1', 'true', 'on', 'yes'), ('0', 'false', 'off', 'no'), ('au
 # The device types on which the fast path is on unless switched: those where docs/performance.md measures it faster
 # than the plain module graph (on CUDA: in training for both families, in inference for LipsFormer-Swin).
 DEFAULT_DEVICES = frozenset({'cpu', 'cuda'})
+# The custom-op kernels that a layer runs in place of its module in the plain module graph as well as in a block's
+# fast form (so that torch.compile and torch.export see them), each with the device types where docs/performance.md
+# measures it faster than the module's own kernels; set_fast_path(True) runs each wherever it has a kernel.
+KERNEL_DEFAULT_DEVICES: dict[str, frozenset[str]] = {
+    'depthwise_conv2d': frozenset(),  # lipsformer::depthwise_conv2d's Triton kernels: not yet timed on a GPU
+}
 
 
 def _from_environment() -> bool | None:
@@ -52,12 +59,18 @@ _enabled: bool | None = _from_environment()  # None: on for DEFAULT_DEVICES
 _fx_tracing = getattr(_symbolic_trace, 'is_fx_symbolic_tracing', _symbolic_trace.is_fx_tracing)
 
 
+def traced() -> bool:
+    """Whether FX's symbolic tracer or ``torch.jit.trace`` records the call (both see modules, not their kernels)."""
+    return torch.jit.is_tracing() or _fx_tracing()
+
+
 class set_fast_path:  # noqa: N801 (a function that is also a context manager, as timm's set_layer_config)
     """Turn the fast paths on or off: ``set_fast_path(False)`` for the rest of the process, or
     ``with set_fast_path(False): ...`` for a block, after which the previous state returns.
 
-    ``True`` turns them on for every device, ``False`` off for every device, ``None`` back to the defaults (on for
-    :data:`DEFAULT_DEVICES`).
+    ``True`` turns them on for every device (the kernels of :data:`KERNEL_DEFAULT_DEVICES` included, wherever they
+    run), ``False`` off for every device, ``None`` back to the defaults (on for :data:`DEFAULT_DEVICES`, each kernel
+    on its own default devices).
     """
 
     def __init__(self, enable: bool | None = True) -> None:
@@ -101,6 +114,16 @@ def active(device_type: str = 'cpu') -> bool:
     # dynamo folds is_compiling() to True and reads nothing after it
     return (not torch.compiler.is_compiling() and use_fast_path(device_type) and not torch.jit.is_tracing()
             and not _fx_tracing() and not transformed() and not _global_module_hooks())
+
+
+def kernel_enabled(name: str, device_type: str) -> bool:
+    """Whether the custom-op kernel ``name`` (a key of :data:`KERNEL_DEFAULT_DEVICES`) stands in for its module on
+    ``device_type``: switched on there (by default on the kernel's own devices), and nothing but dynamo tracing the
+    call (TorchScript, FX and ``torch.jit.trace`` see the module; so do ``torch.func`` transforms, forward-mode AD and
+    global module hooks). Unlike :func:`active`, true under ``torch.compile`` and ``torch.export``, which see the op."""
+    enabled = device_type in KERNEL_DEFAULT_DEVICES[name] if _enabled is None else _enabled
+    return (enabled and not is_exportable() and not is_scriptable() and not traced() and not transformed()
+            and not _global_module_hooks())
 
 
 _state = threading.local()

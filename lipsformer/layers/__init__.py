@@ -5,6 +5,7 @@
   ``l2_attention``, ``lipschitz_norm_attention``, all ending in ``softmax_attention``; ``create_attention_kernel``.
 - Windows, stripes and heads of the mixers: ``windows``.
 - Residuals: ``weighted_residual`` (alpha's ``ScaleLayer``), ``conv_shortcut``.
+- Convolutions of NHWC maps through their modules (depthwise, pointwise): ``nhwc_conv``.
 - Initialisation: ``spectral_init``.
 
 Every layer here is the plain module graph; where ``lipsformer.fastpath`` may stand in for it (its switch,
@@ -20,6 +21,7 @@ from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
 from .lipschitz_norm_attention import LipschitzNormAttention
+from .nhwc_conv import depthwise_conv_nhwc, pointwise_conv_nhwc
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
 from .weighted_residual import ScaleLayer
@@ -87,7 +89,7 @@ def create_attention_kernel(
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ScaleLayer', 'ScaledCosineAttention', 'WEIGHT_INITS',
-    'create_attention_kernel', 'create_conv_shortcuts', 'get_norm_layer', 'init_weights_', 'pad_to_multiple',
-    'padded_size', 'padding_key_mask', 'set_fast_path', 'spectral_norm', 'spectral_normalize_', 'split_heads',
+    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'get_norm_layer', 'init_weights_', 'pad_to_multiple',
+    'padded_size', 'padding_key_mask', 'pointwise_conv_nhwc', 'set_fast_path', 'spectral_norm', 'spectral_normalize_', 'split_heads',
     'use_fast_path', 'window_partition', 'window_reverse',
 ]

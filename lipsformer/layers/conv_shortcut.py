@@ -18,6 +18,7 @@ import torch.nn as nn
 from timm.layers import DropPath
 
 from .. import fastpath
+from .nhwc_conv import depthwise_conv_nhwc, pointwise_conv_nhwc
 from .weighted_residual import ScaleLayer
 
 __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
@@ -33,8 +34,9 @@ def _exact_gelu(module: nn.Module) -> bool:
 class ConvShortcut(nn.Module):
     """x + DropPath(alpha * act(pw(act(dw(x))))) on NHWC feature maps.
 
-    The convs run on the NCHW view of the NHWC map, which is channels-last in memory: no layout copies. With exact
-    GELUs and plain modules the block's fast form (``lipsformer.fastpath.conv_shortcut``) computes the same with a
+    The depthwise conv runs on the NCHW view of the NHWC map, which is channels-last in memory (no layout copies), or
+    as ``lipsformer::depthwise_conv2d`` where the fast path runs that kernel; the pointwise conv is a product over
+    channels, a GEMM (``layers.nhwc_conv``). With exact GELUs and plain modules the block's fast form (``lipsformer.fastpath.conv_shortcut``) computes the same with a
     faster CPU weight gradient for the depthwise conv, the pointwise conv as a linear layer over channels, and a
     backward that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs (:meth:`fusable`).
     """
@@ -62,6 +64,9 @@ class ConvShortcut(nn.Module):
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """act(pw(act(dw(x)))) on an NHWC map, the residual's branch before alpha and drop path."""
+        if not torch.jit.is_scripting():
+            y = self.act1(depthwise_conv_nhwc(self.dw, x))
+            return y if self.pw is None else self.act2(pointwise_conv_nhwc(self.pw, y))
         y = self.act1(self.dw(x.permute(0, 3, 1, 2)))
         if self.pw is not None:
             y = self.act2(self.pw(y))

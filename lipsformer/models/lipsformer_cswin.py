@@ -16,6 +16,7 @@ import torch.nn as nn
 from timm.models import generate_default_cfgs, register_model
 
 from ..layers import (
+    depthwise_conv_nhwc,
     pad_to_multiple,
     padded_size,
     padding_key_mask,
@@ -46,6 +47,12 @@ class StripeAttention(nn.Module):
         self.kernel = kernel
         self.head_scale = num_heads ** -0.5
 
+    def _lepe(self, v_windows: torch.Tensor) -> torch.Tensor:
+        """LePE's depthwise 3x3 conv over the stripes of v, (B * stripes, stripe_h, stripe_w, C), NHWC out."""
+        if not torch.jit.is_scripting():
+            return depthwise_conv_nhwc(self.lepe, v_windows)
+        return self.lepe(v_windows.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
         """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
         height, width = qkv.shape[1], qkv.shape[2]
@@ -65,9 +72,8 @@ class StripeAttention(nn.Module):
             q, k = split_heads(qk_windows.flatten(2), 2, self.num_heads)
         # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
         # (B * stripes) stays -1 in every reshape: nothing here reads the batch size.
-        channels, area = v_windows.shape[2], v_windows.shape[1]
-        positional = self.lepe(v_windows.transpose(1, 2).reshape(-1, channels, stripe_h, stripe_w))
-        positional = positional.reshape(-1, self.num_heads, channels // self.num_heads, area).transpose(-1, -2)
+        positional = self._lepe(v_windows.unflatten(1, (stripe_h, stripe_w)))
+        positional = positional.flatten(1, 2).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
         mask = padding_key_mask(height, width, stripe_h, stripe_w, qkv.device, qkv.dtype)
         if mask is None:
             x = self.kernel(q, k, v, None)

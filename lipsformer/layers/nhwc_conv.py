@@ -1,0 +1,39 @@
+"""The blocks' convolutions on NHWC maps, called through their ``nn.Conv2d`` modules (timm's Swin layout).
+
+- :func:`depthwise_conv_nhwc`: the conv shortcuts' depthwise 7x7 and CSwin's LePE 3x3, the module on the map's NCHW
+  view (channels-last in memory: no copy), or ``lipsformer::depthwise_conv2d`` on its parameters where the fast path
+  runs that kernel for the map's device (``lipsformer.fastpath.depthwise_kernel_applies``).
+- :func:`pointwise_conv_nhwc`: a 1x1 convolution as the product over channels it is (ConvNeXt's ``nn.Linear`` on
+  NHWC maps), which GPUs run as a GEMM instead of a convolution kernel.
+
+Each calls the module itself wherever a tool could tell the difference: a hook, a wrapper (PEFT's LoRA), a
+parametrization or a quantized replacement (``fastpath.plain``), FX tracing and ``torch.jit.trace``. TorchScript
+cannot take a module as an argument: scripted callers call the module themselves (``if torch.jit.is_scripting()``).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import fastpath
+
+__all__ = ['depthwise_conv_nhwc', 'pointwise_conv_nhwc']
+
+
+def _nchw_call(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+
+def depthwise_conv_nhwc(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv``, a stride-1 depthwise ``nn.Conv2d`` with 'same' padding, on the NHWC map ``x``; NHWC out."""
+    if fastpath.depthwise_kernel_applies(conv, x):
+        return fastpath.depthwise_conv2d_op(x, conv.weight, conv.bias)
+    return _nchw_call(conv, x)
+
+
+def pointwise_conv_nhwc(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``conv``, a 1x1 ``nn.Conv2d`` (stride 1, one group), on the NHWC map ``x`` as a linear layer over channels;
+    NHWC out."""
+    if (fastpath.plain(conv, nn.Conv2d) and tuple(conv.kernel_size) == (1, 1) and tuple(conv.stride) == (1, 1)
+            and conv.groups == 1 and not fastpath.traced()):
+        return F.linear(x, conv.weight.flatten(1), conv.bias)
+    return _nchw_call(conv, x)
