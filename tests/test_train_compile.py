@@ -7,6 +7,7 @@ Compiling costs tens of seconds a graph on a small CPU, so the runs are shared b
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import timm
@@ -16,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from training_support import tiny_overrides
 
 from lipsformer.training import load_config, train
-from lipsformer.training.compilation import compiles
+from lipsformer.training.compilation import compiles, keep_own_gradients
+from lipsformer.training.train_state import optimizer_state_dict, set_optimizer_state
 from lipsformer.weight_files import strip_wrapper_prefixes
 
 # Two updates of two micro-batches an epoch (48 images, batch 8, 6 micro-batches: 3 updates), clipping and the
@@ -135,3 +137,24 @@ def test_reduce_overhead_compiles_static_shapes_and_pads_evaluation(data_dir, tm
     assert line['val_samples'] == 24
     log = open(tmp_path / 'run' / 'train.log').read()
     assert 'records CUDA graphs, which need a CUDA device' in log and '(static shapes)' in log
+    # extended by an epoch in the same mode: the optimizer state loads although the gradient buffers exist
+    extended = _train(data_dir, str(tmp_path / 'run'), resume='auto', **{
+        'model.compile': True, 'model.compile_mode': 'reduce-overhead', 'train.epochs': 2})
+    assert extended['status'] == 'finished' and extended['step'] == 2 * UPDATES_PER_EPOCH
+
+
+def test_an_optimizer_state_loads_into_a_model_that_keeps_its_own_gradients():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    accelerator = SimpleNamespace(distributed_type='NO', unwrap_model=lambda module, keep_torch_compile=False: module)
+    saved = optimizer_state_dict(accelerator, model, optimizer)
+    resumed_model = torch.nn.Linear(4, 3)
+    resumed = torch.optim.AdamW(resumed_model.parameters())
+    keep_own_gradients(resumed_model)  # as a run compiled with CUDA graphs holds them before it resumes
+    buffers = [parameter.grad for parameter in resumed_model.parameters()]
+    assert set_optimizer_state(accelerator, resumed_model, resumed, saved) == []
+    assert [parameter.grad for parameter in resumed_model.parameters()] == buffers  # the same buffers, kept
+    assert all(torch.equal(resumed.state[q]['exp_avg'], optimizer.state[p]['exp_avg'])
+               for p, q in zip(model.parameters(), resumed_model.parameters()))

@@ -66,6 +66,8 @@ class Progress:
         best_epoch: Epoch (completed count) that reached it.
         best_checkpoint: Name of the checkpoint holding it.
         nonfinite_total: Updates skipped because the loss was not finite.
+        nonfinite_in_a_row: The updates skipped since the last one applied, across epochs and resumes (the run stops
+            at ``train.max_nonfinite_steps``).
         history: The metrics line of every finished and scored epoch.
         unscored: The training part of the metrics line of the last finished epoch while its evaluation is pending
             (between its checkpoint and its scores), else None.
@@ -82,6 +84,7 @@ class Progress:
     best_epoch: int | None = None
     best_checkpoint: str | None = None
     nonfinite_total: int = 0
+    nonfinite_in_a_row: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     unscored: dict[str, Any] | None = None
     epoch_totals: list[float] | None = None
@@ -429,11 +432,19 @@ def set_optimizer_state(accelerator: Any, model: torch.nn.Module, optimizer: Any
         state_dict = dict(state_dict, param_groups=[
             {**saved, **{key: configured[index][key] for key in _KERNEL_SETTINGS if key in configured[index]}}
             if index < len(configured) else saved for index, saved in enumerate(state_dict['param_groups'])])
+    # torch initialises the optimizer's state by stepping it on faked zero gradients, which it cannot do while the
+    # parameters hold gradients (the buffers a model compiled with CUDA graphs keeps): they are set aside meanwhile.
+    kept_gradients = {parameter: parameter.grad for parameter in owner.parameters() if parameter.grad is not None}
+    for parameter in kept_gradients:
+        parameter.grad = None
     try:
         set_optimizer_state_dict(owner, inner, state_dict, options=StateDictOptions(full_state_dict=True))
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f'the optimizer state does not fit this model / optimizer ({e}); was the checkpoint '
                               f'saved with another model or optimizer.name?') from e
+    finally:
+        for parameter, gradient in kept_gradients.items():
+            parameter.grad = gradient
     changed = []
     for index, (group, settings) in enumerate(zip(inner.param_groups, configured, strict=True)):
         for key, value in settings.items():
