@@ -88,3 +88,21 @@ class AlphaCap:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.calls = state['calls']
+
+
+class PoisonWeights:
+    """A stand-in Lipschitz constraint for the lipschitz.* hook that makes every weight infinite after update
+    ``at_update`` (counted from 1): an update whose loss was finite leaving weights that are not (``at_update=0``:
+    never)."""
+
+    def __init__(self, model: nn.Module, at_update: int):
+        self.parameters = list(model.parameters())
+        self.at_update = at_update
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls == self.at_update:
+            with torch.no_grad():
+                for parameter in self.parameters:
+                    parameter.fill_(float('inf'))

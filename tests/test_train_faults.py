@@ -1,6 +1,7 @@
 """Faults a long run meets: non-finite losses, unreadable images, preemption (SIGTERM) and kill -9, even in the
 middle of writing a checkpoint. Nothing already saved may be lost, and the run must be able to continue."""
 import json
+import math
 import os
 import random
 import re
@@ -17,6 +18,7 @@ from process_support import subprocess_env
 from training_support import assert_same_run, tiny_overrides
 
 from lipsformer.training import NonFiniteLossError, load_config, train
+from lipsformer.training.train_command import main
 from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
 from lipsformer.weight_files import load_file
 
@@ -56,6 +58,78 @@ def test_persistent_nonfinite_loss_stops_and_names_the_last_good_checkpoint(data
     NAN_AT_CALLS.clear()
     summary = train(load_config(None, _probe_overrides(data_dir)), str(run_dir), resume='auto')
     assert summary['status'] == 'finished' and summary['step'] == 2 * UPDATES_PER_EPOCH
+
+
+def _all_finite(folder: str) -> bool:
+    """Whether every tensor of every safetensors file in ``folder`` is finite."""
+    return all(torch.isfinite(tensor).all() for name in os.listdir(folder) if name.endswith('.safetensors')
+               for tensor in load_file(os.path.join(folder, name)).values())
+
+
+def test_non_finite_updates_in_a_row_are_counted_across_epochs(data_dir, tmp_path):
+    """The count restarted each epoch, so epochs shorter than train.max_nonfinite_steps hid any divergence."""
+    NAN_AT_CALLS.clear()
+    NAN_AT_CALLS.update(range(UPDATES_PER_EPOCH - 1, 100))  # the last 2 updates of epoch 1 and every one after
+    run_dir = tmp_path / 'run'
+    with pytest.raises(NonFiniteLossError, match='4 consecutive updates, the last at step 8 .epoch 2.'):
+        train(load_config(None, _probe_overrides(data_dir, **{'train.max_nonfinite_steps': 4, 'train.epochs': 3,
+                                                               'checkpoint.export': True})), str(run_dir))
+    NAN_AT_CALLS.clear()
+    summary = json.load(open(run_dir / 'summary.json'))
+    assert summary['status'] == 'diverged' and summary['step'] == 7 and 'exports' not in summary
+    assert not os.path.exists(run_dir / 'export')
+    assert read_meta(latest_checkpoint(str(run_dir)))['progress']['nonfinite_in_a_row'] == 2  # saved at epoch 1's end
+
+
+def test_an_epoch_without_a_finite_loss_reports_nan_not_zero(data_dir, tmp_path):
+    NAN_AT_CALLS.clear()
+    NAN_AT_CALLS.update(range(UPDATES_PER_EPOCH + 1, 2 * UPDATES_PER_EPOCH + 1))  # every update of epoch 2
+    summary = train(load_config(None, _probe_overrides(data_dir)), str(tmp_path / 'run'))
+    NAN_AT_CALLS.clear()
+    lines = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+    assert lines[0]['train_loss'] > 0 and math.isnan(lines[1]['train_loss'])
+    assert summary['status'] == 'finished' and summary['nonfinite_steps'] == UPDATES_PER_EPOCH  # its weights untouched
+
+
+@pytest.mark.parametrize('at_update, message', [
+    (3, 'the weights are not finite after step 3: the run diverged, and they are not saved. No checkpoint before it '
+        'is good'),
+    (UPDATES_PER_EPOCH + 3, r'the weights are not finite after step 9: .* The last good checkpoint is .*epoch_0001'),
+])
+def test_weights_that_turn_non_finite_are_never_saved(data_dir, tmp_path, at_update, message):
+    """An update with a finite loss can leave the weights infinite; they were saved, scored and exported."""
+    run_dir = tmp_path / 'run'
+    NAN_AT_CALLS.clear()
+    with pytest.raises(NonFiniteLossError, match=message):
+        train(load_config(None, _probe_overrides(data_dir, **{
+            'checkpoint.every_n_steps': 3, 'checkpoint.export': True, 'lipschitz.enabled': True,
+            'lipschitz.target': 'probe_models:PoisonWeights', 'lipschitz.kwargs': f'{{at_update: {at_update}}}'})),
+            str(run_dir), trusted_callables=('probe_models:PoisonWeights',))
+    assert all(_all_finite(folder) for _, folder in list_checkpoints(str(run_dir)))
+    assert len(list_checkpoints(str(run_dir))) == (0 if at_update == 3 else 2)  # step 3 and epoch 1's
+    assert not os.path.exists(run_dir / 'export')
+    assert json.load(open(run_dir / 'summary.json'))['status'] == 'diverged'
+
+
+def test_a_diverged_run_exits_3_is_not_called_finished_and_exports_nothing_non_finite(data_dir, tmp_path, caplog):
+    """A tiny LipsFormer at lr 1e6: the weights stay finite, the losses do not; it ended with exit 0, status
+    finished, train_loss 0.0, val_loss nan and its weights exported."""
+    run_dir = tmp_path / 'run'
+    overrides = tiny_overrides(data_dir, **{'train.epochs': 1})
+    assert main([*overrides, '--output', str(run_dir)]) == 0
+    exported = {name: (run_dir / 'export' / 'last' / name).read_bytes() for name in os.listdir(run_dir / 'export' /
+                                                                                                'last')}
+    extended = tiny_overrides(data_dir, **{'train.epochs': 4, 'optimizer.lr': 1e6})
+    assert main([*extended, '--output', str(run_dir), '--resume', 'auto']) == 3
+    assert re.match(r'training diverged: the evaluation of epoch 2 gave val_loss nan, ema_val_loss nan: .* The last '
+                    r'good checkpoint is .*epoch_0001\. .*\(exit 3\)$', caplog.records[-1].getMessage())
+    summary = json.load(open(run_dir / 'summary.json'))
+    assert summary['status'] == 'diverged' and summary['final_metrics']['epoch'] == 1  # epoch 2 is never scored
+    assert {name: (run_dir / 'export' / 'last' / name).read_bytes() for name in exported} == exported
+    for _, folder in list_checkpoints(str(run_dir)):
+        assert _all_finite(folder), folder
+    lines = [json.loads(line) for line in open(run_dir / 'metrics.jsonl')]
+    assert all(math.isfinite(line['train_loss']) and line['train_loss'] > 0 for line in lines)
 
 
 @pytest.mark.parametrize('workers', [0, 1])

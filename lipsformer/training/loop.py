@@ -31,13 +31,15 @@ _logger = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
-    """Too many consecutive updates had a non-finite loss; the message names the step and the last checkpoint."""
+    """The run diverged: too many consecutive updates had a non-finite loss (counted across epochs), or the weights
+    or the validation loss are no longer finite; the message names the step and the last good checkpoint."""
 
 
 @dataclass
 class EpochResult:
-    """What one call of :func:`train_epoch` did: the epoch's mean loss, images, seconds and unreadable images skipped
-    (a resumed epoch's included), and whether it ran to its end (a stop on its last update still completes it)."""
+    """What one call of :func:`train_epoch` did: the epoch's mean loss (over its finite losses; NaN when none was),
+    images, seconds and unreadable images skipped (a resumed epoch's included), and whether it ran to its end (a stop
+    on its last update still completes it)."""
     loss: float
     images: int
     seconds: float
@@ -57,7 +59,6 @@ class EpochTally:
     window_loss: torch.Tensor  # the current update's loss, summed over its micro-batches
     start_time: float
     images: int = 0
-    consecutive_bad: int = 0
     earlier_seconds: float = 0.0
     skipped_so_far: Callable[[], int] = lambda: 0  # this process's count of unreadable images skipped
     skipped_at_start: int = 0
@@ -83,7 +84,8 @@ class EpochTally:
         return self.images / max(self.earlier_seconds + time.perf_counter() - self.start_time, 1e-9)
 
     def mean_loss(self) -> torch.Tensor:
-        return self.loss_sum / self.loss_count.clamp(min=1)
+        """The mean of the epoch's finite losses so far; NaN while there is none (never a made-up 0)."""
+        return torch.where(self.loss_count > 0, self.loss_sum / self.loss_count.clamp(min=1), float('nan'))
 
     def totals(self, accelerator) -> list[float]:
         """Loss sum and count over all processes, images, seconds and unreadable images skipped (over all processes)
@@ -107,7 +109,8 @@ def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool
             which a stop requested meanwhile ends the epoch at once, without another update.
 
     Raises:
-        NonFiniteLossError: ``train.max_nonfinite_steps`` consecutive updates had a non-finite loss.
+        NonFiniteLossError: ``train.max_nonfinite_steps`` consecutive updates had a non-finite loss (counted across
+            epochs: ``progress.nonfinite_in_a_row``).
     """
     accelerator = session.accelerator
     dataset = session.train_batches.dataset  # not the session: a closure over it would keep it alive in a cycle
@@ -121,8 +124,8 @@ def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool
         bar.close()
     loss_sum, loss_count, images, seconds, skipped = tally.totals(accelerator)
     completed = session.progress.batch_in_epoch == session.updates_per_epoch * session.config.train.grad_accum_steps
-    return EpochResult(loss=loss_sum / max(loss_count, 1), images=int(images), seconds=seconds, completed=completed,
-                       skipped=skipped)
+    return EpochResult(loss=loss_sum / loss_count if loss_count else float('nan'), images=int(images), seconds=seconds,
+                       completed=completed, skipped=skipped)
 
 
 def stop_agreed(accelerator, stop: StopSignal) -> bool:
@@ -158,9 +161,9 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], b
         reporting = (progress.step + 1) % session.config.train.log_interval == 0
         grad_norm = None
         if bad:
-            tally.consecutive_bad = _skip_update(session, tally.consecutive_bad + 1)
+            _skip_update(session)
         else:
-            tally.consecutive_bad = 0
+            progress.nonfinite_in_a_row = 0
             grad_norm = _apply_update(session, measure_grad_norm=reporting)
         lr = scheduled_lr(session.optimizer)  # the lr this update used
         tally.window_bad.zero_()
@@ -224,7 +227,7 @@ def _apply_update(session: Session, measure_grad_norm: bool) -> float | None:
     elif measure_grad_norm:  # an infinite threshold scales nothing: the norm of the unscaled gradients
         norm = accelerator.clip_grad_norm_(session.model.parameters(), float('inf'))
     session.optimizer.step()
-    session.optimizer.zero_grad(set_to_none=not session.static_shapes)
+    session.optimizer.zero_grad(set_to_none=not session.keeps_own_gradients)
     if accelerator.optimizer_step_was_skipped:  # fp16 loss scaler found inf gradients and lowered its scale
         return None
     if session.lipschitz is not None:  # before the EMA update, so the EMA averages constrained weights
@@ -234,11 +237,14 @@ def _apply_update(session: Session, measure_grad_norm: bool) -> float | None:
     return float(norm) if measure_grad_norm and norm is not None else None
 
 
-def _skip_update(session: Session, consecutive: int) -> int:
-    """Drop the window's gradients; stop the run after too many consecutive non-finite windows."""
-    session.optimizer.zero_grad(set_to_none=not session.static_shapes)
+def _skip_update(session: Session) -> None:
+    """Drop the window's gradients; stop the run after too many consecutive non-finite windows, wherever the epochs
+    end between them (a short epoch must not hide a divergence)."""
+    session.optimizer.zero_grad(set_to_none=not session.keeps_own_gradients)
     progress, limit = session.progress, session.config.train.max_nonfinite_steps
     progress.nonfinite_total += 1
+    progress.nonfinite_in_a_row += 1
+    consecutive = progress.nonfinite_in_a_row
     step, epoch = progress.step + 1, progress.epoch + 1  # the update being skipped, counted from 1 as in the logs
     _logger.warning('non-finite loss at step %d (epoch %d): update skipped (%d in a row, %d in all)',
                     step, epoch, consecutive, progress.nonfinite_total)
@@ -248,7 +254,19 @@ def _skip_update(session: Session, consecutive: int) -> int:
             f'the loss was not finite for {consecutive} consecutive updates, the last at step {step} '
             f'(epoch {epoch}); stopping. The last good checkpoint is {last}. Lower optimizer.lr, enable '
             f'optimizer.clip_grad or check the data, then resume from it with --resume.')
-    return consecutive
+
+
+def weights_finite(session: Session) -> bool:
+    """Whether every weight of the model is finite on every process (a collective operation: call it on every
+    process; a sharded model's processes each check their shards)."""
+    shards = [parameter.to_local() if hasattr(parameter, 'to_local') else parameter  # FSDP2's DTensor: this shard
+              for parameter in session.model.parameters()]
+    checks = [torch.isfinite(shard.detach()).all() for shard in shards if shard.numel()]
+    finite = torch.stack(checks).all() if checks else torch.tensor(True)
+    flag = finite.float().to(session.accelerator.device)
+    if session.accelerator.num_processes > 1:
+        flag = session.accelerator.reduce(flag, reduction='min')
+    return bool(flag.item())
 
 
 def _progress_bar(session: Session) -> tqdm | None:

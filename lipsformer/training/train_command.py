@@ -54,7 +54,9 @@ Exit status (the last log line gives the reason):
   1    an unexpected error, a bug: the traceback is printed above the reason
   2    a config, data or checkpoint problem, a run folder another run holds, or processes launched that would not
        train as one group: the message says what to change
-  3    training diverged: the loss stayed non-finite (the message names the last good checkpoint)
+  3    training diverged: train.max_nonfinite_steps updates in a row had a non-finite loss (across epochs), or the
+       weights or an evaluation's loss are not finite; summary.json says diverged, nothing is exported, and the
+       message names the last good checkpoint
   4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
        from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
   130  Ctrl-C aborted without saving (a second one during training, or one during set-up or the final export);

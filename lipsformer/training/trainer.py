@@ -11,6 +11,7 @@ run has ended, so a second start on the same folder (a relaunch, a requeued job)
 touches the files of the run in progress.
 """
 import logging
+import math
 import os
 import time
 import traceback
@@ -26,7 +27,7 @@ from ..utils.processes import distributed_summary, end_processes, release_accele
 from .config import Config
 from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
-from .loop import EpochResult, alpha_statistics, stop_agreed, train_epoch, validate
+from .loop import EpochResult, NonFiniteLossError, alpha_statistics, stop_agreed, train_epoch, validate, weights_finite
 from .optim import best_metric_name, scheduled_lr, total_epochs
 from .resume import log_config_change, resume_session, training_images
 from .run_files import MetricsFile, attach_log_file, check_run_folder_shared, write_config
@@ -65,7 +66,8 @@ def train(config: Config, run_dir: str, resume: str | None = None, *, wait_for_l
             (``lipschitz.target``); a config is data and names no other code.
 
     Returns:
-        The run summary (also written to ``summary.json``): ``status`` is ``'finished'`` or ``'stopped'``.
+        The run summary (also written to ``summary.json``): ``status`` is ``'finished'`` or ``'stopped'`` (a run
+        that diverges writes ``summary.json`` with ``'diverged'``, exports nothing and raises).
 
     Raises:
         ConfigError: The config does not fit the data, the model or the run folder, or names code not trusted.
@@ -74,7 +76,8 @@ def train(config: Config, run_dir: str, resume: str | None = None, *, wait_for_l
         CheckpointError: The checkpoint to resume from is unusable or does not fit the config.
         RunFolderInUseError: Another process holds ``run_dir``.
         LaunchError: The processes launched do not form one group.
-        NonFiniteLossError: Training diverged.
+        NonFiniteLossError: Training diverged: ``train.max_nonfinite_steps`` updates in a row had a non-finite loss
+            (across epochs), or the weights or an evaluation's loss became non-finite.
     """
     check_config_callables(config, trusted_callables)
     try:
@@ -115,7 +118,11 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
             metrics.reset(session.progress.history)
         start_trackers(accelerator, config, run_dir)
         with StopSignal() as stop:
-            status = _run_epochs(session, stop, metrics)
+            try:
+                status = _run_epochs(session, stop, metrics)
+            except NonFiniteLossError:  # summary.json says so, whatever an earlier start wrote; nothing is exported
+                finish_run(session, 'diverged', session.wall_time_s())
+                raise
         summary = finish_run(session, status, session.wall_time_s())
         del session  # the DDP wrapper, before the process group goes
         end_processes(accelerator)
@@ -218,6 +225,7 @@ def _score_epoch(session: Session, stop: StopSignal, metrics: MetricsFile) -> bo
             if ema is None:
                 return False
             line.update(ema_val_loss=ema['loss'], ema_val_top1=ema['top1'], ema_val_top5=ema['top5'])
+        _check_scores_finite(session, line)
     line.update(peak_memory_mb=_max_over_processes(accelerator, peak_memory_mb(accelerator.device)),
                 nonfinite_steps=progress.nonfinite_total, **alpha_statistics(session.unwrapped_model))
     progress.unscored = None
@@ -237,6 +245,30 @@ def _score_epoch(session: Session, stop: StopSignal, metrics: MetricsFile) -> bo
                                                           if isinstance(v, float) and not k.startswith('alpha')))
     accelerator.wait_for_everyone()
     return True
+
+
+def _check_scores_finite(session: Session, line: dict[str, Any]) -> None:
+    """Refuse an epoch whose evaluation loss is not finite: the model's outputs are not numbers, so the run has
+    diverged (the epoch stays unscored, never the best, and nothing is exported)."""
+    losses = {key: line[key] for key in ('val_loss', 'ema_val_loss') if key in line}
+    if all(math.isfinite(value) for value in losses.values()):
+        return
+    best = session.progress.best_checkpoint
+    good = os.path.join(checkpoints_root(session.run_dir), best) if best else None
+    raise NonFiniteLossError(
+        f'the evaluation of epoch {line["epoch"]} gave {", ".join(f"{k} {v:.4g}" for k, v in losses.items())}: the '
+        f'model\'s outputs are not finite, the run diverged ({session.progress.nonfinite_total} updates skipped for a '
+        f'non-finite loss so far, {session.progress.nonfinite_in_a_row} of them in a row). '
+        + _divergence_advice(good if good and os.path.isdir(good) else None))
+
+
+def _divergence_advice(good: str | None) -> str:
+    """The end of a divergence message: the checkpoint to go back to, and what to change."""
+    if good is None:
+        return ('No checkpoint before it is good: start the run again with a lower optimizer.lr or with '
+                'optimizer.clip_grad, or check the data.')
+    return (f'The last good checkpoint is {good}. Lower optimizer.lr, enable optimizer.clip_grad or check the data, '
+            f'then resume from it with --resume.')
 
 
 def _record_scores(session: Session, name: str) -> None:
@@ -263,6 +295,9 @@ def _save(session: Session, name: str) -> bool:
     progress = session.progress
     if session.saved_at == progress.position():
         return False
+    if not weights_finite(session):  # a checkpoint, and so an export, never holds them
+        raise NonFiniteLossError(f'the weights are not finite after step {progress.step}: the run diverged, and '
+                                 f'they are not saved. {_divergence_advice(session.last_checkpoint)}')
     if progress.batch_in_epoch:
         progress.epoch_totals = session.tally.totals(session.accelerator)
     progress.wall_time_s = session.wall_time_s()
