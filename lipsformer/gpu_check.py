@@ -5,16 +5,20 @@ while the check goes on, and a time guard that skips a step whose usual duration
 the budget (and says so in the report):
 
 1. the environment: GPU, driver, torch, CUDA, cuDNN, timm, Python;
-2. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
+2. the depthwise convolutions of both tiny models, stage by stage (bf16, batch 128): each pass of
+   ``lipsformer::depthwise_conv2d`` (forward, input gradient, weight and bias gradient) against cuDNN's (ATen's)
+   convolution of the same shape, their times, achieved GB/s as a fraction of the card's bandwidth (datasheet and a
+   measured device copy) and the op's error against cuDNN's result (:func:`depthwise_conv_benchmark`);
+3. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
    224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
    mode (``python -m lipsformer.benchmark --profile``);
-3. the compiled runs: timm's Swin-T and both tiny models ``torch.compile``\\ d in the default mode, and
+4. the compiled runs: timm's Swin-T and both tiny models ``torch.compile``\\ d in the default mode, and
    LipsFormer-CSwin-T also with ``mode='reduce-overhead'``, one process each: compile time (the first step),
    steady-state training and inference images/s, peak memory;
-4. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
+5. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
    the plain graph, the benchmark's CUDA path);
-5. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process;
-6. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs).
+6. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process;
+7. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs).
 
 It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
@@ -26,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,19 +43,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ['Step', 'StepResult', 'environment_facts', 'guard', 'main', 'plan_steps', 'run_steps', 'write_report']
+__all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'environment_facts', 'guard', 'main',
+           'plan_steps', 'run_steps', 'write_report']
 
 TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
-# The blocks' fast form (fast_path=True, CUDA's default) and the plain module graph (fast_path=False).
-EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]',
-                'lipsformer_swin_tiny[fast_path=False]', 'lipsformer_cswin_tiny[fast_path=False]']
+# CUDA's default (the blocks' fast form with cuDNN's convolutions) and the fast path forced on everywhere
+# (fast_path=True: lipsformer::depthwise_conv2d's Triton kernels too, which are not yet a default anywhere).
+EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', 'lipsformer_swin_tiny[fast_path=True]',
+                'lipsformer_cswin_tiny[fast_path=True]']
+# The tiny models whose depthwise convolutions the conv step times, stage by stage.
+CONV_MODELS = ('lipsformer_swin_tiny', 'lipsformer_cswin_tiny')
+# Datasheet memory bandwidths (bytes/s) by the name PyTorch reports, most specific first.
+NOMINAL_BANDWIDTH = (('H200', 4.8e12), ('H100 NVL', 3.9e12), ('H100 PCIe', 2.0e12), ('H100', 3.35e12),
+                     ('A100-SXM4-80GB', 2.04e12), ('A100', 1.56e12))
 # (model, torch.compile mode, seconds on an H200 with margin: compiling the inference and the training graph takes most)
-COMPILED = [(TIMM_SWIN, 'default', 120), ('lipsformer_swin_tiny', 'default', 140),
-            ('lipsformer_cswin_tiny', 'default', 330), ('lipsformer_cswin_tiny', 'reduce-overhead', 330)]
+COMPILED = [(TIMM_SWIN, 'default', 120), ('lipsformer_swin_tiny[fast_path=True]', 'default', 140),
+            ('lipsformer_swin_tiny', 'default', 140), ('lipsformer_cswin_tiny[fast_path=True]', 'default', 330),
+            ('lipsformer_cswin_tiny[fast_path=True]', 'reduce-overhead', 330)]
 MEMORY_MODELS = EAGER_MODELS[:3]
 # tests/test_cuda.py's tests that compile (pytest -k): they come last, after the compiled benchmarks.
 CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
-KINDS = ('environment', 'eager', 'pytest', 'compiled', 'memory')
+KINDS = ('environment', 'conv', 'eager', 'pytest', 'compiled', 'memory')
 DEFAULT_BUDGET_S = 570  # a check under 10 minutes, with room for the report
 RESERVE_S = 15  # kept for writing the report
 # Tiny shapes for --cpu-smoke: every step's code path in seconds on a CPU.
@@ -110,26 +123,34 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                  'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
         # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
         eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default', 900)], SMOKE_MODELS[:1]
-        estimates = {'environment': 20, 'eager': 60, 'pytest': 30, 'pytest_compiled': 900, 'memory': 60}
+        estimates = {'environment': 20, 'conv': 60, 'eager': 60, 'pytest': 30, 'pytest_compiled': 900, 'memory': 60}
         profile = '1'
+        conv = ['--batch-size', '1', '--device', 'cpu', '--precision', 'fp32', '--repeats', '1']
     else:
         common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
         timed = {'eager': ['--warmup', '5', '--repeats', '5', '--steps', '5'],
                  'compiled': ['--warmup', '3', '--repeats', '3', '--steps', '5']}
         eager_models, compiled, memory_models = EAGER_MODELS, COMPILED, MEMORY_MODELS
         # Seconds on an H200, with margin: 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each.
-        estimates = {'environment': 20, 'eager': 150, 'pytest': 120, 'pytest_compiled': 240, 'memory': 90}
+        estimates = {'environment': 20, 'conv': 60, 'eager': 150, 'pytest': 120, 'pytest_compiled': 240, 'memory': 90}
         profile = '3'
+        conv = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '20']
     benchmark = [python, '-m', 'lipsformer.benchmark']
     pytest = [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py']
     steps = [
         Step('environment', [python, '-m', 'lipsformer.gpu_check', '--environment', str(work_dir / 'environment.json')],
              estimates['environment'], 60, 'environment', str(work_dir / 'environment.json')),
+        Step('depthwise convolutions, op against cuDNN',
+             [python, '-m', 'lipsformer.gpu_check', '--conv-benchmark', str(work_dir / 'conv.json'), *conv],
+             estimates['conv'], 180, 'conv', str(work_dir / 'conv.json')),
         Step('eager benchmark', [*benchmark, '--models', ','.join(eager_models), '--mode', 'infer,train', *common,
                                  *timed['eager'],
                                  '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
              estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
     ]
+    # The tests that compile nothing check the new kernels on the GPU before anything is timed compiled.
+    steps.append(Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
+                      estimates['pytest'], 180, 'pytest'))
     # In order of need: a step that does not fit is skipped and the smaller ones after it still run.
     for index, (model, mode, estimate_s) in enumerate(compiled):
         path = str(work_dir / f'compiled_{index}.json')
@@ -137,10 +158,9 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
             f'compiled {model} ({mode})',
             [*benchmark, '--models', model, '--mode', 'infer,train', *common,
              *timed['compiled'], '--compile',
-             *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--json', path],
+             *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--profile', profile,
+             '--json', path],
             estimate_s, max(300, estimate_s + 60), 'compiled', path, mode))
-    steps.append(Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
-                      estimates['pytest'], 180, 'pytest'))
     steps.append(Step('peak memory (eager training, fresh process each)',
                       [*benchmark, '--models', ','.join(memory_models), '--mode', 'train', *common, '--warmup', '2',
                        '--repeats', '1', '--steps', '1', '--json', str(work_dir / 'memory.json')],
@@ -234,6 +254,167 @@ def environment_facts() -> dict[str, Any]:
     return facts
 
 
+def conv_shapes(name: str, batch: int, img_size: int = 224) -> list[dict[str, Any]]:
+    """The depthwise convolutions one forward of the model ``name`` runs at ``img_size``, stage by stage: its conv
+    shortcuts' maps and, in CSwin, each LePE branch's stripes, as NHWC shapes with their kernel size and count."""
+    import timm
+
+    import lipsformer  # noqa: F401  (registers the models)
+    model = timm.create_model(name, img_size=img_size, device='meta')
+    grid = img_size // 4
+    shapes = []
+    for index, stage in enumerate(model.stages):
+        size, blocks = grid // 2 ** index, len(stage.blocks)
+        block = stage.blocks[0]
+        for shortcut in block.conv_shortcuts:  # the shortcuts of a block share a shape: one row
+            row = {'stage': index + 1, 'what': 'conv shortcut', 'shape': [batch, size, size, shortcut.dw.in_channels],
+                   'kernel': shortcut.dw.kernel_size[0], 'calls': 0}
+            if not shapes or {**shapes[-1], 'calls': 0} != row:
+                shapes.append(row)
+            shapes[-1]['calls'] += blocks
+        for branch_index, branch in enumerate(getattr(block.attn, 'branches', [])):
+            channels, split = branch.lepe.in_channels, block.attn.split_size
+            if not block.attn.two_branches:
+                stripes, stripe = 1, (size, size)
+            else:
+                stripes = -(-size // split)
+                stripe = (size, split) if branch_index == 0 else (split, size)
+            what = 'vertical' if stripe[1] < size else 'horizontal' if stripe[0] < size else 'whole map'
+            shapes.append({'stage': index + 1, 'what': f'LePE, {what}', 'shape': [batch * stripes, *stripe, channels],
+                           'kernel': branch.lepe.kernel_size[0], 'calls': blocks})
+    return shapes
+
+
+def _nominal_bandwidth(gpu: str | None) -> float | None:
+    return next((bandwidth for name, bandwidth in NOMINAL_BANDWIDTH if gpu and name in gpu), None)
+
+
+def _median_ms(call: Callable[[], Any], device: str, repeats: int, warmup: int = 3) -> float:
+    """The median time of ``call`` over ``repeats`` runs after ``warmup``: CUDA events on a GPU, the clock elsewhere."""
+    import torch
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        if device == 'cuda':
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - began) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: str = 'bf16',
+                             repeats: int = 20, models: tuple[str, ...] = CONV_MODELS) -> dict[str, Any]:
+    """Each pass of ``lipsformer::depthwise_conv2d`` against ATen's convolution (cuDNN on a GPU) on every depthwise
+    convolution shape of ``models`` (:func:`conv_shapes`): median times, bytes each pass must move (its inputs read
+    once and its outputs written once: two maps a pass), GB/s and their fraction of the card's bandwidth (the
+    datasheet's and a measured device-to-device copy's), and the op's largest error relative to ATen's result.
+
+    Inputs smaller than a few hundred MB rotate among several copies, so that a pass is timed from memory rather
+    than from the cache its previous run left.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from lipsformer.fastpath import depthwise_conv_op
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
+    ops = torch.ops.lipsformer
+    copy_bytes = 2 ** 30 if device == 'cuda' else 2 ** 24
+    source = torch.empty(copy_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    copy_ms = _median_ms(lambda: target.copy_(source), device, repeats)
+    del source, target
+    gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
+    nominal = _nominal_bandwidth(gpu)
+    measured = 2 * copy_bytes / (copy_ms / 1e3)
+    rows = []
+    for name in models:
+        for entry in conv_shapes(name, batch):
+            shape, kernel = entry['shape'], entry['kernel']
+            channels, padding = shape[-1], kernel // 2
+            map_bytes = math.prod(shape) * dtype.itemsize
+            copies = max(1, min(8, -(-2 ** 28 // map_bytes)))
+            xs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
+            gs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
+            weight = torch.randn(channels, 1, kernel, kernel, device=device, dtype=dtype) / kernel
+            bias = torch.randn(channels, device=device, dtype=dtype)
+            turn = iter(range(10 ** 9))
+
+            def pick(tensors: list) -> Any:
+                return tensors[next(turn) % copies]
+
+            def aten_backward(mask: tuple[bool, bool, bool]) -> Callable[[], Any]:
+                def call() -> Any:
+                    index = next(turn) % copies
+                    return torch.ops.aten.convolution_backward(
+                        gs[index].permute(0, 3, 1, 2), xs[index].permute(0, 3, 1, 2), weight, [channels], (1, 1),
+                        (padding, padding), (1, 1), False, (0, 0), channels, mask)
+                return call
+
+            passes = {
+                'forward': (lambda: ops.depthwise_conv2d(pick(xs), weight, bias),
+                            lambda: F.conv2d(pick(xs).permute(0, 3, 1, 2), weight, bias, padding=padding,
+                                             groups=channels)),
+                'input gradient': (lambda: ops.depthwise_conv2d_input_grad(pick(gs), weight),
+                                   aten_backward((True, False, False))),
+                'weight gradient': (lambda: ops.depthwise_conv2d_weight_grad(pick(xs), pick(gs), kernel),
+                                    aten_backward((False, True, True))),
+            }
+            # the op's results against ATen's on the first copy, in float32
+            x, g = xs[0], gs[0]
+            expected = {
+                'forward': F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding,
+                                    groups=channels).permute(0, 2, 3, 1),
+                'input gradient': torch.ops.aten.convolution_backward(
+                    g.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), weight, [channels], (1, 1), (padding, padding),
+                    (1, 1), False, (0, 0), channels, (True, False, False))[0].permute(0, 2, 3, 1),
+                'weight gradient': torch.ops.aten.convolution_backward(
+                    g.float().permute(0, 3, 1, 2), x.float().permute(0, 3, 1, 2), weight.float(), [channels], (1, 1),
+                    (padding, padding), (1, 1), False, (0, 0), channels, (False, True, False))[1],
+            }
+            ours = {'forward': ops.depthwise_conv2d(x, weight, bias),
+                    'input gradient': ops.depthwise_conv2d_input_grad(g, weight),
+                    'weight gradient': ops.depthwise_conv2d_weight_grad(x, g, kernel)[0]}
+            for pass_name, (op_call, aten_call) in passes.items():
+                reference = expected[pass_name].float()
+                error = ((ours[pass_name].float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+                op_ms = _median_ms(op_call, device, repeats)
+                aten_ms = _median_ms(aten_call, device, repeats)
+                moved = 2 * map_bytes
+                rows.append({**entry, 'pass': pass_name, 'op_ms': op_ms, 'aten_ms': aten_ms,
+                             'speedup': aten_ms / op_ms, 'bytes': moved, 'op_gb_s': moved / op_ms / 1e6,
+                             'fraction_of_nominal': moved / (op_ms / 1e3) / nominal if nominal else None,
+                             'fraction_of_copy': moved / (op_ms / 1e3) / measured, 'relative_error': error,
+                             'triton': depthwise_conv_op.triton_available(x)})
+            del xs, gs
+    return {'batch': batch, 'device': device, 'precision': precision, 'gpu': gpu, 'nominal_bandwidth': nominal,
+            'copy_bandwidth': measured, 'rows': rows}
+
+
+def _conv_table(report: dict) -> str:
+    nominal = report.get('nominal_bandwidth')
+    lines = [f'Bandwidth: {nominal / 1e12:.2f} TB/s by the datasheet, ' if nominal else 'Bandwidth: ',
+             f'{report["copy_bandwidth"] / 1e12:.2f} TB/s measured by a device copy (bytes read and written); each '
+             'pass moves two maps. Time per call (median), the op against ATen (cuDNN).', '',
+             '| stage | conv | NHWC shape, kernel | calls/step | pass | op (ms) | ATen (ms) | ATen/op | op GB/s | '
+             'of datasheet | of copy | rel. error |', '|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|']
+    lines[0:2] = [lines[0] + lines[1]]
+    for row in report['rows']:
+        of_nominal = '-' if row['fraction_of_nominal'] is None else f'{row["fraction_of_nominal"]:.0%}'
+        lines.append(f'| {row["stage"]} | {row["what"]} | {"x".join(map(str, row["shape"]))}, {row["kernel"]} | '
+                     f'{row["calls"]} | {row["pass"]} | {row["op_ms"]:.3f} | {row["aten_ms"]:.3f} | '
+                     f'{row["speedup"]:.2f}x | {row["op_gb_s"]:.0f} | {of_nominal} | {row["fraction_of_copy"]:.0%} | '
+                     f'{row["relative_error"]:.1e} |')
+    return '\n'.join(lines)
+
+
 def _rows(report: dict | None, mode: str) -> list[dict]:
     return [row for row in (report or {}).get('results', []) if row['mode'] == mode]
 
@@ -278,6 +459,22 @@ def _top_kernels(report: dict) -> str:
     return '\n'.join(parts)
 
 
+def _kinds_table(reports: list[tuple[str, dict | None]]) -> str:
+    """Device time a step by kernel kind (``step_profile.kernel_kind``) of every profiled row of ``reports``
+    (label, benchmark report)."""
+    from lipsformer.step_profile import KERNEL_KINDS
+    kinds = [kind for kind, _ in KERNEL_KINDS if kind != 'annotation'] + ['other']
+    lines = ['| model | run | mode | ' + ' | '.join(kinds) + ' | busy |', '|---|---|---|' + '---:|' * (len(kinds) + 1)]
+    for label, report in reports:
+        for row in (report or {}).get('results', []):
+            by_kind = (row.get('profile') or {}).get('ms_per_step_by_kind')
+            if by_kind:
+                lines.append(f'| `{row["model"]}` | {label} | {row["mode"]} | '
+                             + ' | '.join(f'{by_kind.get(kind, 0.0):.1f}' for kind in kinds)
+                             + f' | {row["profile"]["device_busy_ms_per_step"]:.1f} |')
+    return '\n'.join(lines) if len(lines) > 2 else ''
+
+
 def _compiled_table(results: list[StepResult], eager: dict | None) -> str:
     eager_rows = {mode: {row['model']: row for row in _rows(eager, mode)} for mode in ('train', 'infer')}
     reference: dict[str, dict] = {}
@@ -317,10 +514,11 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
     environment = (by_kind.get('environment') or [StepResult('', '', '')])[0].data or {}
     eager = (by_kind.get('eager') or [StepResult('', '', '')])[0].data
     memory = (by_kind.get('memory') or [StepResult('', '', '')])[0].data
+    conv = (by_kind.get('conv') or [StepResult('', '', '')])[0].data
     report = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'), 'cpu_smoke': cpu_smoke,
               'budget_s': budget_s, 'elapsed_s': round(elapsed_s, 1), 'environment': environment,
               'steps': [dataclasses.asdict(result) | {'data': None} for result in results],
-              'eager': eager, 'compiled': [result.data for result in by_kind.get('compiled', [])],
+              'depthwise_conv': conv, 'eager': eager, 'compiled': [result.data for result in by_kind.get('compiled', [])],
               'peak_memory': memory}
     json_path, md_path = out_dir / 'gpu_check.json', out_dir / 'gpu_check.md'
     json_path.write_text(json.dumps(report, indent=1) + '\n')
@@ -336,6 +534,8 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
         if pytest_result.output_tail:
             summary = [line for line in pytest_result.output_tail.splitlines() if line.strip()][-1:]
             md += ['', f'{pytest_result.name}: {summary[0] if summary else "-"}']
+    if conv:
+        md += ['', '## Depthwise convolutions: lipsformer::depthwise_conv2d against ATen', '', _conv_table(conv)]
     if eager:
         md += ['', '## Eager, interleaved in one process', '',
                'Images/s with the ratio to the first model and, in brackets, the median (interquartile range) of the '
@@ -346,6 +546,10 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
         md += ['', '## Compiled (torch.compile), one process per model', '',
                'The first step includes compilation; ratios to timm\'s Swin-T compiled in the default mode, and of '
                'training to the same model eager.', '', _compiled_table(results, eager)]
+    kinds = _kinds_table([('eager', eager)] + [(f'compiled, {result.compile_mode}', result.data)
+                                               for result in by_kind.get('compiled', [])])
+    if kinds:
+        md += ['', '## Device time a step by kernel kind (ms, profiled steps)', '', kinds]
     if memory:
         md += ['', '## Peak memory of an eager training step (fresh process each)', '',
                '| model | peak (MiB) | ratio |', '|---|---:|---:|']
@@ -370,6 +574,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--steps', default=','.join(KINDS),
                         help='comma list of the steps to run, of %(default)s (default: all)')
     parser.add_argument('--environment', type=Path, help=argparse.SUPPRESS)  # the environment step's own entry
+    # the conv step's own entry (depthwise_conv_benchmark) and its settings
+    parser.add_argument('--conv-benchmark', type=Path, help=argparse.SUPPRESS)
+    parser.add_argument('--batch-size', type=int, default=128, help=argparse.SUPPRESS)
+    parser.add_argument('--device', default='cuda', help=argparse.SUPPRESS)
+    parser.add_argument('--precision', default='bf16', choices=('bf16', 'fp16', 'fp32'), help=argparse.SUPPRESS)
+    parser.add_argument('--repeats', type=int, default=20, help=argparse.SUPPRESS)
     return parser
 
 
@@ -378,6 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.environment is not None:
         args.environment.write_text(json.dumps(environment_facts(), indent=1) + '\n')
+        return 0
+    if args.conv_benchmark is not None:
+        report = depthwise_conv_benchmark(args.batch_size, args.device, args.precision, args.repeats)
+        args.conv_benchmark.write_text(json.dumps(report, indent=1) + '\n')
+        print(_conv_table(report))
         return 0
     if args.out is None:
         parser.error('give the folder for the report: --out OUT_DIR')

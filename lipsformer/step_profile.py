@@ -13,13 +13,33 @@ from typing import Any
 
 import torch
 
-__all__ = ['TimedEvent', 'busy_time', 'profile_steps', 'summarize']
+__all__ = ['KERNEL_KINDS', 'TimedEvent', 'busy_time', 'kernel_kind', 'profile_steps', 'summarize']
 
 # Host-side ops of the attention kernels (their names say which kernel: flash, memory-efficient, cuDNN, math's parts).
 SDPA_OP = re.compile(
     r'^aten::_(scaled_dot_product_\w+|flash_attention_\w+|efficient_attention_\w+|cudnn_attention\w*)$')
 # Device kernels of attention: FlashAttention's, CUTLASS's memory-efficient FMHA, cuDNN's SDPA engines.
 SDPA_KERNEL = re.compile(r'flash|fmha|attention|sdpa|cudnn_generated_fort_native_sdpa', re.IGNORECASE)
+
+
+# Kinds of device kernels, by name, in the order they are tried: the profiler's own ranges on the device timeline
+# (an optimizer step's, which overlap its kernels); attention; convolutions (cuDNN's, PyTorch's own
+# depthwise kernels, lipsformer::depthwise_conv2d's Triton kernels); matrix products (cuBLAS, CUTLASS, cuBLASLt's
+# nvjet); the fused kernels inductor generates (triton_poi_/red_/per_...); copies, fills and layout changes; the rest
+# (elementwise ops, reductions, norms, the package's other Triton kernels).
+KERNEL_KINDS = (
+    ('annotation', re.compile(r'^(Optimizer\.|ProfilerStep)')),
+    ('attention', SDPA_KERNEL),
+    ('convolution', re.compile(r'conv|dgrad|wgrad|depthwise', re.IGNORECASE)),
+    ('matmul', re.compile(r'gemm|cublas|cutlass|nvjet|xmma|wgmma|matmul|splitK', re.IGNORECASE)),
+    ('inductor fused', re.compile(r'^triton_(poi|red|per|tem|for)_')),
+    ('copy', re.compile(r'copy|memcpy|memset|fill|transpose|cat_|CatArray', re.IGNORECASE)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a device kernel by its name (:data:`KERNEL_KINDS`), else 'other'."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), 'other')
 
 
 @dataclass(frozen=True)
@@ -57,8 +77,9 @@ def summarize(events: list[TimedEvent], steps: int, step_ms: float | None = None
     Returns:
         ``kernels_per_step`` (device events), ``device_busy_ms_per_step`` (the union of their intervals),
         ``busy_fraction_of_profiled_window`` and ``busy_fraction_of_timed_step`` (None without ``step_ms``),
-        ``top_kernels`` (name, calls and ms per step, share of the device's busy time), ``sdpa_ops`` and
-        ``sdpa_kernels`` (names of the attention ops and kernels that ran).
+        ``top_kernels`` (name, calls and ms per step, share of the device's busy time), ``ms_per_step_by_kind``
+        (kernel time by :func:`kernel_kind`), ``sdpa_ops`` and ``sdpa_kernels`` (names of the attention ops and
+        kernels that ran).
     """
     if steps < 1:
         raise ValueError(f'steps must be at least 1, got {steps}')
@@ -71,6 +92,9 @@ def summarize(events: list[TimedEvent], steps: int, step_ms: float | None = None
         calls_and_time[0] += 1
         calls_and_time[1] += event.end_us - event.start_us
     kernel_us = sum(time_us for _, time_us in totals.values())
+    by_kind = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ['other'], 0.0)
+    for name, (_, time_us) in totals.items():
+        by_kind[kernel_kind(name)] += time_us / steps / 1e3
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
     return {
         'steps': steps,
@@ -83,6 +107,7 @@ def summarize(events: list[TimedEvent], steps: int, step_ms: float | None = None
         'top_kernels': [{'name': name, 'calls_per_step': calls / steps, 'ms_per_step': time_us / steps / 1e3,
                          'share': time_us / kernel_us if kernel_us else None}
                         for name, (calls, time_us) in ranked],
+        'ms_per_step_by_kind': by_kind,
         'sdpa_ops': sorted({event.name for event in events if not event.on_device and SDPA_OP.match(event.name)}),
         'sdpa_kernels': sorted({event.name for event in device if SDPA_KERNEL.search(event.name)}),
     }

@@ -89,7 +89,7 @@ def _kernels() -> SimpleNamespace | None:
         return None
 
     @triton.jit
-    def convolve(x_ptr, w_ptr, b_ptr, y_ptr, height, width, channels, tiles_w, tiles_per_image,
+    def depthwise_convolve(x_ptr, w_ptr, b_ptr, y_ptr, height, width, channels, tiles_w, tiles_per_image,
                  sx_b, sx_h, sx_w, sx_c, K: tl.constexpr, FLIP: tl.constexpr, HAS_BIAS: tl.constexpr,
                  TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_C: tl.constexpr):
         # one program: TILE_H x TILE_W pixels of one image, BLOCK_C channels
@@ -121,7 +121,7 @@ def _kernels() -> SimpleNamespace | None:
                  mask=in_map[:, None] & in_channels[None, :])
 
     @triton.jit
-    def weight_grad(x_ptr, g_ptr, partial_ptr, height, width, channels, tiles_w, tiles_per_image, tiles,
+    def depthwise_weight_grad(x_ptr, g_ptr, partial_ptr, height, width, channels, tiles_w, tiles_per_image, tiles,
                     tiles_per_program, sx_b, sx_h, sx_w, sx_c, sg_b, sg_h, sg_w, sg_c, K: tl.constexpr,
                     ROWS: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_C: tl.constexpr):
         # one program: a chunk of tiles_per_program tiles, BLOCK_C channels; row t < K*K of its partial sums is
@@ -154,8 +154,8 @@ def _kernels() -> SimpleNamespace | None:
         out = (chunk.to(tl.int64) * ROWS + row)[:, None] * channels + c[None, :]
         tl.store(partial_ptr + out, acc, mask=(row < K * K + 1)[:, None] & in_channels[None, :])
 
-    return SimpleNamespace(convolve=convolve, weight_grad=weight_grad, next_power_of_2=triton.next_power_of_2,
-                           cdiv=triton.cdiv)
+    return SimpleNamespace(convolve=depthwise_convolve, weight_grad=depthwise_weight_grad,
+                           next_power_of_2=triton.next_power_of_2, cdiv=triton.cdiv)
 
 
 def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace) -> tuple[int, int, int, int, int]:
