@@ -5,8 +5,9 @@
 #
 # Runs lipsformer.gpu_check (docs/performance.md, "The GPU check"): the environment, the eager benchmark of timm's
 # Swin-T and both tiny LipsFormer models with a profile of each, tests/test_cuda.py, the compiled runs and the peak
-# memory, each step under its own time limit, skipping what would not fit in the budget (540 s by default). Writes
-# OUT_DIR/gpu_check.md, gpu_check.json and gpu_check.log. PYTHON names the interpreter (default: python3).
+# memory, each step under its own time limit, skipping what would not fit in the budget (570 s by default). Writes
+# OUT_DIR/gpu_check.md, gpu_check.json and gpu_check.log; a driver that ends before its first report (a bad option)
+# leaves gpu_check.md with its status and error output instead. PYTHON names the interpreter (default: python3).
 set -u
 
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
@@ -24,10 +25,20 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # Each step has its own limit inside the budget; this one only stops the driver itself if it hangs.
 hard_limit_s=${GPU_CHECK_HARD_LIMIT_S:-590}
-timeout -k 10 "$hard_limit_s" "$python" -m lipsformer.gpu_check --out "$out_dir" "$@"
-status=$?
+# The driver's error output is shown as it comes and kept, for a report of a driver that ends before writing one.
+errors=$(mktemp) || exit 2
+trap 'rm -f "$errors"' EXIT
+{ timeout -k 10 "$hard_limit_s" "$python" -m lipsformer.gpu_check --out "$out_dir" "$@" 2>&1 1>&3 \
+    | tee "$errors" >&2; } 3>&1
+status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ] && [ ! -s "$out_dir/gpu_check.md" ]; then
-    echo "gpu_check: the driver ended with status $status before writing its report; see $out_dir/gpu_check.log" \
-        | tee "$out_dir/gpu_check.md" >&2
+    {
+        echo "gpu_check: the driver ended with status $status before writing its report."
+        if [ -s "$out_dir/gpu_check.log" ]; then
+            echo "Its steps' output: $out_dir/gpu_check.log"
+        fi
+        echo "Its error output (the last 40 lines):"
+        tail -n 40 "$errors"
+    } > "$out_dir/gpu_check.md"
 fi
 exit "$status"
