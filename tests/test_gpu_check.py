@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lipsformer import gpu_check
 from lipsformer.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_report
-from lipsformer.step_profile import TimedEvent, busy_time, profile_steps, summarize
+from lipsformer.step_profile import TimedEvent, busy_time, kernel_kind, profile_steps, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / 'scripts' / 'gpu_check.sh'
@@ -46,6 +46,34 @@ def test_profile_summary_per_step():
     assert summary['sdpa_ops'] == ['aten::_scaled_dot_product_flash_attention'] and summary['sdpa_kernels'] == [kernel]
     with pytest.raises(ValueError, match='steps must be at least 1'):
         summarize(events, steps=0)
+
+
+# Kernel names from the H200 profiles in results/benchmarks, shortened, and what kind each is.
+_KERNEL_NAMES = {
+    '_ZN17cutlass__5x_cudnn6KernelINS_4conv6kernel23ImplicitGemmConvolutionINS1_11threadblock': 'convolution',
+    'dgrad2d_c1_k1_nhwc_specialized': 'convolution',
+    'void at::native::(anonymous namespace)::conv_depthwise2d_grad_weight_kernel<c10::BFloat16, unsigned int>':
+        'convolution',
+    'depthwise_weight_grad': 'convolution',  # lipsformer::depthwise_conv2d's Triton kernels
+    'fmha_cutlassB_bf16_aligned_64x64_k32_sm80(PyTorchMemEffAttention::AttentionBackwardKernel': 'attention',
+    'nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN': 'matmul',
+    'void cutlass::Kernel2<cutlass_75_wmma_tensorop_bf16_s161616gemm_bf16_32x32_32x1_nn_align1>': 'matmul',
+    'triton_red_fused__to_copy_add_native_layer_norm_0': 'inductor fused',
+    'void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda':
+        'copy',
+    'void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>':
+        'copy',
+    'void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl': 'other',
+    'Optimizer.step#AdamW.step': 'annotation',
+}
+
+
+def test_kernels_are_grouped_by_kind_and_their_times_add_up():
+    assert {name: kernel_kind(name) for name in _KERNEL_NAMES} == _KERNEL_NAMES
+    events = [TimedEvent(name, 10 * i, 10 * i + i + 1, True) for i, name in enumerate(_KERNEL_NAMES)]
+    by_kind = summarize(events, steps=1)['ms_per_step_by_kind']
+    assert sum(by_kind.values()) == pytest.approx(sum(event.end_us - event.start_us for event in events) / 1e3)
+    assert by_kind['matmul'] == pytest.approx((6 + 7) / 1e3)
 
 
 def test_profile_steps_on_the_cpu_sees_the_attention_op():
@@ -151,14 +179,15 @@ def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
     assert ['--batch-size', '128'] == eager[eager.index('--batch-size'):][:2] and '--profile' in eager
     assert [(step.argv[step.argv.index('--models') + 1], step.compile_mode) for step in steps.values()
             if step.kind == 'compiled'] == [(model, mode) for model, mode, _ in gpu_check.COMPILED]
-    assert '--compile-mode' in steps['compiled lipsformer_cswin_tiny (reduce-overhead)'].argv
+    assert '--compile-mode' in steps['compiled lipsformer_cswin_tiny[fast_path=True] (reduce-overhead)'].argv
 
 
 def test_script_dry_run_prints_the_plan(tmp_path):
     completed = subprocess.run([str(SCRIPT), str(tmp_path / 'out'), '--dry-run'], capture_output=True, text=True,
                                env=os.environ | {'PYTHON': sys.executable}, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.count('-m lipsformer.benchmark') == 1 + 4 + 1
+    assert completed.stdout.count('-m lipsformer.benchmark') == 1 + len(gpu_check.COMPILED) + 1
+    assert completed.stdout.count('-m lipsformer.gpu_check --conv-benchmark') == 1
     assert 'tests/test_cuda.py' in completed.stdout
 
 
@@ -211,12 +240,14 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
     assert {'test_torch_compile_equals_eager', 'test_twenty_training_steps_lower_the_loss',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
-    assert order == ['environment', 'eager', *['compiled'] * len(gpu_check.COMPILED), 'pytest', 'memory', 'pytest']
+    assert order == ['environment', 'conv', 'eager', 'pytest', *['compiled'] * len(gpu_check.COMPILED), 'memory',
+                     'pytest']
 
 
-def test_the_default_budget_keeps_the_eager_rows_timm_and_swin_compiled_and_the_plain_cuda_tests(tmp_path):
-    """Steps that take their estimates: the default budget runs the eager benchmark, the first two compiled models
-    and the tests that compile nothing, and skips what does not fit (a second run takes it: --steps)."""
+def test_the_default_budget_keeps_the_conv_and_eager_rows_the_plain_cuda_tests_and_timm_compiled(tmp_path):
+    """Steps that take their estimates: the default budget runs the conv microbenchmark, the eager benchmark, the
+    tests that compile nothing and timm's compiled Swin-T, and skips what does not fit (a second run takes it:
+    ``--steps compiled``)."""
     steps = plan_steps(tmp_path)
     now = [0.0]
 
@@ -226,9 +257,41 @@ def test_the_default_budget_keeps_the_eager_rows_timm_and_swin_compiled_and_the_
 
     results = run_steps(steps, gpu_check.DEFAULT_BUDGET_S, clock=lambda: now[0], runner=runner)
     ran = [result.name for result in results if result.status == 'ok']
-    assert ran == ['environment', 'eager benchmark', f'compiled {gpu_check.TIMM_SWIN} (default)',
-                   'compiled lipsformer_swin_tiny (default)', 'tests/test_cuda.py, without compilation']
+    assert ran == ['environment', 'depthwise convolutions, op against cuDNN', 'eager benchmark',
+                   'tests/test_cuda.py, without compilation', f'compiled {gpu_check.TIMM_SWIN} (default)']
     assert now[0] <= gpu_check.DEFAULT_BUDGET_S - gpu_check.RESERVE_S
+
+
+def test_script_a_driver_that_ends_before_its_report_leaves_its_error_in_the_report(tmp_path):
+    """A bad option ends the driver before it writes anything: gpu_check.md says so with the driver's error output,
+    and names only files that exist."""
+    out = tmp_path / 'out'
+    completed = subprocess.run([str(SCRIPT), str(out), '--bogus'], capture_output=True, text=True,
+                               env=os.environ | {'PYTHON': sys.executable})
+    assert completed.returncode == 2 and 'unrecognized arguments: --bogus' in completed.stderr
+    report = (out / 'gpu_check.md').read_text()
+    assert report.startswith('gpu_check: the driver ended with status 2 before writing its report.\n')
+    assert report.rstrip().endswith('error: unrecognized arguments: --bogus')
+    assert sorted(path.name for path in out.iterdir()) == ['gpu_check.md']
+    assert all(Path(path).exists() for path in re.findall(r'(/\S+)', report) if path.startswith(str(tmp_path)))
+    assert 'gpu_check.log' not in report
+
+
+def test_script_header_states_the_drivers_default_budget():
+    (stated,) = re.findall(r'\((\d+) s by default\)', SCRIPT.read_text())
+    assert int(stated) == gpu_check.DEFAULT_BUDGET_S
+
+
+@pytest.mark.parametrize('name', gpu_check.CONV_MODELS)
+def test_the_conv_step_times_every_depthwise_convolution_of_the_model_once_a_shape(name):
+    import timm
+    model = timm.create_model(name, device='meta')
+    shapes = gpu_check.conv_shapes(name, batch=4)
+    modules = [module for module in model.modules() if isinstance(module, torch.nn.Conv2d) and module.groups > 1]
+    assert sum(entry['calls'] for entry in shapes) == len(modules)
+    assert len({(tuple(entry['shape']), entry['kernel']) for entry in shapes}) == len(shapes)
+    if name == 'lipsformer_cswin_tiny':  # stage 1: 1-wide stripes of the 56x56 map, half of the 64 channels each
+        assert {'stage': 1, 'what': 'LePE, vertical', 'shape': [4 * 56, 56, 1, 32], 'kernel': 3, 'calls': 1} in shapes
 
 
 def test_script_a_driver_that_ends_before_its_report_leaves_its_error_in_the_report(tmp_path):
