@@ -340,7 +340,15 @@ def test_cli_json_file_is_checked_before_the_analysis_and_a_failed_write_keeps_t
     assert main([*_tiny_cli_args(), '--no-empirical', '--json', out]) == 4
     printed, err = capsys.readouterr()
     assert 'Theorem 2 product bound' in printed
-    assert f'could not be written to --json {out!r}: No space left on device; it is printed above' in err
+    assert f'could not be written to --json {out!r}: No space left on device; it is printed above (free space' in err
+
+
+def test_cli_json_file_in_a_folder_that_does_not_exist_yet_is_written_there(tmp_path, capsys):
+    """--json NEW_FOLDER/report.json: the folder is made, as validate.py and the benchmark make theirs."""
+    out = tmp_path / 'new' / 'deeper' / 'report.json'
+    assert main([*_tiny_cli_args(), '--no-empirical', '--json', str(out)]) == 0
+    assert json.loads(out.read_text())['model'] == 'lipsformer_cswin_tiny'
+    assert capsys.readouterr().err == ''
 
 
 def test_module_entry_point_help():

@@ -10,7 +10,9 @@ string "unbounded". The report's first line says which weights were measured.
 EMA weights), and so is ``--model-kwargs``; a ``local-dir:`` model is its export folder, EMA weights included.
 """
 import argparse
+import errno
 import math
+import os
 import sys
 from typing import Any
 
@@ -162,10 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if args.json:
         try:
-            write_json(args.json, to_json(report))
+            _write_report(args.json, report)
         except OSError as e:
             print(f'{parser.prog}: error: the report could not be written to --json {args.json!r}: '
-                  f'{e.strerror or e}; it is printed above (free space or fix the permissions, or give another '
-                  f'--json)', file=sys.stderr)
+                  f'{e.strerror or e}; it is printed above ({_remedy(e)})', file=sys.stderr)
             return 4
     return 0
+
+
+def _write_report(path: str, report: dict[str, Any]) -> None:
+    """Write the JSON report atomically, creating its folder as validate.py and the benchmark do."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_json(path, to_json(report))
+
+
+def _remedy(error: OSError) -> str:
+    """What to do about a failed write, by its cause."""
+    if error.errno == errno.ENOSPC:
+        return 'free space, or give another --json'
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return 'fix the permissions, or give another --json'
+    return 'give another --json'
+
