@@ -166,6 +166,8 @@ def test_mistakes_name_key_value_and_what_is_allowed(override, message):
     ('optimizer.clip_grad=.inf', r'optimizer.clip_grad: got inf; expected a finite number'),
     ('augment.scale=[0.5,.inf]', r'augment.scale\[1\]: got inf; expected a finite number'),
     ('data.std=[.inf,1,1]', r'data.std\[0\]: got inf; expected a finite number'),
+    ('model.kwargs={alpha_init: .inf}', r'model.kwargs.alpha_init: got inf; expected a finite number'),
+    ('lipschitz.kwargs={caps: {attn: [1.0, .nan]}}', r'lipschitz.kwargs.caps.attn\[1\]: got nan; expected a finite'),
 ])
 def test_every_float_must_be_finite(override, message):
     """An infinite learning rate used to pass the rule lr > 0 (NaN and 0 did not) and made every update

@@ -381,6 +381,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f'{key}: got {value!r}; expected a mapping')
+        _check_numbers_finite(key, value)
         return dict(value)
     if annotation is bool:
         if isinstance(value, bool):
@@ -401,6 +402,18 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         empty = f': {key}="\'\'" gives an empty string' if annotation is str else ''
         raise ConfigError(f'{key}: got an empty value (YAML null); expected {_describe(annotation)}{empty}')
     raise ConfigError(f'{key}: got {value!r} ({type(value).__name__}); expected {_describe(annotation)}')
+
+
+def _check_numbers_finite(key: str, value: Any) -> None:
+    """Refuse an infinite or NaN number anywhere in a free-form value (``model.kwargs``, ``lipschitz.kwargs``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _NotFiniteError(f'{key}: got {value!r}; expected a finite number')
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _check_numbers_finite(f'{key}.{name}', item)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_numbers_finite(f'{key}[{index}]', item)
 
 
 def _as_float(value: Any) -> float | None:
