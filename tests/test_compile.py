@@ -11,6 +11,7 @@ import torch
 from tiny_models import TINY_MODELS
 
 from lipsformer.fastpath import use_fast_path
+from lipsformer.training.compilation import compile_regions
 
 RELATIVE_TOLERANCE = 1e-4
 
@@ -63,3 +64,35 @@ def test_one_graph_with_a_dynamic_batch_trains_and_evaluates_as_eager(name, one_
 @pytest.mark.parametrize('name', TINY_MODELS)
 def test_one_graph_at_the_default_widths_trains_and_evaluates_as_eager(name):
     _assert_compiled_equals_eager(name, {}, batches=(2, 3), resolution=224)
+
+
+def _graphs_and_frames(name: str, depths: tuple[int, ...]) -> tuple[int, int]:
+    """Graphs dynamo captured, and frames it compiled, for a training step and an evaluation of a regionally compiled
+    model (aot_eager: the graphs inductor would compile, forward and backward, without compiling them)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    kwargs = dict(TINY_MODELS[name], depths=depths)
+    model = timm.create_model(name, **kwargs, num_classes=10, drop_path_rate=0.1)  # a rate of its own per block
+    assert compile_regions(model, backend='aot_eager') == sum(depths)
+    x = torch.randn(2, 3, 64, 64)
+    model.train()
+    model(x).sum().backward()
+    assert all(parameter.grad is not None for parameter in model.parameters())
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    counters = torch._dynamo.utils.counters
+    assert not counters['graph_break']
+    return counters['stats']['unique_graphs'], counters['frames']['ok']
+
+
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_regional_compilation_compiles_a_block_once_per_stage_shape(name, one_thread):
+    limit_name = 'recompile_limit' if hasattr(torch._dynamo.config, 'recompile_limit') else 'cache_size_limit'
+    # compile_regions raises dynamo's recompilation limit for the process; the test puts it back
+    with torch._dynamo.config.patch({limit_name: getattr(torch._dynamo.config, limit_name)}):
+        shallow = _graphs_and_frames(name, depths=(1, 1, 1, 1))
+        deep = _graphs_and_frames(name, depths=(2, 2, 6, 2))
+    # four stage shapes, each compiled for training and for evaluation, whatever the depth: no block recompiles for
+    # its own stochastic-depth rate or position, and none falls back to eager at dynamo's recompilation limit
+    assert shallow == deep == (8, 8)

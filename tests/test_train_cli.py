@@ -38,6 +38,7 @@ TIMM_FLAGS = [
     (['--torchcompile'], 'model.compile', True),
     (['--no-torchcompile'], 'model.compile', False),
     (['--torchcompile-mode', 'reduce-overhead'], 'model.compile_mode', 'reduce-overhead'),
+    (['--torchcompile-scope', 'whole'], 'model.compile_scope', 'whole'),
     (['-j', '3'], 'data.num_workers', 3),
     (['--workers', '5'], 'data.num_workers', 5),
     (['--scale', '0.5', '1'], 'augment.scale', [0.5, 1.0]),

@@ -1,6 +1,7 @@
-"""Compiled training on the CPU (inductor), end to end with the tiny configs: ``model.compile`` and its modes, EMA,
-gradient accumulation, clipping and the Lipschitz constraint under compile, the first step's compile time in the log
-and ``summary.json``, plain weight names, exports, and resuming compiled from eager and eager from compiled.
+"""Compiled training on the CPU (inductor), end to end with the tiny configs: ``model.compile``, its scopes (regional
+by default, whole) and modes, EMA, gradient accumulation, clipping and the Lipschitz constraint under compile, the
+first step's compile time in the log and ``summary.json``, plain weight names, exports, and resuming compiled from eager
+and eager from compiled.
 
 Compiling costs tens of seconds a graph on a small CPU, so the runs are shared between the tests (module fixtures).
 """
@@ -17,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from training_support import tiny_overrides
 
 from lipsformer.training import load_config, train
-from lipsformer.training.compilation import compiles, keep_own_gradients
+from lipsformer.training.compilation import compiles, dynamo_plugin, effective_mode, keep_own_gradients
+from lipsformer.training.session import Session
 from lipsformer.training.train_state import optimizer_state_dict, set_optimizer_state
 from lipsformer.weight_files import strip_wrapper_prefixes
 
@@ -76,11 +78,15 @@ def test_compiled_run_trains_as_eager_logs_its_compile_time_and_saves_plain_weig
     root, compiled, eager = runs
     assert compiled['status'] == eager['status'] == 'finished'
     assert compiled['step'] == 2 * UPDATES_PER_EPOCH and compiled['nonfinite_steps'] == 0
-    assert compiled['compile']['mode'] == 'default' and compiled['compile']['first_step_s'] > 0
+    assert compiled['compile']['scope'] == 'regional' and compiled['compile']['first_step_s'] > 0
+    assert compiled['compile']['mode'] == compiled['compile']['requested_mode'] == 'default'
     assert eager['compile'] is None
     assert json.load(open(root / 'compiled' / 'summary.json'))['compile'] == compiled['compile']
     log = open(root / 'compiled' / 'train.log').read()
-    assert 'the model is compiled with inductor, mode default' in log and 'compiled the training step' in log
+    assert 'the model is compiled with inductor, scope regional, mode default' in log
+    assert 'compiled the training step (scope regional, mode default)' in log
+    speeds = [json.loads(line)['images_per_s'] for line in open(root / 'compiled' / 'metrics.jsonl')]
+    assert speeds[0] > speeds[1] / 10  # the first epoch's speed leaves out the step that compiled (tens of seconds)
     for name in ('model.safetensors', 'ema.safetensors'):  # EMA, accumulation, clipping, constraint: as eager
         compiled_weights = _weights(str(root / 'compiled'), 'epoch_0002', name)
         eager_weights = _weights(str(root / 'eager'), 'epoch_0002', name)
@@ -125,12 +131,15 @@ def test_weights_saved_with_the_compile_prefix_elsewhere_load(runs, data_dir):
     assert strip_wrapper_prefixes({'_orig_mod.a': 1, 'b': 2}) == {'_orig_mod.a': 1, 'b': 2}  # not every key: kept
 
 
-def test_reduce_overhead_compiles_static_shapes_and_pads_evaluation(data_dir, tmp_path):
+def test_reduce_overhead_compiles_the_whole_model_for_static_shapes_and_pads_evaluation(data_dir, tmp_path):
     torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters['stats']['unique_graphs']
     summary = _train(data_dir, str(tmp_path / 'run'), **{'model.compile': True, 'model.compile_mode': 'reduce-overhead',
-                                                         'train.epochs': 1})
-    assert summary['status'] == 'finished' and summary['compile']['mode'] == 'reduce-overhead'
+                                                         'model.compile_scope': 'whole', 'train.epochs': 1})
+    assert summary['status'] == 'finished'
+    # what ran: no CUDA graphs on the CPU
+    assert summary['compile'] | {'first_step_s': None} == dict(scope='whole', mode='default', static_shapes=True,
+                                                               requested_mode='reduce-overhead', first_step_s=None)
     # one graph for training, one for evaluation: the partial last evaluation batch was padded, not recompiled
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] - graphs_before == 2
     (line,) = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
@@ -139,7 +148,8 @@ def test_reduce_overhead_compiles_static_shapes_and_pads_evaluation(data_dir, tm
     assert 'records CUDA graphs, which need a CUDA device' in log and '(static shapes)' in log
     # extended by an epoch in the same mode: the optimizer state loads although the gradient buffers exist
     extended = _train(data_dir, str(tmp_path / 'run'), resume='auto', **{
-        'model.compile': True, 'model.compile_mode': 'reduce-overhead', 'train.epochs': 2})
+        'model.compile': True, 'model.compile_mode': 'reduce-overhead', 'model.compile_scope': 'whole',
+        'train.epochs': 2})
     assert extended['status'] == 'finished' and extended['step'] == 2 * UPDATES_PER_EPOCH
 
 
@@ -158,3 +168,25 @@ def test_an_optimizer_state_loads_into_a_model_that_keeps_its_own_gradients():
     assert [parameter.grad for parameter in resumed_model.parameters()] == buffers  # the same buffers, kept
     assert all(torch.equal(resumed.state[q]['exp_avg'], optimizer.state[p]['exp_avg'])
                for p, q in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_a_compile_mode_without_compilation_is_said_and_recorded_as_eager(caplog):
+    config = load_config(None, ['model.compile_mode=max-autotune'])  # model.compile auto: not on the CPU
+    with caplog.at_level('WARNING', logger='lipsformer'):
+        plugin = dynamo_plugin(config, cpu=True)
+    assert plugin.backend.name == 'NO'
+    assert 'model.compile_mode max-autotune is not used: model.compile=auto does not compile' in caplog.text
+    assert effective_mode('reduce-overhead', 'cpu') == 'default' and effective_mode('reduce-overhead', 'cuda') == \
+        'reduce-overhead'
+    assert effective_mode('max-autotune', 'cpu') == 'max-autotune-no-cudagraphs'
+    assert dynamo_plugin(load_config(None, ['model.compile=true']), cpu=True).backend.name == 'NO'  # regional: ours
+    whole = dynamo_plugin(load_config(None, ['model.compile=true', 'model.compile_scope=whole',
+                                             'model.compile_mode=max-autotune']), cpu=True)
+    assert whole.backend.name == 'INDUCTOR' and whole.mode == 'max-autotune-no-cudagraphs'
+
+
+def test_the_epoch_speed_leaves_out_the_step_that_compiled():
+    session = SimpleNamespace(first_step_s=30.0, first_step_images=8, first_step_epoch=0)
+    assert Session.images_per_s(session, images=48, seconds=32.0, epoch=0) == 20.0  # 40 images in 2 s
+    assert Session.images_per_s(session, images=48, seconds=2.0, epoch=1) == 24.0
+    assert Session.images_per_s(SimpleNamespace(first_step_s=None, first_step_epoch=None), 48, 2.0, 0) == 24.0

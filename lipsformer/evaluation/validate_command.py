@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 
 from ..model_names import UnknownModelError, expand_model_names, unaccepted_kwargs
+from ..training.compilation import COMPILE_SCOPES, CUDA_GRAPH_MODES, compile_model, effective_mode
 from ..utils.cli import ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason
 from ..utils.processes import end_processes, select_device, wants_cpu_group
@@ -127,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help='--amp precision: float16 (the default, as timm) or bfloat16; implies --amp')
     settings.add_argument('--torchcompile', nargs='?', const='inductor', metavar='BACKEND',
                           help='torch.compile the model, with this backend (inductor), as timm')
+    settings.add_argument('--torchcompile-mode', choices=('default', *CUDA_GRAPH_MODES, 'max-autotune-no-cudagraphs'),
+                          help='inductor\'s mode with --torchcompile (default); the CUDA-graph modes compile as their '
+                               'modes without graphs elsewhere')
+    settings.add_argument('--torchcompile-scope', choices=COMPILE_SCOPES, default='regional',
+                          help='with --torchcompile: regional (each LipsFormer block, once per block shape; a model '
+                               'without them compiles whole) or whole (the whole model)')
     settings.add_argument('--channels-last', action='store_true', help='NHWC memory layout')
     settings.add_argument('--device', help='cpu, or an accelerator (cuda, cuda:1, mps, xpu, ...); default: the one '
                                            'accelerate gives each process, else the CPU')
@@ -222,22 +229,31 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
         model = model.to(memory_format=torch.channels_last)
     param_count = sum(p.numel() for p in model.parameters())
     _logger.info('%s: %.2fM params, data config %s', model_name, param_count / 1e6, data_config)
+    compiled_scope = None
     if args.torchcompile:
-        model = _compiled(model, args.torchcompile)
+        model, compiled_scope = _compiled(model, args, accelerator.device.type)
     inference = InferenceSettings(args.batch_size, args.workers, args.channels_last, args.log_every)
     results = evaluate(model, passes, data_config, accelerator, inference)
     settings = dict(data_config, batch_size=args.batch_size, amp=args.amp, channels_last=args.channels_last,
                     torchcompile=args.torchcompile, use_ema=args.use_ema, num_processes=accelerator.num_processes,
+                    torchcompile_scope=compiled_scope,
+                    torchcompile_mode=effective_mode(args.torchcompile_mode or 'default', accelerator.device.type)
+                    if args.torchcompile == 'inductor' else None,
                     device=str(accelerator.device))
     return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results, param_count)
 
 
-def _compiled(model: torch.nn.Module, backend: str) -> torch.nn.Module:
-    """``torch.compile`` with ``backend``; the compiled module keeps the model's attributes (num_classes)."""
+def _compiled(model: torch.nn.Module, args: argparse.Namespace, device_type: str) -> tuple[torch.nn.Module, str]:
+    """The model compiled with ``--torchcompile``'s backend, mode and scope (:func:`compile_model`; the compiled module
+    keeps the model's attributes such as num_classes), and the scope that was compiled."""
+    backend = args.torchcompile
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise EvaluationError(f'--torchcompile {backend}: not a torch.compile backend; use one of '
                               f'{", ".join(torch._dynamo.list_backends())}')
-    return torch.compile(model, backend=backend)
+    if args.torchcompile_mode is not None and backend != 'inductor':
+        raise EvaluationError(f'--torchcompile-mode {args.torchcompile_mode}: modes are inductor\'s; drop it or use '
+                              f'--torchcompile inductor')
+    return compile_model(model, args.torchcompile_scope, args.torchcompile_mode, device_type, backend=backend)
 
 
 def run(args: argparse.Namespace) -> tuple[list[dict], Accelerator]:

@@ -92,6 +92,10 @@ class ModelConfig:
                                         'host\'s launch cost from a step bound by it; static shapes, so evaluation '
                                         'batches are padded); max-autotune (both).',
                              _one_of('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'))
+    compile_scope: str = _key('regional', 'What torch.compile compiles: regional (each LipsFormer block, compiled once '
+                                          'for all the blocks of its shape: a fraction of the compile time) or whole '
+                                          '(the whole model, through Accelerate\'s dynamo plugin).',
+                              _one_of('regional', 'whole'))
 
 
 @dataclass

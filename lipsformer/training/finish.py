@@ -48,9 +48,7 @@ def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any
                                    nonfinite_steps=session.progress.nonfinite_total, rank_weight_sha256=digests,
                                    ranks_identical=len(set(digests)) <= 1, last_checkpoint=session.last_checkpoint,
                                    distributed=distributed_summary(accelerator), **_skipped_images(session.progress))
-    # A compiled run's mode and the seconds of its first micro-batch in this start (null if it trained none)
-    summary['compile'] = dict(mode=config.model.compile_mode, first_step_s=session.first_step_s) if (
-        session.compiled) else None
+    summary['compile'] = session.compile_record()  # scope, mode and this start's first micro-batch, or null
     if session.progress.history:
         summary['final_metrics'] = session.progress.history[-1]
     if accelerator.is_main_process:

@@ -147,7 +147,7 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], b
         started = time.perf_counter()
         loss = _forward_backward(session, images, targets, last_in_window=(batch_index + 1) % accum == 0)
         if timed:
-            _record_compile_time(session, started)
+            _record_compile_time(session, started, images.shape[0] * session.accelerator.num_processes)
         finite = torch.isfinite(loss)
         tally.window_bad |= ~finite
         tally.loss_sum += torch.where(finite, loss, 0.0)
@@ -194,14 +194,16 @@ def _forward_backward(session: Session, images: torch.Tensor, targets: torch.Ten
     return loss.detach().float()
 
 
-def _record_compile_time(session: Session, started: float) -> None:
+def _record_compile_time(session: Session, started: float, images: int) -> None:
     """Log the seconds since ``started`` of the first compiled micro-batch (its compilation included) and keep them
-    for summary.json."""
+    for summary.json, with the micro-batch's ``images`` and epoch, which the epoch's speed leaves out."""
     if session.accelerator.device.type != 'cpu':  # the time the device took too, not only the launches
         torch.accelerator.synchronize()
     seconds = session.first_step_s = time.perf_counter() - started
-    _logger.info('compiled the training step (mode %s): the first micro-batch took %.1f s, compilation included',
-                 session.config.model.compile_mode, seconds)
+    session.first_step_images, session.first_step_epoch = images, session.progress.epoch
+    record = session.compile_record()
+    _logger.info('compiled the training step (scope %s, mode %s): the first micro-batch took %.1f s, compilation '
+                 'included; the epoch\'s images_per_s leaves it out', record['scope'], record['mode'], seconds)
 
 
 def _agree(accelerator, window_bad: torch.Tensor, stop: StopSignal) -> tuple[bool, bool]:

@@ -54,7 +54,7 @@ def time_bare_step(session: Session, updates: int, warmup: int) -> float:
             loss = session.train_loss(model(images), targets)
         accelerator.backward(loss)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=not session.static_shapes)  # as the loop does
+        optimizer.zero_grad(set_to_none=not session.keeps_own_gradients)  # as the loop does
     _synchronize(accelerator.device)
     return (updates - warmup) * images.shape[0] * accelerator.num_processes / (time.perf_counter() - start)
 

@@ -44,7 +44,16 @@ from ..model_names import (
 from ..model_names import create_model as create_timm_model
 from ..utils.processes import check_process_group, select_device, wants_cpu_group
 from ..weight_files import check_state_dict, extract_state_dict, load_file
-from .compilation import CUDA_GRAPH_MODES, dynamo_plugin, keep_own_gradients, say_compilation
+from .compilation import (
+    compile_regions,
+    compiles,
+    dynamo_plugin,
+    effective_mode,
+    keep_own_gradients,
+    say_compilation,
+    static_shapes,
+    whole_model_plugin,
+)
 from .config import Config, ConfigError, LipschitzConfig
 from .data import InputSpec, TrainBatches, create_eval_loader, create_split, resolve_input_spec
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
@@ -87,6 +96,9 @@ class Session:
     started_at: float = field(default_factory=time.perf_counter)  # this start's, on time.perf_counter's clock
     earlier_wall_time_s: float = 0.0  # what the earlier starts took, up to the checkpoint resumed from
     first_step_s: float | None = None  # a compiled run's first micro-batch, compilation included
+    first_step_images: int = 0  # its images, over all processes
+    first_step_epoch: int | None = None  # the epoch (counted from 0) it was in
+    compile_scope: str | None = None  # what was compiled: regional, whole, or None (eager)
 
     def wall_time_s(self) -> float:
         """Wall time of the run so far: the earlier starts' and this one's."""
@@ -95,13 +107,36 @@ class Session:
     @property
     def compiled(self) -> bool:
         """Whether the model trains compiled (``model.compile``, resolved for the device)."""
-        return is_compiled_module(self.model)
+        return self.compile_scope is not None
 
     @property
     def static_shapes(self) -> bool:
-        """Whether the compiled model records CUDA graphs, which need every batch of one shape (whole training batches,
-        padded evaluation batches) and gradients kept in buffers of their own (:mod:`.compilation`)."""
-        return self.compiled and self.config.model.compile_mode in CUDA_GRAPH_MODES
+        """Whether the model is compiled for static shapes (a CUDA-graph mode, or regional compilation: a graph per
+        stage shape), so that evaluation batches are padded to one size (:mod:`.compilation`)."""
+        return self.compiled and (static_shapes(self.config) or self.compile_scope == 'regional')
+
+    @property
+    def keeps_own_gradients(self) -> bool:
+        """Whether the compiled model records CUDA graphs, whose outputs its gradients must not take over: they are kept
+        in buffers of their own, zeroed between updates (:func:`~.compilation.keep_own_gradients`)."""
+        return self.compiled and static_shapes(self.config)
+
+    def compile_record(self) -> dict[str, Any] | None:
+        """What summary.json says of the compilation (None for an eager run): scope, the mode inductor compiled in
+        (``requested_mode`` is the config's, which differs where a CUDA-graph mode runs without CUDA), static
+        shapes, and the seconds of this start's first micro-batch (null if it trained none)."""
+        if not self.compiled:
+            return None
+        mode = self.config.model.compile_mode
+        return dict(scope=self.compile_scope, mode=effective_mode(mode, self.accelerator.device.type),
+                    requested_mode=mode, static_shapes=self.static_shapes, first_step_s=self.first_step_s)
+
+    def images_per_s(self, images: int, seconds: float, epoch: int) -> float:
+        """The training speed of epoch ``epoch`` (counted from 0) that took ``seconds`` for ``images``, leaving out the
+        micro-batch that compiled the model where it was in that epoch."""
+        if self.first_step_s is not None and self.first_step_epoch == epoch:
+            images, seconds = images - self.first_step_images, seconds - self.first_step_s
+        return images / max(seconds, 1e-9)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -201,6 +236,15 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
     if config.lipschitz.enabled:
         check_config_callables(config, trusted_callables)
         lipschitz = create_lipschitz_constraint(config.lipschitz, model)
+    compile_scope = None
+    if compiles(config, cpu=accelerator.device.type == 'cpu'):
+        compile_scope = config.model.compile_scope
+        if compile_scope == 'regional' and not compile_regions(
+                model, effective_mode(config.model.compile_mode, accelerator.device.type), dynamic=False):
+            _logger.info('model.compile_scope regional compiles LipsFormer blocks, and %s has none: it is compiled '
+                         'whole', config.model.name)
+            compile_scope = 'whole'
+            accelerator.state.dynamo_plugin = whole_model_plugin(config, accelerator.device.type)
     model, optimizer = prepare_model(accelerator, model, optimizer)
     mixup = create_mixup(config, num_classes)
     session = Session(
@@ -209,10 +253,13 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
         mixup=mixup, train_batches=train_batches,
         val_loader=create_eval_loader(val_set, config, spec, accelerator.device, world, rank), spec=spec,
         model_kwargs=model_kwargs, class_names=class_names_of(train_set), global_batch=global_batch,
-        updates_per_epoch=updates_per_epoch, lipschitz=lipschitz)
+        updates_per_epoch=updates_per_epoch, lipschitz=lipschitz, compile_scope=compile_scope)
+    if compile_scope == 'whole' and not is_compiled_module(model):
+        raise ConfigError('model.compile_scope: whole, but Accelerate did not compile the model; check the launcher\'s '
+                          'dynamo settings')
     if session.compiled:
-        say_compilation(config, accelerator.device)
-    if session.static_shapes:
+        say_compilation(config, accelerator.device, compile_scope)
+    if session.keeps_own_gradients:
         keep_own_gradients(session.unwrapped_model)
     return session
 

@@ -108,6 +108,7 @@ TIMM_ALIASES: tuple[Alias, ...] = (
     Alias(('--torchcompile',), 'model.compile', switch=True,
           note='compile with inductor on any device (the default, model.compile=auto, compiles on CUDA only)'),
     Alias(('--torchcompile-mode',), 'model.compile_mode'),
+    Alias(('--torchcompile-scope',), 'model.compile_scope'),
     Alias(('--dataset',), 'data.dataset'),
     Alias(('--train-split',), 'data.train_split'),
     Alias(('--val-split',), 'data.val_split'),
