@@ -50,6 +50,7 @@ from lipsformer.model_specs import (
     ModelSpec,
     check_report_path,
     parse_model_specs,
+    rejected_argument_message,
     step_loss,
     write_report,
 )
@@ -625,6 +626,11 @@ def main(argv: list[str] | None = None) -> dict:
         report = run_benchmark(specs, modes, config, write_so_far if args.json is not None else None)
     except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
         parser.error(f'--img-size {config.img_size}: {error}')
+    except TypeError as error:  # a constructor's refusal of a spec's argument
+        message = rejected_argument_message(error, specs)
+        if message is None:
+            raise
+        parser.error(f'--models: {message}')
     report['command'] = command
     print(format_table(report, markdown=args.markdown))
     if config.profile_steps:

@@ -22,13 +22,14 @@ import timm
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
 from timm.models import split_model_name_tag
-from timm.utils import ParseKwargs
 
 from .evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from .evaluation.errors import EvaluationError
 from .model_folder import save_model_folder
-from .utils.cli import HelpFormatter, command_name
-from .utils.io import replace_dir
+from .model_names import unaccepted_kwargs
+from .model_specs import meant_argument
+from .utils.cli import HelpFormatter, ModelKwargs, command_name
+from .utils.io import replace_dir, unwritable_file_reason
 from .weight_files import CheckpointError, load_checkpoint_dict, load_file
 
 __all__ = ['ConversionError', 'authors_model_config', 'convert', 'main']
@@ -118,22 +119,34 @@ def load_source(src: str, model_name: str | None = None, model_kwargs: dict[str,
     """
     checkpoint = load_file(src) if os.path.isfile(src) else None
     authors_config = _authors_config(checkpoint) if checkpoint is not None else None
-    if authors_config is None:
-        try:
-            resolved = resolve_checkpoint(src, use_ema=use_ema)
-            model, _ = create_eval_model(model_name, resolved, model_kwargs=model_kwargs)
-        except EvaluationError as e:
-            raise ConversionError(str(e)) from e
-        label_names = model.pretrained_cfg.get('label_names')  # from the config.json beside the weights
-        return model, None, {'label_names': label_names} if label_names else None
-    name, kwargs, data_config, label_names = authors_model_config(authors_config, model_name)
-    kwargs.update(model_kwargs or {})
-    model = timm.create_model(name, **kwargs)
+    try:
+        if authors_config is None:
+            try:
+                resolved = resolve_checkpoint(src, use_ema=use_ema)
+                model, _ = create_eval_model(model_name, resolved, model_kwargs=model_kwargs)
+            except EvaluationError as e:
+                raise ConversionError(str(e)) from e
+            label_names = model.pretrained_cfg.get('label_names')  # from the config.json beside the weights
+            return model, None, {'label_names': label_names} if label_names else None
+        name, kwargs, data_config, label_names = authors_model_config(authors_config, model_name)
+        kwargs.update(model_kwargs or {})
+        model = timm.create_model(name, **kwargs)
+    except (TypeError, ValueError) as e:  # the constructor's refusal of an argument
+        if isinstance(e, TypeError) and 'keyword argument' not in str(e):
+            raise
+        if isinstance(e, ValueError):
+            raise ConversionError(f'the model cannot be built with these arguments: {e}') from e
+        rejected, meant = ', '.join(unaccepted_kwargs(e, model_kwargs or {})), meant_argument(e)
+        raise ConversionError(f'--model-kwargs: the model takes no {rejected}'
+                              + (f'; did you mean {meant}?' if meant else f' ({e})')) from e
     load_checkpoint_dict(model, checkpoint, source=src, use_ema=use_ema)
     return model.eval(), data_config, {'label_names': label_names} if label_names else None
 
 
 def _check_output(out_dir: str, src: str, force: bool) -> None:
+    reason = unwritable_file_reason(os.path.join(out_dir, 'config.json'))  # the folder's parents, and permissions
+    if reason and not (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+        raise ConversionError(f'{out_dir!r} cannot be written: {reason}; give a folder that can be')
     if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         return
     if not os.path.isdir(out_dir):
@@ -201,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('out_dir', help='timm model folder to write (new or empty; see --force)')
     parser.add_argument('--model', help='registered model name (default: from the authors\' config, the config.json '
                                         'or config.yaml beside the weights)')
-    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                         help='constructor arguments, as timm\'s scripts take them (num_classes=10 depths=[2,2,6,2])')
     parser.add_argument('--use-ema', action='store_true', help='convert the EMA weights')
     parser.add_argument('--force', action='store_true', help='replace OUT_DIR if it is a model folder')

@@ -63,7 +63,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path, use_fast_path
-from lipsformer.model_specs import PRECISIONS, ModelSpec, check_report_path, parse_model_specs, step_loss, write_report
+from lipsformer.model_specs import (
+    PRECISIONS,
+    ModelSpec,
+    check_report_path,
+    parse_model_specs,
+    rejected_argument_message,
+    step_loss,
+    write_report,
+)
 from lipsformer.utils.cli import command_name
 
 __all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_models', 'count_step', 'cuda_sdp_choice',
@@ -810,7 +818,15 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    counts = count_models(specs, modes, args.batch_size, args.img_size, args.precision)
+    try:
+        counts = count_models(specs, modes, args.batch_size, args.img_size, args.precision)
+    except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
+        parser.error(f'--img-size {args.img_size}: {error}')
+    except TypeError as error:  # a constructor's refusal of a spec's argument
+        message = rejected_argument_message(error, specs)
+        if message is None:
+            raise
+        parser.error(f'--models: {message}')
     print(format_count_table(counts, markdown=args.markdown))
     if args.parts:
         for count in counts:

@@ -7,8 +7,10 @@ training step; and the checks of their JSON reports.
 """
 import argparse
 import ast
+import difflib
 import functools
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -27,7 +29,8 @@ from lipsformer.model_names import check_model_source, expand_model_names, model
 from lipsformer.utils import write_json
 from lipsformer.utils.io import unwritable_file_reason
 
-__all__ = ['PRECISIONS', 'ModelSpec', 'check_report_path', 'parse_model_specs', 'step_loss', 'write_report']
+__all__ = ['PRECISIONS', 'SPEC_KEYS', 'ModelSpec', 'check_report_path', 'parse_model_specs',
+           'meant_argument', 'rejected_argument_message', 'step_loss', 'write_report']
 
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -102,12 +105,20 @@ def _split_top_level(text: str) -> list[str]:
     return [part.strip() for part in [*parts, text[start:]] if part.strip()]
 
 
+# The keys of a spec that are no constructor arguments.
+SPEC_KEYS = ('fast_path', 'native', 'compile')
+
+
 def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
     kwargs = {}
     for item in _split_top_level(text):
         key, sep, value = item.partition('=')
         if not sep or not key.strip().isidentifier():
             raise ValueError(f'bad constructor argument {item!r} in {spec!r}; write name[key=value,key=value]')
+        near = difflib.get_close_matches(key.strip(), SPEC_KEYS, n=1, cutoff=0.7)
+        if near and key.strip() not in SPEC_KEYS:  # a misspelt key would reach the constructor as an argument
+            raise ValueError(f'{spec!r}: unknown key {key.strip()!r}; did you mean {near[0]}? (the spec keys are '
+                             f'{", ".join(SPEC_KEYS)}; any other key is a constructor argument)')
         try:
             kwargs[key.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
@@ -165,6 +176,48 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
     if not specs:
         raise ValueError('no model given')
     return specs
+
+
+def rejected_argument_message(error: TypeError, specs: list[ModelSpec]) -> str | None:
+    """A one-line message for a model constructor's refusal of a spec's argument (``got an unexpected keyword
+    argument 'X'``), naming the spec, with the spec key it may be a misspelling of; None for another TypeError."""
+    match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    if match is None:
+        return None
+    name = match.group(1)
+    spec = next((spec for spec in specs if name in spec.kwargs), None)
+    near = meant_argument(error, SPEC_KEYS)
+    return (f'{spec.text if spec else "a model"!r}: the model takes no argument {name!r}'
+            + (f'; did you mean {near}?' if near else f' ({error})'))
+
+
+def meant_argument(error: TypeError, also: tuple[str, ...] = ()) -> str | None:
+    """The argument a constructor's ``got an unexpected keyword argument 'X'`` most likely meant: the closest of the
+    model class's keyword arguments (and ``also``), or None."""
+    match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    owner = re.search(r'(\w+)\.__init__\(\)', str(error))
+    if match is None:
+        return None
+    known = [*also, *_constructor_parameters(owner.group(1) if owner else '')]
+    near = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def _constructor_parameters(class_name: str) -> list[str]:
+    """The keyword arguments of the model class ``class_name`` (of the package or of timm) and of its subclasses,
+    which hand it theirs: a LipsFormer family's ``window_size`` too."""
+    import timm.models
+
+    from lipsformer.models import _base, lipsformer_cswin, lipsformer_swin
+    classes = [getattr(module, class_name, None) for module in (_base, lipsformer_swin, lipsformer_cswin, timm.models)]
+    cls = next((found for found in classes if isinstance(found, type)), None)
+    if cls is None:
+        return []
+    names = []
+    for candidate in (cls, *cls.__subclasses__()):
+        names += [name for name, parameter in inspect.signature(candidate.__init__).parameters.items()
+                  if name != 'self' and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    return names
 
 
 def step_loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:

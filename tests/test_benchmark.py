@@ -356,6 +356,32 @@ def test_cli_an_input_size_a_model_cannot_take_is_a_one_line_error(capsys):
 
 
 @pytest.mark.parametrize('command', ['benchmark', 'kernel_count'])
+@pytest.mark.parametrize('spec, message', [
+    ('lipsformer_swin_tiny[fast_pth=False]', "'lipsformer_swin_tiny[fast_pth=False]': unknown key 'fast_pth'; did you "
+                                             "mean fast_path?"),
+    ('lipsformer_swin_tiny[windw_size=4]', "--models: 'lipsformer_swin_tiny[windw_size=4]': the model takes no "
+                                           "argument 'windw_size'; did you mean window_size?"),
+    ('lipsformer_swin_tiny', '--img-size 50: img_size must be a multiple of 32, got 50x50'),
+])
+def test_cli_a_misspelt_key_or_a_size_a_model_cannot_take_is_a_one_line_error(command, spec, message, capsys):
+    """A misspelt spec key or constructor argument is named with the one it most likely meant, and an input size
+    the model refuses is named: exit 2 and one line, in both commands that take model specs."""
+    if command == 'kernel_count':
+        from lipsformer.kernel_count import main as command_main
+        from lipsformer.kernel_count import unsupported_reason
+        if unsupported_reason():
+            pytest.skip(unsupported_reason())
+    else:
+        command_main = main
+    with pytest.raises(SystemExit, match='2'):
+        command_main(['--models', spec, '--img-size', '50', '--mode', 'infer', '--batch-size', '1',
+                      *(['--steps', '1', '--repeats', '1', '--warmup', '0', '--no-memory'] if command == 'benchmark'
+                        else [])])
+    err = capsys.readouterr().err
+    assert f'error: {message}' in err and 'Traceback' not in err and len(err.strip().splitlines()[-1]) > 20
+
+
+@pytest.mark.parametrize('command', ['benchmark', 'kernel_count'])
 def test_cli_an_unwritable_json_report_is_refused_before_any_model_runs(command, tmp_path, capsys, monkeypatch):
     """A folder (or a read-only place) as ``--json`` is a usage error at once, not a traceback after the run."""
     from lipsformer import kernel_count

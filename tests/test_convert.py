@@ -134,3 +134,22 @@ def test_file_overlay_trap_and_the_right_ways(tiny_file, tmp_path):
             file=path, num_classes=3), **SMALLEST_SWIN).eval()
         assert torch.equal(overlay(inputs), expected)
         assert torch.equal(_local_dir(tmp_path / 'out')(inputs), expected)
+
+
+def test_an_unusable_output_or_a_misspelt_argument_is_a_one_line_error(tiny_file, tmp_path, capsys):
+    """An output below a file, and a constructor argument the model lacks, end with exit 2 and one line (the
+    argument with the one it most likely meant), before anything is written."""
+    _, path = tiny_file
+    (tmp_path / 'file').write_text('not a folder')
+    kwargs = ['--model-kwargs', 'num_classes=3', 'embed_dim=16', 'depths=[1,1,1,1]', 'num_heads=[1,1,1,1]',
+              'window_size=4']
+    assert convert_main([path, str(tmp_path / 'file' / 'sub' / 'out'), '--model', SMALLEST_MODEL, *kwargs,
+                         'img_size=32']) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {str(tmp_path / 'file' / 'sub' / 'out')!r} cannot be written: " \
+                  f"{str(tmp_path / 'file')!r} is a file, not a folder; give a folder that can be\n"
+    assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'imgsize=32']) == 2
+    assert capsys.readouterr().err == 'error: --model-kwargs: the model takes no imgsize; did you mean img_size?\n'
+    assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'img_size=50']) == 2
+    assert 'img_size must be a multiple of 32, got 50x50' in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ['file', 'weights.safetensors']

@@ -623,6 +623,25 @@ def test_a_rejected_model_keyword_is_a_one_line_error_naming_it(vit, capsys):
     assert "error: --model-kwargs: test_vit does not accept ['window_size'] (" in err and 'Traceback' not in err
 
 
+def test_an_input_size_the_model_cannot_take_is_refused_before_inference(vit, tmp_path, capsys):
+    """--img-size 48 for a LipsFormer (heights and widths multiples of 32): exit 2, one line naming the sizes that
+    fit nearest to it, whether the size reaches the constructor or only the forward."""
+    model = timm.create_model(SMALLEST_MODEL, **SMALLEST_SWIN)
+    checkpoint = str(tmp_path / 'swin.safetensors')
+    safetensors.torch.save_file(model.state_dict(), checkpoint)
+    kwargs = [f'{key}={",".join(map(str, value)) if isinstance(value, list) else value}'
+              for key, value in SMALLEST_SWIN_KWARGS.items()]
+    base = ['--model', SMALLEST_MODEL, '--checkpoint', checkpoint, '--data-dir', vit.val, '--model-kwargs', *kwargs]
+    err = _fails([*base, '--img-size', '48'], capsys)
+    assert err.endswith('error: input size 48x48 (--img-size / --input-size, else the pretrained cfg): the model '
+                        'takes heights and widths that are multiples of 32; did you mean 32 or 64?\n')
+    err = _fails([*base, '--input-size', '3', '64', '80'], capsys)
+    assert 'multiples of 32; did you mean 64 or 96?' in err and 'Traceback' not in err
+    err = _fails([*base, 'img_size=50'], capsys)
+    assert err.endswith(f'error: {SMALLEST_MODEL} cannot be built with these arguments: img_size must be a multiple '
+                        f'of 32, got 50x50\n')
+
+
 def test_a_datasets_classes_are_matched_by_name_with_those_saved_with_the_weights(vit, tmp_path, capsys):
     """--dataset labels its classes in its own order (torchvision's ImageFolder: sorted names, of the folders it
     has); a model whose saved classes are those names in another order is scored by name (100% for a model right on

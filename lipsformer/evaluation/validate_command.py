@@ -223,7 +223,10 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
             raise EvaluationError(f'{model_name} has no pretrained weights registered with timm; pass --checkpoint '
                                   f'with the weights to evaluate') from e
         raise
+    except ValueError as e:  # the constructor's refusal of an argument (LipsFormer: img_size a multiple of 32)
+        raise EvaluationError(f'{model_name or "the model"} cannot be built with these arguments: {e}') from e
     data_config = _data_config(model, args)
+    _check_input_size(model, data_config)
     model = model.to(accelerator.device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -241,6 +244,19 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
                     if args.torchcompile == 'inductor' else None,
                     device=str(accelerator.device))
     return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results, param_count)
+
+
+def _check_input_size(model: torch.nn.Module, data_config: dict) -> None:
+    """Refuse an input size the model's forward would refuse (LipsFormer: multiples of its ``input_divisor``),
+    before any image is read, naming the sizes nearest to it that fit."""
+    divisor, (height, width) = getattr(model, 'input_divisor', None), data_config['input_size'][1:]
+    if not divisor or (height % divisor == 0 and width % divisor == 0):
+        return
+    nearest = sorted({max(divisor, size // divisor * divisor) for size in (height, width)}
+                     | {-(-size // divisor) * divisor for size in (height, width)})
+    raise EvaluationError(f'input size {height}x{width} (--img-size / --input-size, else the pretrained cfg): the '
+                          f'model takes heights and widths that are multiples of {divisor}; did you mean '
+                          f'{" or ".join(map(str, nearest))}?')
 
 
 def _compiled(model: torch.nn.Module, args: argparse.Namespace, device_type: str) -> tuple[torch.nn.Module, str]:
