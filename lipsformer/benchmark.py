@@ -617,6 +617,10 @@ def main(argv: list[str] | None = None) -> dict:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    compiled = [spec for spec in specs if compile_mode(spec, config)]
+    if config.count_kernels and compiled:
+        parser.error(f'--count-kernels counts one eager step of each model, and {compiled[0].text!r} runs compiled '
+                     f'({compile_mode(compiled[0], config)}): count it in a run without compile')
     command = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
 
     def write_so_far(report: dict) -> None:

@@ -74,7 +74,8 @@ from lipsformer.model_specs import (
 )
 from lipsformer.utils.cli import command_name
 
-__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'count_models', 'count_step', 'cuda_sdp_choice',
+__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'compiled_spec_reason', 'count_models', 'count_step',
+           'cuda_sdp_choice',
            'format_count_json_table', 'format_count_table', 'group_of',
            'multi_tensor_launches', 'main']
 
@@ -657,6 +658,8 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     if precision not in PRECISIONS:
         raise ValueError(f'unknown precision {precision!r}; choose from {sorted(PRECISIONS)}')
     spec = parse_model_specs(spec)[0] if isinstance(spec, str) else spec
+    if spec.compile:
+        raise ValueError(compiled_spec_reason(spec))
     img_size = spec.kwargs.get('img_size', img_size or 224)
     begin = time.perf_counter()
     device = torch.device('cuda', 0)
@@ -796,6 +799,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def compiled_spec_reason(spec: ModelSpec) -> str:
+    """Why a spec that compiles its model is not counted: the count is of the eager step."""
+    return (f'{spec.text!r}: the counts are of one eager step (the ops it dispatches), not of what torch.compile '
+            f'runs; count the model without compile= (time the compiled one with lipsformer-benchmark)')
+
+
 def count_models(specs: list[ModelSpec], modes: list[str], batch_size: int, img_size: int,
                  precision: str) -> list[StepCount]:
     """:func:`count_step` for every mode and model, modes outermost (the order of the benchmark's rows)."""
@@ -818,6 +827,9 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    compiled = [spec for spec in specs if spec.compile]
+    if compiled:
+        parser.error(compiled_spec_reason(compiled[0]))
     try:
         counts = count_models(specs, modes, args.batch_size, args.img_size, args.precision)
     except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)

@@ -259,3 +259,25 @@ def test_each_family_holds_its_kernel_budget(budget_counts, name, mode):
     assert not over, f'{name} {mode} over its budget against {BUDGET["reference"]}: {over}\n' + format_count_table(
         [reference, ours])
     assert all(math.isfinite(value) for value in ratios.values())
+
+
+@pytest.mark.parametrize('spec', ['lipsformer_swin_tiny[compile=True]', "lipsformer_swin_tiny[compile='max-autotune']"])
+def test_a_spec_that_compiles_is_refused_not_counted_as_its_eager_step(spec, capsys):
+    """The count is of the eager step: a compiled label over it would misname it, so compile= is refused (exit 2,
+    one line) by the command, by count_step, and by the benchmark's --count-kernels."""
+    with pytest.raises(SystemExit, match='2'):
+        main(['--models', spec, '--img-size', '64'])
+    err = capsys.readouterr().err
+    assert f'error: {spec!r}: the counts are of one eager step' in err and 'Traceback' not in err
+    with pytest.raises(ValueError, match='not of what torch.compile runs'):
+        count_step(spec, 'infer', 1, 64)
+    from lipsformer.benchmark import main as benchmark_main
+    with pytest.raises(SystemExit, match='2'):
+        benchmark_main(['--models', spec, '--count-kernels', '--mode', 'infer'])
+    assert f'--count-kernels counts one eager step of each model, and {spec!r} runs compiled' in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit, match='2'):
+        benchmark_main(['--models', 'lipsformer_swin_tiny', '--count-kernels', '--compile', '--mode', 'infer'])
+    assert "runs compiled (default)" in capsys.readouterr().err
+    assert count_step('lipsformer_swin_tiny[compile=False,embed_dim=16,depths=(1,1,1,1),num_heads=(1,1,1,1)]',
+                      'infer', 1, 64).total.kernels > 0
