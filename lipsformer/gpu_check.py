@@ -362,9 +362,9 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
                 'forward': (lambda: ops.depthwise_conv2d(pick(xs), weight, bias),
                             lambda: F.conv2d(pick(xs).permute(0, 3, 1, 2), weight, bias, padding=padding,
                                              groups=channels)),
-                'input gradient': (lambda: ops.depthwise_conv2d_input_grad(pick(gs), weight),
+                'input gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, True, False),
                                    aten_backward((True, False, False))),
-                'weight gradient': (lambda: ops.depthwise_conv2d_weight_grad(pick(xs), pick(gs), kernel),
+                'weight gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, False, True),
                                     aten_backward((False, True, True))),
             }
             # the op's results against ATen's on the first copy, in float32
@@ -380,8 +380,8 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
                     (padding, padding), (1, 1), False, (0, 0), channels, (False, True, False))[1],
             }
             ours = {'forward': ops.depthwise_conv2d(x, weight, bias),
-                    'input gradient': ops.depthwise_conv2d_input_grad(g, weight),
-                    'weight gradient': ops.depthwise_conv2d_weight_grad(x, g, kernel)[0]}
+                    'input gradient': ops.depthwise_conv2d_backward(g, x, weight, True, False)[0],
+                    'weight gradient': ops.depthwise_conv2d_backward(g, x, weight, False, True)[1]}
             for pass_name, (op_call, aten_call) in passes.items():
                 reference = expected[pass_name].float()
                 error = ((ours[pass_name].float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()

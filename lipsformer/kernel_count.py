@@ -81,10 +81,12 @@ __all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'compiled_spec_reason', 
 
 MODES = ('infer', 'train')
 _aten = torch.ops.aten
-# Ops whose traffic depends on their tiling (matmuls, convolutions, attention): no bytes are counted for them.
+# Ops whose traffic depends on their tiling (matmuls, convolutions, attention): no bytes are counted for them. The
+# package's depthwise convolution op counts as the convolutions it stands in for, so that the two paths compare.
 MATMUL_OPS = frozenset({
     'mm', 'addmm', 'bmm', 'baddbmm', 'addbmm', '_addmm_activation', '_scaled_mm', 'convolution',
     'convolution_backward', 'cudnn_convolution', 'cudnn_convolution_transpose', '_convolution',
+    'depthwise_conv2d', 'depthwise_conv2d_backward',
     '_scaled_dot_product_flash_attention', '_scaled_dot_product_flash_attention_backward',
     '_scaled_dot_product_efficient_attention', '_scaled_dot_product_efficient_attention_backward',
     '_scaled_dot_product_cudnn_attention', '_scaled_dot_product_cudnn_attention_backward',

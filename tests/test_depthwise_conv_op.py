@@ -46,12 +46,13 @@ def test_the_op_checks_out_under_torch_library_opcheck():
     bias = torch.randn(4, requires_grad=True)
     torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d.default, (x, weight, bias))
     torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d.default, (x, weight, None))
-    grad = torch.randn(2, 6, 5, 4)  # the backward's ops run under no_grad: they have no gradient of their own
-    torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d_input_grad.default, (grad, weight.detach()))
-    torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d_weight_grad.default, (x.detach(), grad, 3))
+    grad = torch.randn(2, 6, 5, 4)  # the backward op runs under no_grad: it has no gradient of its own
+    for masks in [(True, True), (True, False), (False, True)]:
+        torch.library.opcheck(torch.ops.lipsformer.depthwise_conv2d_backward.default,
+                              (grad, x.detach(), weight.detach(), *masks))
 
 
-def test_a_first_order_backward_is_one_op_a_gradient():
+def test_a_first_order_backward_is_one_op_as_atens_convolution_backward():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recorder(TorchDispatchMode):
@@ -70,7 +71,7 @@ def test_a_first_order_backward_is_one_op_a_gradient():
     with Recorder() as recorder:
         y.backward(torch.ones_like(y))
     lipsformer_ops = [name for name in recorder.ops if name.startswith('lipsformer::')]
-    assert lipsformer_ops == ['lipsformer::depthwise_conv2d_input_grad', 'lipsformer::depthwise_conv2d_weight_grad']
+    assert lipsformer_ops == ['lipsformer::depthwise_conv2d_backward']
     assert not any(name.startswith('aten::convolution') for name in recorder.ops)
 
 
@@ -289,7 +290,7 @@ def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_co
         logits = model(x)
         logits.logsumexp(-1).sum().backward()
     assert recorder.count('lipsformer::depthwise_conv2d') == len(convs)
-    assert recorder.count('lipsformer::depthwise_conv2d_weight_grad') == len(convs)
+    assert recorder.count('lipsformer::depthwise_conv2d_backward') == len(convs)
     assert not any(recorder.convolutions((k, k), depthwise=True) for k in (3, 7))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -237,7 +237,8 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
         selected.append({line.split('::')[1].split('[')[0] for line in completed.stdout.splitlines() if '::' in line})
     everything = set(re.findall(r'^def (test_\w+)', (REPO / 'tests' / 'test_cuda.py').read_text(), re.MULTILINE))
     assert selected[0] | selected[1] == everything and not selected[0] & selected[1]
-    assert {'test_torch_compile_equals_eager', 'test_twenty_training_steps_lower_the_loss',
+    assert {'test_torch_compile_equals_eager', 'test_torch_compile_with_the_depthwise_op_equals_eager',
+            'test_twenty_training_steps_lower_the_loss',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
     assert order == ['environment', 'conv', 'eager', 'pytest', *['compiled'] * len(gpu_check.COMPILED), 'memory',

@@ -12,11 +12,12 @@ float32:
 - input gradient: the same kernel over the output gradient with the kernel flipped, the transpose of a stride-1
   'same' convolution by an odd kernel;
 - weight and bias gradient: a program sums ``g * shifted x`` (and ``g``) over a chunk of tiles for every tap into a
-  row of float32 partial sums; the chunks' rows are summed afterwards, in a fixed order (no atomics: the same inputs
-  give the same bits).
+  row of float32 partial sums; a second kernel adds the chunks' rows in a fixed order (no atomics: the same inputs
+  give the same bits) and writes both gradients in their dtype.
 
 It is a ``torch.library`` custom op with fake-tensor registrations and an autograd formula, so that ``torch.compile``
-and ``torch.export`` see one operation a pass. A recorded backward (``create_graph=True``) differentiates PyTorch's
+and ``torch.export`` see one operation forward and one backward (``lipsformer::depthwise_conv2d_backward``, which
+runs the kernels of the gradients asked for, as ATen's ``convolution_backward`` does). A recorded backward (``create_graph=True``) differentiates PyTorch's
 convolution instead, so second derivatives are the plain expression's. Where Triton cannot run (no Triton, a CPU
 tensor outside Triton's interpreter) each op is PyTorch's convolution on the channels-last view.
 
@@ -154,8 +155,27 @@ def _kernels() -> SimpleNamespace | None:
         out = (chunk.to(tl.int64) * ROWS + row)[:, None] * channels + c[None, :]
         tl.store(partial_ptr + out, acc, mask=(row < K * K + 1)[:, None] & in_channels[None, :])
 
+    @triton.jit
+    def depthwise_weight_grad_sum(partial_ptr, weight_grad_ptr, bias_grad_ptr, chunks, channels, TAPS: tl.constexpr,
+                                  ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program: BLOCK_C channels of every chunk's partial sums, added in chunk order, written as the (C, TAPS)
+        # weight gradient and the bias gradient in their dtype
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_channels = c < channels
+        row = tl.arange(0, ROWS)
+        inside = (row < TAPS + 1)[:, None] & in_channels[None, :]
+        acc = tl.zeros((ROWS, BLOCK_C), dtype=tl.float32)
+        for chunk in range(chunks):
+            acc += tl.load(partial_ptr + (chunk * ROWS + row).to(tl.int64)[:, None] * channels + c[None, :],
+                           mask=inside, other=0.0)
+        tl.store(weight_grad_ptr + c[None, :] * TAPS + row[:, None], acc.to(weight_grad_ptr.dtype.element_ty),
+                 mask=(row < TAPS)[:, None] & in_channels[None, :])
+        bias = tl.sum(tl.where(row[:, None] == TAPS, acc, 0.0), axis=0)
+        tl.store(bias_grad_ptr + c, bias.to(bias_grad_ptr.dtype.element_ty), mask=in_channels)
+
     return SimpleNamespace(convolve=depthwise_convolve, weight_grad=depthwise_weight_grad,
-                           next_power_of_2=triton.next_power_of_2, cdiv=triton.cdiv)
+                           weight_grad_sum=depthwise_weight_grad_sum, next_power_of_2=triton.next_power_of_2,
+                           cdiv=triton.cdiv)
 
 
 def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace) -> tuple[int, int, int, int, int]:
@@ -206,21 +226,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op('lipsformer::depthwise_conv2d_input_grad', mutates_args=())
-def _depthwise_conv2d_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dL/dx: the convolution of the output gradient by the flipped kernel."""
     if not triton_available(grad):
         return _plain(grad, weight.flip(-2, -1), None).contiguous()
     return _convolve(grad, weight, None, flip=True)
 
 
-@_depthwise_conv2d_input_grad.register_fake
-def _(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return grad.new_empty(grad.shape)
-
-
-@torch.library.custom_op('lipsformer::depthwise_conv2d_weight_grad', mutates_args=())
-def _depthwise_conv2d_weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dW (C, 1, K, K), dL/dbias (C,)) in x's dtype, summed in float32."""
     batch, height, width, channels = x.shape
     taps = kernel_size * kernel_size
@@ -242,15 +255,32 @@ def _depthwise_conv2d_weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_si
     kernels.weight_grad[(chunks, channel_blocks)](
         x, grad, partial, height, width, channels, tiles_w, tiles_per_image, tiles, tiles_per_program, *x.stride(),
         *grad.stride(), K=kernel_size, ROWS=rows, TILE_H=tile_h, TILE_W=tile_w, BLOCK_C=block_c)
-    summed = partial[:, :taps + 1].sum(0)
-    weight_grad = summed[:taps].t().contiguous().to(x.dtype).view(channels, 1, kernel_size, kernel_size)
-    return weight_grad, summed[taps].to(x.dtype, copy=True)  # no output a view of the other
+    weight_grad = torch.empty((channels, 1, kernel_size, kernel_size), dtype=x.dtype, device=x.device)
+    bias_grad = torch.empty((channels,), dtype=x.dtype, device=x.device)
+    kernels.weight_grad_sum[(channel_blocks,)](partial, weight_grad, bias_grad, chunks, channels, TAPS=taps, ROWS=rows,
+                                               BLOCK_C=block_c)
+    return weight_grad, bias_grad
 
 
-@_depthwise_conv2d_weight_grad.register_fake
-def _(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    channels = x.shape[-1]
-    return x.new_empty(channels, 1, kernel_size, kernel_size), x.new_empty(channels)
+@torch.library.custom_op('lipsformer::depthwise_conv2d_backward', mutates_args=())
+def _depthwise_conv2d_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool,
+                               weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dL/dx, dL/dW, dL/dbias), as ATen's ``convolution_backward`` with its output mask: one op for the backward
+    pass, whose kernels (the input gradient's, the weight gradient's two) run for the gradients asked for; a gradient
+    not asked for is an empty tensor."""
+    empty = x.new_empty(0)
+    grad_x = _input_grad(grad, weight) if input_grad else empty
+    grad_weight, grad_bias = _weight_grad(x, grad, weight.shape[-1]) if weight_grad else (empty.clone(), empty.clone())
+    return grad_x, grad_weight, grad_bias
+
+
+@_depthwise_conv2d_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool, weight_grad: bool
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    channels, kernel_size = x.shape[-1], weight.shape[-1]
+    return (x.new_empty(x.shape) if input_grad else x.new_empty(0),
+            x.new_empty(channels, 1, kernel_size, kernel_size) if weight_grad else x.new_empty(0),
+            x.new_empty(channels) if weight_grad else x.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -264,11 +294,9 @@ def _backward(ctx, grad):
     if torch.is_grad_enabled():
         # A recorded backward: PyTorch's convolution differentiated, so that second derivatives are the plain ones.
         return differentiate_plain(_plain, (x, weight, bias), (need_x, need_weight, need_bias), grad)
-    grad_x = torch.ops.lipsformer.depthwise_conv2d_input_grad(grad, weight) if need_x else None
-    grad_weight = grad_bias = None
-    if need_weight or need_bias:
-        grad_weight, grad_bias = torch.ops.lipsformer.depthwise_conv2d_weight_grad(x, grad, weight.shape[-1])
-    return grad_x, grad_weight if need_weight else None, grad_bias if need_bias else None
+    grad_x, grad_weight, grad_bias = torch.ops.lipsformer.depthwise_conv2d_backward(
+        grad, x, weight, need_x, need_weight or need_bias)
+    return grad_x if need_x else None, grad_weight if need_weight else None, grad_bias if need_bias else None
 
 
 _depthwise_conv2d.register_autograd(_backward, setup_context=_setup_context)

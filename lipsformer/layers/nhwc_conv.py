@@ -31,9 +31,10 @@ def depthwise_conv_nhwc(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def pointwise_conv_nhwc(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``conv``, a 1x1 ``nn.Conv2d`` (stride 1, one group), on the NHWC map ``x`` as a linear layer over channels;
-    NHWC out."""
+    """``conv``, a 1x1 ``nn.Conv2d`` (stride 1, one group), on the NHWC map ``x`` as a linear layer over channels
+    where ``x`` is contiguous (a map laid out channels-first, as PyTorch's own depthwise kernel leaves it, would be
+    copied first: the convolution takes it as it is); NHWC out."""
     if (fastpath.plain(conv, nn.Conv2d) and tuple(conv.kernel_size) == (1, 1) and tuple(conv.stride) == (1, 1)
-            and conv.groups == 1 and not fastpath.traced()):
+            and conv.groups == 1 and not fastpath.traced() and x.is_contiguous()):
         return F.linear(x, conv.weight.flatten(1), conv.bias)
     return _nchw_call(conv, x)

@@ -72,8 +72,10 @@ class StripeAttention(nn.Module):
             q, k = split_heads(qk_windows.flatten(2), 2, self.num_heads)
         # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
         # (B * stripes) stays -1 in every reshape: nothing here reads the batch size.
-        positional = self._lepe(v_windows.unflatten(1, (stripe_h, stripe_w)))
-        positional = positional.flatten(1, 2).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        channels = v_windows.shape[-1]
+        positional = self._lepe(v_windows.view(-1, stripe_h, stripe_w, channels))
+        positional = positional.reshape(-1, stripe_h * stripe_w, self.num_heads, channels // self.num_heads)
+        positional = positional.transpose(1, 2)
         mask = padding_key_mask(height, width, stripe_h, stripe_w, qkv.device, qkv.dtype)
         if mask is None:
             x = self.kernel(q, k, v, None)
