@@ -8,8 +8,10 @@ Example (the CPU comparison of ``docs/performance.md``)::
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size; ``fast_path=False`` or ``True`` runs that model
 with ``lipsformer.fastpath`` switched off or on whatever the device's default, ``native=False`` with the fast paths'
-PyTorch code instead of the package's C kernels, and ``compile=True`` or ``compile=reduce-overhead`` (any
-``torch.compile`` mode) through ``torch.compile``, ``compile=False`` eager, whatever ``--compile`` says; so these forms
+PyTorch code instead of the package's C kernels, and ``compile=True``, ``compile=regional`` / ``compile=whole`` (each
+LipsFormer block once per block shape, the default, or the whole model) or ``compile=reduce-overhead`` (any
+``torch.compile`` mode; ``compile_mode=`` names it beside a scope: ``[compile=regional,compile_mode=reduce-overhead]``)
+through ``torch.compile``, ``compile=False`` eager, whatever ``--compile`` says; so these forms
 of one model are timed in one process), or ``file:/path/module.py:factory[...]`` for a model outside timm (the factory
 is any callable returning an ``nn.Module``; the file is imported and run, so only name files you trust). Per model and
 mode it reports images/s (models interleaved in the warm-up and in every repeat, median of the repeats), the median and
@@ -46,6 +48,7 @@ from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import use_fast_path
 from lipsformer.fastpath.native import native_kernels
 from lipsformer.model_specs import (
+    COMPILE_SCOPES,
     PRECISIONS,
     ModelSpec,
     check_report_path,
@@ -54,6 +57,8 @@ from lipsformer.model_specs import (
     step_loss,
     write_report,
 )
+from lipsformer.models._base import LipsFormerBlock
+from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
 from lipsformer.utils.cli import command_name
 
@@ -73,6 +78,7 @@ class BenchmarkConfig:
     precision: str = 'fp32'
     compile: bool = False
     compile_mode: str | None = None  # torch.compile's mode (default, reduce-overhead, max-autotune...); None: default
+    compile_scope: str = 'regional'  # what --compile compiles: each LipsFormer block (regional) or the whole model
     channels_last: bool = False
     device: str = 'cpu'
     # Without retained memory (--no-retain-cpu-memory) a model page-faults its activations in again for its first few
@@ -109,14 +115,16 @@ def _build(spec: ModelSpec, config: BenchmarkConfig) -> tuple[nn.Module, torch.T
 
 
 def _count(spec: ModelSpec, model: nn.Module, config: BenchmarkConfig) -> dict:
-    """Params and GMACs on the meta device; on the built model if the factory cannot run on meta."""
+    """Params and GMACs on the meta device (on the built model if the factory cannot run on meta), and whether the
+    model has LipsFormer blocks (which a regional compilation compiles)."""
     kwargs = {key: value for key, value in spec.kwargs.items() if key != 'img_size'}
     img_size = _input_size(spec, config)
+    blocks = dict(lipsformer_blocks=any(isinstance(module, LipsFormerBlock) for module in model.modules()))
     try:
-        return model_complexity(spec.factory(), img_size=img_size, **kwargs)
+        return model_complexity(spec.factory(), img_size=img_size, **kwargs) | blocks
     except RuntimeError:
         in_chans = {key: kwargs[key] for key in ('in_chans',) if key in kwargs}
-        return model_complexity(model, img_size=img_size, **in_chans)
+        return model_complexity(model, img_size=img_size, **in_chans) | blocks
 
 
 def _autocast(config: BenchmarkConfig) -> torch.autocast:
@@ -150,9 +158,19 @@ def saved_activations_mb(model: nn.Module, inputs: torch.Tensor, config: Benchma
 
 def compile_mode(spec: ModelSpec | None, config: BenchmarkConfig) -> str | None:
     """The ``torch.compile`` mode ``spec``'s model runs in ('default' for the default mode), or None for eager: the
-    spec's ``compile`` key, else ``--compile`` / ``--compile-mode`` (``config``)."""
+    spec's ``compile`` / ``compile_mode`` keys, else ``--compile`` / ``--compile-mode`` (``config``)."""
     default = (config.compile_mode or 'default') if config.compile else None
     return default if spec is None else spec.compile_mode(default)
+
+
+def compile_scope(spec: ModelSpec | None, config: BenchmarkConfig, has_blocks: bool = True) -> str | None:
+    """What ``spec``'s model compiles, or None for eager: ``regional`` (its LipsFormer blocks, one by one) or
+    ``whole``, as the spec's ``compile`` key or ``--compile-scope`` says; a model without LipsFormer blocks
+    (``has_blocks`` False) compiles whole."""
+    if compile_mode(spec, config) is None:
+        return None
+    scope = config.compile_scope if spec is None else spec.compile_scope(config.compile_scope)
+    return scope if has_blocks else 'whole'
 
 
 def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: BenchmarkConfig,
@@ -162,7 +180,9 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
     device_type = torch.device(config.device).type
     dtype = PRECISIONS[config.precision]
     torch_compile_mode = compile_mode(spec, config)
-    runner = model if torch_compile_mode is None else torch.compile(model, mode=torch_compile_mode)
+    runner = model
+    if torch_compile_mode is not None:  # a regional compilation compiles the model's blocks in place
+        runner, _ = compile_model(model, compile_scope(spec, config), torch_compile_mode, device_type)
     if mode == 'infer':
         model.eval()
 
@@ -342,13 +362,16 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float
     images_per_s = statistics.median(samples)
     macs_per_image = counts['gmacs'] * (TRAIN_MACS_PER_FORWARD_MAC if mode == 'train' else 1)
     torch_compile_mode = compile_mode(spec, config)
+    device_type = torch.device(config.device).type
     # What this model ran with: compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels too.
-    fast_path = torch_compile_mode is None and spec.running(
-        functools.partial(use_fast_path, torch.device(config.device).type))()
+    fast_path = torch_compile_mode is None and spec.running(functools.partial(use_fast_path, device_type))()
     return {
         'model': spec.text,
         'mode': mode,
-        'compile': torch_compile_mode,  # torch.compile's mode, None for eager
+        # torch.compile's mode as it ran (a CUDA-graph mode without CUDA runs without graphs), None for eager; its
+        # scope; compile_s (run_benchmark) is the first warm-up step's seconds, compilation included
+        'compile': None if torch_compile_mode is None else effective_mode(torch_compile_mode, device_type),
+        'compile_scope': compile_scope(spec, config, counts['lipsformer_blocks']),
         'fast_path': fast_path,
         'native_kernels': fast_path and spec.native is not False and all(native_kernels().values()),
         'input_size': list(counts['input_size']),
@@ -395,6 +418,7 @@ def run_benchmark(models: str | list[ModelSpec], modes: list[str], config: Bench
                 for spec, count, model_runs in zip(specs, counts, measured.runs)]
         for row, first_step_s, profile in zip(rows, measured.first_step_s, measured.profiles):
             row['first_step_s'] = first_step_s
+            row['compile_s'] = first_step_s if row['compile'] else None
             # One model per process: its own peak; with several, the largest of them (they share the process).
             row['cuda_peak_memory_mb_in_process'] = measured.cuda_peak_memory_mb
             if config.profile_steps:
@@ -490,7 +514,7 @@ def format_table(report: dict, markdown: bool = False) -> str:
               optional(row['memory_ratio'], 3), optional(row['saved_activations_mb_per_image'], 1),
               optional(row['saved_activations_ratio'], 3),
               f'{row["params"] / 1e6:.2f}', f'{row["gmacs"]:.2f}', f'{row["tflops"]:.3f}',
-              row.get('compile') or '-']  # torch.compile's mode, '-' for eager
+              f'{row["compile_scope"]}, {row["compile"]}' if row.get('compile') else '-']  # '-' for eager
              for row in report['results']]
     if markdown:
         return '\n'.join(['| ' + ' | '.join(header) + ' |', '|---|---|' + '---:|' * (len(header) - 2)] +
@@ -546,6 +570,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--compile-mode', default=None,
                         help="torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs), "
                              'max-autotune, max-autotune-no-cudagraphs (default: default)')
+    parser.add_argument('--compile-scope', choices=COMPILE_SCOPES, default=None,
+                        help='what --compile compiles: regional (each LipsFormer block, once per block shape; the '
+                             'default; a model without them compiles whole) or whole (the whole model)')
     parser.add_argument('--channels-last', action='store_true', help='channels-last model and input')
     parser.add_argument('--device', default='cpu', help='cpu, cuda or cuda:N')
     parser.add_argument('--json', type=Path,
@@ -578,8 +605,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:
-    if args.compile_mode is not None and not args.compile:
-        parser.error('--compile-mode needs --compile')
+    for flag in ('compile_mode', 'compile_scope'):
+        if getattr(args, flag) is not None and not args.compile:
+            parser.error(f'--{flag.replace("_", "-")} needs --compile')
     if args.profile < 0:
         parser.error(f'--profile must be 0 or more, got {args.profile}')
     for name in ('batch_size', 'img_size', 'repeats', 'steps', 'threads'):
@@ -594,6 +622,7 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
                      f'--device cpu')
     return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
                            compile=args.compile, compile_mode=args.compile_mode,
+                           compile_scope=args.compile_scope or BenchmarkConfig.compile_scope,
                            channels_last=args.channels_last, device=args.device,
                            warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,
                            threads=args.threads, retain_cpu_memory=args.retain_cpu_memory,

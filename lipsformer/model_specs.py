@@ -1,8 +1,9 @@
 """Model specs, as the benchmark and the kernel counter take them: ``name[key=value,...]`` or
 ``file:/path/module.py:factory[...]``, with three keys that are no constructor arguments: ``fast_path=True`` /
 ``False`` switches ``lipsformer.fastpath`` for that model, ``native=False`` keeps the fast paths off the package's C
-kernels (their PyTorch code instead), and ``compile=True`` or ``compile='<mode>'`` runs that model through
-``torch.compile`` (``False``: eager, whatever ``--compile`` says); the precisions they run in; the loss of a timed
+kernels (their PyTorch code instead), and ``compile=True``, ``compile=regional`` / ``whole`` (the scope) or
+``compile='<mode>'`` runs that model through ``torch.compile`` (``False``: eager, whatever ``--compile`` says), in the
+mode ``compile_mode='<mode>'`` names where the scope is given; the precisions they run in; the loss of a timed
 training step; and the checks of their JSON reports.
 """
 import argparse
@@ -44,7 +45,8 @@ class ModelSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
     native: bool | None = None  # False: the fast paths' PyTorch code instead of the C kernels (None: the kernels)
-    compile: bool | str | None = None  # torch.compile: a mode, True (default mode) or False (eager); None: --compile
+    compile: bool | str | None = None  # torch.compile: True, a scope or a mode, or False (eager); None: --compile
+    mode: str | None = None  # torch.compile's mode from compile_mode= (None: the compile key's, else --compile-mode)
 
     def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
         """``step`` with the fast paths and their C kernels switched as this spec asks."""
@@ -55,12 +57,19 @@ class ModelSpec:
 
     def compile_mode(self, default: str | None) -> str | None:
         """The ``torch.compile`` mode this model runs in ('default' for the default mode), or None for eager;
-        ``default`` is the mode of the command line's ``--compile`` (None without it), for a spec without the key."""
+        ``default`` is the mode of the command line's ``--compile`` (None without it), for a spec without the keys."""
+        if self.compile is False:
+            return None
+        if self.mode is not None:
+            return self.mode
         if self.compile is None:
             return default
-        if self.compile is True:
-            return 'default'
-        return self.compile or None
+        return self.compile if self.compile not in (True, *COMPILE_SCOPES) else 'default'
+
+    def compile_scope(self, default: str) -> str:
+        """The scope this model compiles in, if it compiles: the ``compile`` key's (regional or whole), else
+        ``default`` (the command line's ``--compile-scope``)."""
+        return self.compile if self.compile in COMPILE_SCOPES else default
 
     @property
     def is_file(self) -> bool:
@@ -106,7 +115,9 @@ def _split_top_level(text: str) -> list[str]:
 
 
 # The keys of a spec that are no constructor arguments.
-SPEC_KEYS = ('fast_path', 'native', 'compile')
+SPEC_KEYS = ('fast_path', 'native', 'compile', 'compile_mode')
+# torch.compile's scopes a compile key may name instead of a mode: the LipsFormer blocks one by one, or the model.
+COMPILE_SCOPES = ('regional', 'whole')
 
 
 def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
@@ -126,17 +137,21 @@ def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
     return kwargs
 
 
-def _compile_setting(value: Any, spec: str) -> bool | str | None:
-    """A spec's ``compile`` value, checked: None, True, False or one of torch.compile's modes."""
-    if value is None or isinstance(value, bool):
+def _compile_setting(value: Any, spec: str, key: str = 'compile') -> bool | str | None:
+    """A spec's ``compile`` value, checked: None, True, False, a scope (:data:`COMPILE_SCOPES`) or one of
+    torch.compile's modes; for ``key`` ``compile_mode``, None or a mode."""
+    scopes = COMPILE_SCOPES if key == 'compile' else ()
+    if value is None or (isinstance(value, bool) and key == 'compile'):
         return value
     if not isinstance(value, str):
-        raise TypeError(f'{spec!r}: compile must be True, False or a torch.compile mode, got {value!r}')
+        raise TypeError(f'{spec!r}: {key} must be {"True, False, a scope or " if scopes else ""}a torch.compile mode, '
+                        f'got {value!r}')
     from torch._inductor import list_mode_options  # the modes torch.compile takes (its docstring points here)
     modes = list(list_mode_options())
-    if value not in modes:
-        raise ValueError(f'{spec!r}: compile={value!r} is no torch.compile mode; write compile=True (the default '
-                         f'mode) or one of {", ".join(modes)}')
+    if value not in (*scopes, *modes):
+        raise ValueError(f'{spec!r}: {key}={value!r} is no torch.compile {"scope or " if scopes else ""}mode; write '
+                         + (f'compile=True (the default mode and scope), one of the scopes {", ".join(scopes)} or '
+                            f'of the modes ' if scopes else 'one of ') + ', '.join(modes))
     return value
 
 
@@ -161,6 +176,10 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f'{item!r}: {key} must be True or False, got {value!r}')
         compile_setting = _compile_setting(kwargs.pop('compile', None), item)
+        mode_setting = _compile_setting(kwargs.pop('compile_mode', None), item, key='compile_mode')
+        if mode_setting is not None and compile_setting not in (None, True, *COMPILE_SCOPES):  # False or a mode
+            raise ValueError(f'{item!r}: compile_mode={mode_setting!r} with compile={compile_setting!r}; give the mode '
+                             f'once, with compile=True, regional or whole')
         if source.startswith('file:'):
             if source.count(':') < 2:
                 raise ValueError(f'bad model spec {item!r}; write file:/path/to/module.py:factory_name')
@@ -170,7 +189,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
             check_model_source(source)
         else:
             expand_model_names(source)  # raises with close matches if the name is unknown
-        specs.append(ModelSpec(item, source, kwargs, fast_path, native, compile_setting))
+        specs.append(ModelSpec(item, source, kwargs, fast_path, native, compile_setting, mode_setting))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')
     if not specs:

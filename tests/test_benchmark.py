@@ -445,10 +445,35 @@ def test_a_model_spec_can_take_its_own_compile_mode_and_keep_off_the_c_kernels()
     assert bare.compile == 'max-autotune-no-cudagraphs'
 
 
+def test_spec_keys_name_the_compile_scope_and_its_mode():
+    """``compile=regional`` / ``whole`` pick the scope, ``compile_mode`` the mode beside it; ``--compile-scope`` is the
+    default of the specs without a scope, and a model without LipsFormer blocks compiles whole."""
+    specs = parse_model_specs('lipsformer_cswin_tiny[compile=regional,compile_mode=reduce-overhead],'
+                              'lipsformer_cswin_tiny[compile=whole,compile_mode=reduce-overhead],'
+                              'lipsformer_swin_tiny[compile=True],lipsformer_swin_tiny[compile=whole],lipsformer_swin_tiny')
+    assert [(benchmark.compile_mode(spec, BenchmarkConfig()), benchmark.compile_scope(spec, BenchmarkConfig()))
+            for spec in specs] == [('reduce-overhead', 'regional'), ('reduce-overhead', 'whole'),
+                                   ('default', 'regional'), ('default', 'whole'), (None, None)]
+    whole = BenchmarkConfig(compile=True, compile_scope='whole')
+    assert [benchmark.compile_scope(spec, whole) for spec in specs] == ['regional', 'whole', 'whole', 'whole', 'whole']
+    assert benchmark.compile_scope(specs[2], BenchmarkConfig(), has_blocks=False) == 'whole'
+
+
+def test_compile_scope_needs_compile(capsys):
+    with pytest.raises(SystemExit, match='2'):
+        main(['--models', 'resnet10t', '--compile-scope', 'whole'])
+    assert '--compile-scope needs --compile' in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('text, error, message', [
-    ('test_vit[compile=fast]', ValueError, r"'test_vit\[compile=fast\]': compile='fast' is no torch.compile mode; "
-                                           r'write compile=True \(the default mode\) or one of default, .*reduce-over'),
-    ('test_vit[compile=1]', TypeError, r"'test_vit\[compile=1\]': compile must be True, False or a torch.compile mode"),
+    ('test_vit[compile=fast]', ValueError, r"'test_vit\[compile=fast\]': compile='fast' is no torch.compile scope or "
+                                           r'mode; write compile=True \(the default mode and scope\), one of the '
+                                           r'scopes regional, whole or of the modes default, .*reduce-over'),
+    ('test_vit[compile=1]', TypeError, r"'test_vit\[compile=1\]': compile must be True, False, a scope or a "
+                                       r'torch.compile mode'),
+    ('test_vit[compile=False,compile_mode=default]', ValueError, r"compile_mode='default' with compile=False"),
+    ('test_vit[compile_mode=regional]', ValueError, r"compile_mode='regional' is no torch.compile mode; write one of "
+                                                    r'default'),
     ('test_vit[native=0]', TypeError, r"'test_vit\[native=0\]': native must be True or False, got 0"),
 ])
 def test_bad_compile_or_native_keys_say_what_is_accepted(text, error, message, capsys):
@@ -461,7 +486,7 @@ def test_bad_compile_or_native_keys_say_what_is_accepted(text, error, message, c
 
 def test_make_step_compiles_as_the_spec_says(monkeypatch):
     compiled = []
-    monkeypatch.setattr(torch, 'compile', lambda model, mode=None: compiled.append(mode) or model)
+    monkeypatch.setattr(torch, 'compile', lambda model, mode=None, **kwargs: compiled.append(mode) or model)
     config = BenchmarkConfig(batch_size=2, img_size=32, compile=True)
     model, inputs = _build(ModelSpec('test_vit', 'test_vit'), config)
     eager, own_mode = parse_model_specs('test_vit[compile=False],test_vit[compile=max-autotune-no-cudagraphs]')
@@ -529,8 +554,8 @@ def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
     from tiny_models import SMALLEST_SWIN
 
     compile_calls, real_compile = [], torch.compile
-    monkeypatch.setattr(torch, 'compile', lambda model, mode=None: compile_calls.append(mode) or real_compile(
-        model, mode=None, backend='eager'))
+    monkeypatch.setattr(torch, 'compile', lambda model, mode=None, **kwargs: compile_calls.append(mode) or
+                        real_compile(model, mode=None, backend='eager'))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     tiny = f'lipsformer_swin_tiny[{_spec_arguments(SMALLEST_SWIN)}'
@@ -538,12 +563,15 @@ def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
     report = run_benchmark(specs, ['infer'], BenchmarkConfig(
         batch_size=2, img_size=32, warmup=1, repeats=1, memory=False, retain_cpu_memory=False))
     eager, compiled = report['results']
-    assert (eager['compile'], compiled['compile']) == (None, 'default') and compile_calls == ['default']
+    assert (eager['compile'], compiled['compile']) == (None, 'default')
+    assert (eager['compile_scope'], compiled['compile_scope']) == (None, 'regional')
+    assert compile_calls == ['default'] * 4  # each of the four blocks, in place
+    assert eager['compile_s'] is None and compiled['compile_s'] == compiled['first_step_s'] > 0
     # compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels with it
     assert (eager['fast_path'], eager['native_kernels'], compiled['fast_path'], compiled['native_kernels']) == (
         True, True, False, False)
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1  # dynamo traced the compiled model
-    assert format_table(report).splitlines()[2].split()[-1] == 'default'
+    assert format_table(report).splitlines()[2].split()[-2:] == ['regional,', 'default']
     torch._dynamo.reset()
 
 
