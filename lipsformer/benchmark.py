@@ -289,6 +289,9 @@ def _peak_memories(specs: list[ModelSpec], modes: list[str], config: BenchmarkCo
     return memories
 
 
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
+
+
 def _log(message: str) -> None:
     print(f'[benchmark] {message}', file=sys.stderr, flush=True)
 
@@ -652,11 +655,22 @@ def main(argv: list[str] | None = None) -> dict:
                      f'({compile_mode(compiled[0], config)}): count it in a run without compile')
     command = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
 
+    kept = []  # the modes whose rows a report holds, for the line a Ctrl-C ends with
+
     def write_so_far(report: dict) -> None:
         if write_report(parser, args.json, report | {'command': command}, partial=True):
+            kept[:] = report['config']['modes'][:len(report['results']) // len(specs)]
             _log(f'wrote the report so far to {args.json}')
     try:
         report = run_benchmark(specs, modes, config, write_so_far if args.json is not None else None)
+    except KeyboardInterrupt:
+        if kept:
+            held = f'the report so far ({", ".join(kept)}; complete false) is in --json {str(args.json)!r}'
+        else:
+            held = ('no mode had finished; nothing was written' if args.json is not None else
+                    'nothing was kept (--json FILE keeps each mode as it finishes)')
+        print(f'{parser.prog}: interrupted by Ctrl-C: {held}', file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
         parser.error(f'--img-size {config.img_size}: {error}')
     except TypeError as error:  # a constructor's refusal of a spec's argument

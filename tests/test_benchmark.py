@@ -575,23 +575,34 @@ def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_the_report_is_written_after_each_mode_and_marked_complete_at_the_end(tmp_path, monkeypatch):
-    """A run cut short (here: the training mode fails) leaves the modes it finished in --json, ``complete`` false."""
+def test_the_report_is_written_after_each_mode_and_marked_complete_at_the_end(tmp_path, monkeypatch, capsys):
+    """A run cut short by Ctrl-C (here: during the training mode) leaves the modes it finished in --json, ``complete``
+    false, and ends with exit 130 and one line saying what was kept, as train.py does; without a finished mode or
+    without --json, the line says nothing was kept."""
     real_time_mode = benchmark._time_mode
+    interrupted_modes = {'train'}
 
-    def inference_only(models, mode, config, specs):
-        if mode == 'train':
-            raise KeyboardInterrupt  # as a time limit's signal would stop the run
+    def interrupted(models, mode, config, specs):
+        if mode in interrupted_modes:
+            raise KeyboardInterrupt  # as Ctrl-C, or a time limit's SIGINT, would stop the run
         return real_time_mode(models, mode, config, specs)
-    monkeypatch.setattr(benchmark, '_time_mode', inference_only)
+    monkeypatch.setattr(benchmark, '_time_mode', interrupted)
     out = tmp_path / 'report.json'
     argv = ['--models', 'test_vit,resnet10t', '--img-size', '32', '--batch-size', '2', '--warmup', '0', '--repeats',
             '1', '--no-memory', '--no-retain-cpu-memory', '--json', str(out)]
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match='130'):
         main(argv + ['--mode', 'infer,train'])
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"python -m lipsformer.benchmark: interrupted by Ctrl-C: the report so far (infer; "
+                                    f"complete false) is in --json {str(out)!r}") and 'Traceback' not in err
     saved = json.loads(out.read_text())
     assert saved['complete'] is False and saved['command'].startswith('python -m lipsformer.benchmark --models')
     assert [(row['model'], row['mode']) for row in saved['results']] == [('test_vit', 'infer'), ('resnet10t', 'infer')]
     assert saved['config']['modes'] == ['infer', 'train']
     finished = main(argv + ['--mode', 'infer'])
     assert json.loads(out.read_text()) == json.loads(json.dumps(finished)) and finished['complete'] is True
+    interrupted_modes.add('infer')
+    with pytest.raises(SystemExit, match='130'):
+        main(argv[:-2] + ['--mode', 'infer'])
+    assert capsys.readouterr().err.splitlines()[-1] == ('python -m lipsformer.benchmark: interrupted by Ctrl-C: '
+                                                        'nothing was kept (--json FILE keeps each mode as it finishes)')

@@ -351,6 +351,32 @@ def test_cli_json_file_in_a_folder_that_does_not_exist_yet_is_written_there(tmp_
     assert capsys.readouterr().err == ''
 
 
+def test_cli_ctrl_c_keeps_the_bounds_and_exits_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the empirical estimates: the bounds computed before them are printed and in --json (complete
+    false), and one line ends the run with exit 130; before the bounds, the line says nothing was written."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr('lipsformer.lipschitz.analysis._empirical', interrupted)
+    out = tmp_path / 'report.json'
+    assert main([*_tiny_cli_args(attn_type='lipnorm'), '--json', str(out)]) == 130
+    printed, err = capsys.readouterr()
+    assert 'Theorem 2 product bound' in printed and 'Traceback' not in err
+    assert err.splitlines() == [f'python -m lipsformer.lipschitz: interrupted by Ctrl-C during the empirical '
+                                f'estimates: the bounds are printed above and in --json {str(out)!r} (complete false)']
+    saved = json.loads(out.read_text())
+    assert saved['complete'] is False and isinstance(saved['product_bound'], float) and len(saved['branches']) == 20
+    assert 'empirical_lipschitz' not in saved and saved['weights'] == 'at initialisation'
+    monkeypatch.setattr('lipsformer.lipschitz.analysis.network_bound', interrupted)
+    assert main([*_tiny_cli_args(attn_type='lipnorm'), '--json', str(tmp_path / 'other.json')]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        'python -m lipsformer.lipschitz: interrupted by Ctrl-C before the bounds were computed; nothing was written']
+    assert not (tmp_path / 'other.json').exists()
+    monkeypatch.undo()
+    assert main([*_tiny_cli_args(attn_type='lipnorm'), '--json', str(out), '--iterations', '1', '--ascent-steps',
+                 '0', '--branch-iterations', '1']) == 0
+    assert json.loads(out.read_text())['complete'] is True
+
+
 def test_module_entry_point_help():
     result = subprocess.run([sys.executable, '-m', 'lipsformer.lipschitz', '--help'], capture_output=True, text=True)
     assert result.returncode == 0 and '--checkpoint' in result.stdout and '--json' in result.stdout

@@ -12,7 +12,7 @@ makes the expectation the full product again.
 """
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -129,6 +129,7 @@ def analyze(
         branch_iterations: int = 5,
         seed: int = 0,
         inputs: torch.Tensor | None = None,
+        progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Bounds and empirical estimates of the Lipschitz constant of a LipsFormer model and of each of its branches.
 
@@ -143,6 +144,8 @@ def analyze(
         branch_iterations: Power iterations on each branch's Jacobian.
         seed: Seed of the random input image and starting directions.
         inputs: A (1, C, H, W) input to measure at instead of a random image.
+        progress: Called with the report of the bounds once they are computed, before the (slower) measurements,
+            so that a run cut short keeps them.
 
     Returns:
         A report: ``model``, ``img_size``, the network bounds of :func:`network_bound` (with operator norms of the
@@ -168,6 +171,9 @@ def analyze(
                      if k in ('product_bound', 'log10_product_bound', 'exp_kappa_bound', 'bounded_parts_product')},
     }
     timings = {'bounds': time.perf_counter() - start}
+    if progress is not None and empirical:
+        progress(dict(report, branches=[dict(row) for row in rows if 'alpha' in row],
+                      plain_layers=[dict(row) for row in rows if 'alpha' not in row], seconds=dict(timings)))
     if empirical:
         if inputs is None:
             generator = torch.Generator().manual_seed(seed)

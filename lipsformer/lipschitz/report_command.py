@@ -142,25 +142,53 @@ def load_analysed_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]
     return model, f'EMA weights: {weights}' if args.use_ema else weights
 
 
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status: 2 for bad input, 4 when the ``--json`` file could not be written (the
-    report is printed first)."""
+    report is printed first), 130 after a Ctrl-C (the bounds printed, and written to ``--json`` with ``complete``
+    false, once they are computed)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    bounds: dict[str, Any] = {}  # the report of the bounds, kept (and written) before the measurements
+    written = []
+
+    def keep_bounds(report_so_far: dict[str, Any]) -> None:
+        bounds.update(report_so_far, checkpoint=args.checkpoint, weights=weights, use_ema=args.use_ema,
+                      complete=False)
+        if args.json:
+            try:
+                _write_report(args.json, bounds)
+                written.append(args.json)
+            except OSError:  # the final write reports it
+                pass
     try:
         if args.json and unwritable_file_reason(args.json):
             raise ValueError(f'--json {args.json!r} cannot be written: {unwritable_file_reason(args.json)}')
         model, weights = load_analysed_model(args)
         report = analyze(model, args.img_size, empirical=not args.no_empirical, iterations=args.iterations,
-                         ascent_steps=args.ascent_steps, branch_iterations=args.branch_iterations, seed=args.seed)
+                         ascent_steps=args.ascent_steps, branch_iterations=args.branch_iterations, seed=args.seed,
+                         progress=keep_bounds)
     except (ValueError, TypeError, CheckpointError) as e:
         print(f'{parser.prog}: error: {e}', file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if not bounds:
+            print(f'{parser.prog}: interrupted by Ctrl-C before the bounds were computed; nothing was written',
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(format_report(bounds))
+        where = f' and in --json {args.json!r} (complete false)' if written else ''
+        print(f'{parser.prog}: interrupted by Ctrl-C during the empirical estimates: the bounds are printed '
+              f'above{where}', file=sys.stderr)
+        return EXIT_INTERRUPTED
     report['checkpoint'] = args.checkpoint
     report['weights'] = weights
     report['use_ema'] = args.use_ema
+    report['complete'] = True
     print(format_report(report))
     if args.json:
         try:
