@@ -27,6 +27,7 @@ from torch import nn
 from lipsformer.fastpath import set_fast_path
 from lipsformer.fastpath.native import set_native_kernels
 from lipsformer.model_names import check_model_source, expand_model_names, model_source
+from lipsformer.training.compilation import COMPILE_SCOPES  # a compile key may name a scope instead of a mode
 from lipsformer.utils import write_json
 from lipsformer.utils.io import unwritable_file_reason
 
@@ -116,8 +117,6 @@ def _split_top_level(text: str) -> list[str]:
 
 # The keys of a spec that are no constructor arguments.
 SPEC_KEYS = ('fast_path', 'native', 'compile', 'compile_mode')
-# torch.compile's scopes a compile key may name instead of a mode: the LipsFormer blocks one by one, or the model.
-COMPILE_SCOPES = ('regional', 'whole')
 
 
 def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
