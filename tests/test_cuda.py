@@ -169,6 +169,52 @@ def test_benchmark_runs_on_cuda(tmp_path):
         assert row['images_per_s'] > 0 and row['peak_memory_mb'] > 0, row
 
 
+def _gradient_norm_at(model: torch.nn.Module, size: tuple[int, int]) -> float:
+    """The global gradient norm of one backward of a fixed loss at an input size (the padded windows' and stripes'
+    scale: a padded token's 1 / eps factor would multiply it by about 1e8)."""
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(2, 3, *size, device=DEVICE)).logsumexp(-1).mean().backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+
+
+@pytest.mark.parametrize('fast', [False, True], ids=['plain', 'fast'])
+@pytest.mark.parametrize('name', FAMILIES)
+def test_padded_size_keeps_the_gradient_norm_and_finite_half_precision_logits(name, fast):
+    """At 256x320 Swin pads its 7x7 windows (maps 64x80, 32x40, 16x20, 8x10) and CSwin its 7-wide stripes."""
+    model = _default_model(name).train()
+    with set_fast_path(fast):
+        unpadded, padded = _gradient_norm_at(model, (224, 224)), _gradient_norm_at(model, (256, 320))
+        assert unpadded / 3 < padded < unpadded * 3
+        x = torch.randn(2, 3, 256, 320, device=DEVICE)
+        for dtype in (torch.float16, torch.bfloat16):
+            model.to(dtype)
+            with torch.no_grad():
+                assert torch.isfinite(model.eval()(x.to(dtype))).all(), dtype
+            model.train().zero_grad(set_to_none=True)
+            model(x.to(dtype)).float().logsumexp(-1).mean().backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None), dtype
+        model.float()
+        with torch.autocast(DEVICE, dtype=torch.float16), torch.no_grad():
+            assert torch.isfinite(model.eval()(x)).all()
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.float32])
+def test_triton_l2_normalize_of_a_zero_row_is_zero(dtype):
+    """A padded token's zero q at float16's floor (2**-14), where tau / eps = 163840 is past float16's range."""
+    from lipsformer.fastpath import l2_normalize_op
+    x = torch.randn(2, 49, 32, device=DEVICE, dtype=dtype)
+    x[:, 40:] = 0.0
+    x.requires_grad_()
+    assert l2_normalize_op.triton_available(x)
+    y = l2_normalize_op.l2_normalize(x, 2.0 ** -14, 10.0)
+    assert torch.isfinite(y).all() and not y[:, 40:].any()
+    grad = torch.randn_like(y)
+    grad[:, 40:] = 0.0
+    y.backward(grad)
+    assert torch.isfinite(x.grad).all() and not x.grad[:, 40:].any()
+
+
 # lipsformer::depthwise_conv2d's Triton kernels against cuDNN, on the shapes the models run (the conv shortcuts' 7x7
 # maps of each stage, CSwin's 3x3 LePE stripes) and on sides that are not multiples of the tiles.
 _DEPTHWISE_SHAPES = [((8, 56, 56, 96), 7), ((8, 14, 14, 384), 7), ((8, 7, 7, 768), 7), ((448, 56, 1, 32), 3),

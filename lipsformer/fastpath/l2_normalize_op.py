@@ -120,7 +120,9 @@ def _norm_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _plain(x: torch.Tensor, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     squared_norm = x.to(_norm_dtype(x)).square().sum(-1, keepdim=True).clamp_min(eps * eps)
-    return (x * (squared_norm.rsqrt() * scale).to(x.dtype)).contiguous(), squared_norm
+    # multiplied in r^2's dtype, as the kernel: s / r overflows float16 for a zero row (s / eps), and 0 * inf is NaN
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return torch.mul(x, squared_norm.rsqrt() * scale, out=y), squared_norm
 
 
 @torch.library.custom_op('lipsformer::l2_normalize', mutates_args=())
@@ -154,7 +156,7 @@ def _l2_normalize_backward(grad: torch.Tensor, y: torch.Tensor, squared_norm: to
     if not triton_available(y) or y.numel() == 0:
         unclamped = squared_norm > eps * eps
         radial = (grad * y).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale * unclamped
-        return ((grad * scale - y * radial.to(y.dtype)) * squared_norm.rsqrt().to(y.dtype)).to(y.dtype)
+        return (grad * scale).addcmul_(y, -radial.to(y.dtype)).mul_(squared_norm.rsqrt())
     grad_x = torch.empty_like(y)
     width, rows = y.shape[-1], y[..., 0].numel()
     kernels = _kernels()
@@ -189,7 +191,7 @@ def _backward(ctx, grad, grad_squared_norm):
     grad_x = None
     if grad is not None:
         radial = (grad * y).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale * unclamped
-        grad_x = (grad * scale - y * radial.to(y.dtype)) * inverse_norm.to(y.dtype)
+        grad_x = ((grad * scale - y * radial.to(y.dtype)) * inverse_norm).to(y.dtype)
     if grad_squared_norm is not None:
         radial_norm = (grad_squared_norm * unclamped * 2.0 / (scale * inverse_norm)).to(y.dtype)
         grad_x = y * radial_norm if grad_x is None else grad_x + y * radial_norm

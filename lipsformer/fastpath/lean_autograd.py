@@ -281,7 +281,8 @@ class _L2Normalize(torch.autograd.Function):
     def forward(ctx, x, eps: float, scale: float):
         squared_norm = _squared_norm(x, eps)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-        torch.mul(x, (squared_norm.rsqrt() * scale).to(x.dtype), out=out)
+        # The product in r^2's dtype, rounded once: s / r itself can overflow float16 (a zero row's s / eps), 0 * inf
+        torch.mul(x, squared_norm.rsqrt() * scale, out=out)
         ctx.eps, ctx.scale = eps, scale
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(out, squared_norm)
@@ -298,10 +299,11 @@ class _L2Normalize(torch.autograd.Function):
         if grad is not None:
             # (s g - <g, y> y / s) / r
             radial = ((grad * out).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale) * unclamped
+            # 1 / r multiplied in r^2's dtype, as in the forward (a zero row's 1 / eps overflows float16)
             if torch.is_grad_enabled():
-                grad_x = (grad * scale - out * radial.to(out.dtype)) * inverse_norm.to(out.dtype)
+                grad_x = ((grad * scale - out * radial.to(out.dtype)) * inverse_norm).to(out.dtype)
             else:
-                grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm.to(out.dtype))
+                grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm)
         if grad_squared_norm is not None:
             # d(r^2)/dx = 2 x = 2 r y / s where unclamped
             radial_norm = (grad_squared_norm * unclamped * 2.0 / (scale * inverse_norm)).to(out.dtype)
@@ -310,8 +312,8 @@ class _L2Normalize(torch.autograd.Function):
 
 
 def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """``scale * x / max(||x||, eps)`` over the last dimension (``F.normalize`` times ``scale``), the norm taken in at
-    least float32.
+    """``scale * x / max(||x||, eps)`` over the last dimension (``F.normalize`` times ``scale``), the norm and the
+    product taken in at least float32 (so that a zero row is zero in float16 too, where ``scale / eps`` overflows).
 
     On a GPU, the ``lipsformer::l2_normalize`` custom op (:mod:`.l2_normalize_op`: one Triton kernel a direction). On
     the CPU, the backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared norm:
@@ -321,4 +323,4 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
         return l2_normalize_op.l2_normalize(x, eps, scale)
     if scale != 0.0 and lean_backward(x):
         return _L2Normalize.apply(x, eps, scale)[0]
-    return x * (_squared_norm(x, eps).rsqrt() * scale).to(x.dtype)
+    return (x * (_squared_norm(x, eps).rsqrt() * scale)).to(x.dtype)

@@ -20,7 +20,17 @@ from timm.layers import use_fused_attn
 from .. import fastpath
 from .softmax_attention import softmax_attention
 
-__all__ = ['ScaledCosineAttention']
+__all__ = ['ScaledCosineAttention', 'norm_floor']
+
+
+def norm_floor(eps: float, dtype: torch.dtype) -> float:
+    """The floor of the norms for tensors of ``dtype``: ``eps``, or float16's smallest normal number (2^-14) where
+    ``eps`` is below it, so that a zero vector (a token of a padded window or stripe) normalises to zero in every
+    dtype. A float eps is rounded to the tensor's dtype: the authors' 1e-12 is 0 in float16, where a zero vector
+    would normalise to 0 / 0; the other floating dtypes hold it."""
+    if dtype == torch.float16:
+        return max(eps, 6.103515625e-05)  # a literal: TorchScript reads no global floats
+    return eps
 
 
 class ScaledCosineAttention(nn.Module):
@@ -48,7 +58,8 @@ class ScaledCosineAttention(nn.Module):
             tau_learnable: Learn tau (a scalar parameter initialised at ``tau``).
             v_norm: l2-normalise the values and scale the output by ``nu``, the paper's form.
             nu: Output scale used with ``v_norm``.
-            eps: Floor of the norms (``F.normalize``'s eps, as the authors' code).
+            eps: Floor of the norms (``F.normalize``'s eps, as the authors' code), raised to float16's smallest
+                normal number for float16 tensors (:func:`norm_floor`).
             attn_drop: Dropout on the attention probabilities.
             device, dtype: Where and in which dtype to create a learned tau.
         """
@@ -73,18 +84,19 @@ class ScaledCosineAttention(nn.Module):
         if not torch.jit.is_scripting():
             fast = fastpath.engaged()  # inside a LipsFormer block's fast form
         scale = 1.0 if self.tau_learnable else self.tau_init
+        eps = norm_floor(self.eps, q.dtype)
         if torch.jit.is_scripting() or not fast:
-            q = F.normalize(q, dim=-1, eps=self.eps)
-            k = F.normalize(k, dim=-1, eps=self.eps)
+            q = F.normalize(q, dim=-1, eps=eps)
+            k = F.normalize(k, dim=-1, eps=eps)
             if self.v_norm:
-                v = F.normalize(v, dim=-1, eps=self.eps)
+                v = F.normalize(v, dim=-1, eps=eps)
         else:
             # The normalised q, k (and v) as autograd's only saved copies.
-            q = fastpath.l2_normalize(q, self.eps, scale)
+            q = fastpath.l2_normalize(q, eps, scale)
             scale = 1.0
-            k = fastpath.l2_normalize(k, self.eps)
+            k = fastpath.l2_normalize(k, eps)
             if self.v_norm:
-                v = fastpath.l2_normalize(v, self.eps)
+                v = fastpath.l2_normalize(v, eps)
         if self.tau_learnable:
             q = q * self.tau
         x = softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn, scale)

@@ -18,7 +18,7 @@ from timm.layers import resize_rel_pos_bias_table, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import PatchMerging, get_relative_position_index
 
-from ..layers import pad_to_multiple, split_heads, window_partition, window_reverse
+from ..layers import pad_to_multiple, padded_size, padding_key_mask, split_heads, window_partition, window_reverse
 from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_checkpoint_depths, default_cfg
 
 __all__ = ['LipsFormerSwin', 'WindowAttention']
@@ -27,9 +27,11 @@ __all__ = ['LipsFormerSwin', 'WindowAttention']
 class WindowAttention(TokenMixer):
     """Multi-head attention inside (optionally shifted) windows with Swin's relative-position bias, on NHWC maps.
 
-    Maps are zero-padded to a multiple of the window at the bottom and right, as timm's Swin does, so any input
-    size works with the window size the relative-position table was built for. A kernel with ``tied_qkv`` (Kim et
-    al.'s L2 attention) gets one projection as its queries, keys and values.
+    Where the map is not a multiple of the window, its q, k and v are zero-padded at the bottom and right and the
+    padded keys masked, as CSwin's stripes: a window cut by the border attends over its valid tokens alone, so any
+    input size works with the window size the relative-position table was built for. (timm's and the authors' Swin
+    pad the input of the projection and attend to the padded keys.) A kernel with ``tied_qkv`` (Kim et al.'s L2
+    attention) gets one projection as its queries, keys and values.
     """
 
     tied_qkv: torch.jit.Final[bool]
@@ -103,15 +105,19 @@ class WindowAttention(TokenMixer):
         return bias[:, :, :area]
 
     def shift_mask(self, height: int, width: int, device: torch.device) -> torch.Tensor:
-        """Swin's (num_windows, 1, area, area) mask (-100 between tokens from different regions of a shifted map)."""
-        region = torch.zeros(1, height, width, 1, device=device)
-        count = 0
-        for h0, h1 in ((0, height - self.window_size[0]), (height - self.window_size[0], height - self.shift_size[0]),
-                       (height - self.shift_size[0], height)):
-            for w0, w1 in ((0, width - self.window_size[1]), (width - self.window_size[1], width - self.shift_size[1]),
-                           (width - self.shift_size[1], width)):
-                region[:, h0:h1, w0:w1] = count
-                count += 1
+        """Swin's (num_windows, 1, area, area) mask for a height x width map rolled by the shift and then padded to
+        whole windows: -100 between the tokens the roll wrapped around (the last ``shift_size`` rows or columns of the
+        map) and the others in a window.
+
+        Two regions a dimension, split where the wrapped tokens begin; Swin's third region boundary, one window before
+        the map's end, falls between windows where no padding is needed, and inside a window where it is (it would
+        mask tokens that were neighbours before the roll). The padded rows and columns are hidden by
+        :func:`~lipsformer.layers.padding_key_mask`.
+        """
+        padded_h, padded_w = padded_size(height, width, self.window_size[0], self.window_size[1])
+        rows = (torch.arange(padded_h, device=device) >= height - self.shift_size[0]).float()
+        columns = (torch.arange(padded_w, device=device) >= width - self.shift_size[1]).float()
+        region = (2.0 * rows[:, None] + columns[None, :])[None, :, :, None]
         region = window_partition(region, self.window_size[0], self.window_size[1]).squeeze(-1)
         mask = region.unsqueeze(1) - region.unsqueeze(2)
         return mask.masked_fill(mask != 0, -100.0).unsqueeze(1)
@@ -123,18 +129,28 @@ class WindowAttention(TokenMixer):
         shifted = self.shift_size[0] > 0 or self.shift_size[1] > 0
         if shifted:
             x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2))
-        x = pad_to_multiple(x, window_h, window_w)
-        padded_h, padded_w = x.shape[1], x.shape[2]
-        tokens = window_partition(x, window_h, window_w)
-        projections = split_heads(self.project_qkv(tokens), 1 if self.tied_qkv else 3, self.num_heads)
+        padded_h, padded_w = padded_size(height, width, window_h, window_w)
+        padded = padded_h != height or padded_w != width
+        if padded:
+            # The map is projected first and its q, k and v padded with zeros, as CSwin's stripes: padded tokens
+            # depend on no parameter, and their keys are masked below, so they add nothing to any output or gradient
+            # (a zero q or k normalises to zero in every dtype, see ScaledCosineAttention).
+            qkv = pad_to_multiple(self.project_qkv(x), window_h, window_w)
+            tokens = window_partition(qkv, window_h, window_w)
+        else:
+            tokens = self.project_qkv(window_partition(x, window_h, window_w))
+        projections = split_heads(tokens, 1 if self.tied_qkv else 3, self.num_heads)
         q = k = v = projections[0]
         if not self.tied_qkv:
             k, v = projections[1], projections[2]
         attn_bias = self.relative_position_bias(q.dtype)
+        mask = padding_key_mask(height, width, window_h, window_w, x.device, attn_bias.dtype) if padded else None
         if shifted:
+            shift_mask = self.shift_mask(height, width, x.device).to(attn_bias.dtype)
+            mask = shift_mask if mask is None else shift_mask + mask
+        if mask is not None:
             # The mask differs per window and is the same for every image: the windows' (B * num_windows) dimension
             # is viewed as (B, num_windows), so that nothing depends on the batch size.
-            mask = self.shift_mask(padded_h, padded_w, x.device).to(attn_bias.dtype)
             num_windows = mask.shape[0]
             q, k, v = q.unflatten(0, (-1, num_windows)), k.unflatten(0, (-1, num_windows)), v.unflatten(
                 0, (-1, num_windows))
