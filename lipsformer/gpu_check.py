@@ -289,6 +289,15 @@ def _nominal_bandwidth(gpu: str | None) -> float | None:
     return next((bandwidth for name, bandwidth in NOMINAL_BANDWIDTH if gpu and name in gpu), None)
 
 
+def _copy_time(device: str, repeats: int) -> tuple[int, float]:
+    """(bytes, median ms) of a device-to-device copy of 1 GiB (16 MiB on the CPU)."""
+    import torch
+    copy_bytes = 2 ** 30 if device == 'cuda' else 2 ** 24
+    source = torch.randn(copy_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    return copy_bytes, _median_ms(lambda: target.copy_(source), device, repeats)
+
+
 def _median_ms(call: Callable[[], Any], device: str, repeats: int, warmup: int = 3) -> float:
     """The median time of ``call`` over ``repeats`` runs after ``warmup``: CUDA events on a GPU, the clock elsewhere."""
     import torch
@@ -326,11 +335,7 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
     from lipsformer.fastpath import depthwise_conv_op
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
     ops = torch.ops.lipsformer
-    copy_bytes = 2 ** 30 if device == 'cuda' else 2 ** 24
-    source = torch.empty(copy_bytes // 4, device=device)
-    target = torch.empty_like(source)
-    copy_ms = _median_ms(lambda: target.copy_(source), device, repeats)
-    del source, target
+    copy_bytes, copy_ms = _copy_time(device, repeats)
     gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
     nominal = _nominal_bandwidth(gpu)
     measured = 2 * copy_bytes / (copy_ms / 1e3)
@@ -393,7 +398,6 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
                              'fraction_of_nominal': moved / (op_ms / 1e3) / nominal if nominal else None,
                              'fraction_of_copy': moved / (op_ms / 1e3) / measured, 'relative_error': error,
                              'triton': depthwise_conv_op.triton_available(x)})
-            del xs, gs
     return {'batch': batch, 'device': device, 'precision': precision, 'gpu': gpu, 'nominal_bandwidth': nominal,
             'copy_bandwidth': measured, 'rows': rows}
 
@@ -518,8 +522,8 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
     report = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'), 'cpu_smoke': cpu_smoke,
               'budget_s': budget_s, 'elapsed_s': round(elapsed_s, 1), 'environment': environment,
               'steps': [dataclasses.asdict(result) | {'data': None} for result in results],
-              'depthwise_conv': conv, 'eager': eager, 'compiled': [result.data for result in by_kind.get('compiled', [])],
-              'peak_memory': memory}
+              'depthwise_conv': conv, 'eager': eager,
+              'compiled': [result.data for result in by_kind.get('compiled', [])], 'peak_memory': memory}
     json_path, md_path = out_dir / 'gpu_check.json', out_dir / 'gpu_check.md'
     json_path.write_text(json.dumps(report, indent=1) + '\n')
     card = environment.get('gpu') or environment.get('nvidia_smi') or 'no GPU'

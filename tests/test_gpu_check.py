@@ -59,7 +59,7 @@ _KERNEL_NAMES = {
     'nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN': 'matmul',
     'void cutlass::Kernel2<cutlass_75_wmma_tensorop_bf16_s161616gemm_bf16_32x32_32x1_nn_align1>': 'matmul',
     'triton_red_fused__to_copy_add_native_layer_norm_0': 'inductor fused',
-    'void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda':
+    'void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel':
         'copy',
     'void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>':
         'copy',

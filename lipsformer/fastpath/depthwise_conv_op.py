@@ -17,8 +17,9 @@ float32:
 
 It is a ``torch.library`` custom op with fake-tensor registrations and an autograd formula, so that ``torch.compile``
 and ``torch.export`` see one operation forward and one backward (``lipsformer::depthwise_conv2d_backward``, which
-runs the kernels of the gradients asked for, as ATen's ``convolution_backward`` does). A recorded backward (``create_graph=True``) differentiates PyTorch's
-convolution instead, so second derivatives are the plain expression's. Where Triton cannot run (no Triton, a CPU
+runs the kernels of the gradients asked for, as ATen's ``convolution_backward`` does). A recorded backward
+(``create_graph=True``) differentiates PyTorch's convolution instead, so second derivatives are the plain
+expression's. Where Triton cannot run (no Triton, a CPU
 tensor outside Triton's interpreter) each op is PyTorch's convolution on the channels-last view.
 
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.

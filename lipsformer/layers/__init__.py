@@ -89,7 +89,7 @@ def create_attention_kernel(
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ScaleLayer', 'ScaledCosineAttention', 'WEIGHT_INITS',
-    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'get_norm_layer', 'init_weights_', 'pad_to_multiple',
-    'padded_size', 'padding_key_mask', 'pointwise_conv_nhwc', 'set_fast_path', 'spectral_norm', 'spectral_normalize_', 'split_heads',
-    'use_fast_path', 'window_partition', 'window_reverse',
+    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'get_norm_layer', 'init_weights_',
+    'pad_to_multiple', 'padded_size', 'padding_key_mask', 'pointwise_conv_nhwc', 'set_fast_path', 'spectral_norm',
+    'spectral_normalize_', 'split_heads', 'use_fast_path', 'window_partition', 'window_reverse',
 ]

@@ -36,9 +36,9 @@ class ConvShortcut(nn.Module):
 
     The depthwise conv runs on the NCHW view of the NHWC map, which is channels-last in memory (no layout copies), or
     as ``lipsformer::depthwise_conv2d`` where the fast path runs that kernel; the pointwise conv is a product over
-    channels, a GEMM (``layers.nhwc_conv``). With exact GELUs and plain modules the block's fast form (``lipsformer.fastpath.conv_shortcut``) computes the same with a
-    faster CPU weight gradient for the depthwise conv, the pointwise conv as a linear layer over channels, and a
-    backward that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs (:meth:`fusable`).
+    channels, a GEMM (``layers.nhwc_conv``). With exact GELUs and plain modules the block's fast form
+    (``lipsformer.fastpath.conv_shortcut``) computes the same with a faster CPU weight gradient for the depthwise conv
+    and a backward that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs (:meth:`fusable`).
     """
 
     def __init__(
