@@ -11,7 +11,7 @@ import torch
 from tiny_models import TINY_MODELS
 
 from lipsformer.fastpath import use_fast_path
-from lipsformer.training.compilation import compile_regions
+from lipsformer.training.compilation import CompiledDropPath, compile_regions
 
 RELATIVE_TOLERANCE = 1e-4
 
@@ -96,3 +96,15 @@ def test_regional_compilation_compiles_a_block_once_per_stage_shape(name, one_th
     # four stage shapes, each compiled for training and for evaluation, whatever the depth: no block recompiles for
     # its own stochastic-depth rate or position, and none falls back to eager at dynamo's recompilation limit
     assert shallow == deep == (8, 8)
+
+
+def test_the_compiled_drop_path_keeps_a_sample_with_its_probability_and_scales_it():
+    module = CompiledDropPath(0.25)
+    x = torch.ones(20000, 2, 3)
+    assert module.eval()(x) is x and not module.state_dict()  # identity in evaluation; no state to save
+    kept = module.train()(x)
+    assert kept.unique().tolist() == [0.0, pytest.approx(1 / 0.75)]
+    assert (kept == kept[:, :1, :1]).all()  # a whole sample is kept or dropped
+    assert abs((kept[:, 0, 0] > 0).float().mean().item() - 0.75) < 0.02  # 8 standard deviations
+    assert CompiledDropPath(0.25, scale_by_keep=False).train()(x).unique().tolist() == [0.0, 1.0]
+    assert torch.equal(CompiledDropPath(0.0).train()(x), x)
