@@ -110,8 +110,8 @@ def test_ema_averages_the_weights_after_the_lipschitz_constraint():
         with torch.no_grad():
             model.weight.clamp_(-0.1, 0.1)
     stub = SimpleNamespace(
-        model=model, unwrapped_model=model, optimizer=optimizer, ema=ema, lipschitz=cap_weights, static_shapes=False,
-        accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
+        model=model, unwrapped_model=model, optimizer=optimizer, ema=ema, lipschitz=cap_weights,
+        keeps_own_gradients=False, accelerator=SimpleNamespace(optimizer_step_was_skipped=False),
         config=SimpleNamespace(optimizer=SimpleNamespace(clip_grad=None)), progress=SimpleNamespace(step=1))
     cap_weights()
     ema.set(model)
