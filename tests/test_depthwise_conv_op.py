@@ -132,6 +132,14 @@ def test_autocast_runs_the_op_in_its_dtype_as_f_conv2d():
     ours.float().sum().backward()
     assert weight.grad.dtype == torch.float32
 
+    def convolve_under_autocast(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            return depthwise_conv2d_op(x, weight, None)
+
+    compiled = torch.compile(convolve_under_autocast, fullgraph=True, backend='eager')(x)  # no graph break
+    assert compiled.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled, expected)
+
 
 # The Triton kernels against F.conv2d in float64 (float32 and bf16 inputs, float32 reference on the same values).
 # Tolerances: float32 within 1e-5 relative; bf16 within 2^-7 of the sum of the magnitudes that make each output (the
