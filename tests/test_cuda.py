@@ -9,6 +9,7 @@ eager's weights, and the benchmark's CUDA path.
 """
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -261,3 +262,19 @@ def test_torch_compile_with_the_depthwise_op_equals_eager(name):
     with set_fast_path(True):
         compiled = _step(model, x, y, forward=torch.compile(model, fullgraph=True))
     _assert_same_step(compiled, eager, TOLERANCES['fp32'])
+
+
+@pytest.mark.parametrize('scope', ['regional', 'whole'])
+def test_cuda_graphs_runs_stop_and_resume_in_either_compile_scope(tmp_path, scope):
+    """A run compiled with CUDA graphs (reduce-overhead), ended and extended by an epoch with resume='auto', as a
+    SLURM requeue does: its optimizer state loads although the run keeps gradient buffers of its own."""
+    data_dir = make_image_folder(str(tmp_path / 'images'))
+    settings = ['model.compile=true', 'model.compile_mode=reduce-overhead', f'model.compile_scope={scope}']
+    overrides = tiny_overrides(data_dir, **{'train.mixed_precision': 'bf16', 'model.drop_path_rate': 0.0})
+    run_dir = str(tmp_path / 'run')
+    first = train(load_config(None, [*overrides, 'train.epochs=1', *settings]), run_dir)
+    assert first['status'] == 'finished' and first['compile']['mode'] == 'reduce-overhead'
+    extended = train(load_config(None, [*overrides, 'train.epochs=2', *settings]), run_dir, resume='auto')
+    assert extended['status'] == 'finished' and extended['step'] == 2 * first['step']
+    lines = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    assert [line['epoch'] for line in lines] == [1, 2] and all(math.isfinite(line['train_loss']) for line in lines)

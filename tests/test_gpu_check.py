@@ -239,6 +239,7 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
     assert selected[0] | selected[1] == everything and not selected[0] & selected[1]
     assert {'test_torch_compile_equals_eager', 'test_torch_compile_with_the_depthwise_op_equals_eager',
             'test_twenty_training_steps_lower_the_loss',
+            'test_cuda_graphs_runs_stop_and_resume_in_either_compile_scope',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
     assert order == ['environment', 'conv', 'eager', 'pytest', *['compiled'] * len(gpu_check.COMPILED), 'memory',
