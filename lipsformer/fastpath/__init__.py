@@ -12,6 +12,7 @@ Everything that computes a model's layers other than through their modules is he
 - ``l2_normalize_op``: SCSA's q/k normalisation as the ``lipsformer::l2_normalize`` custom op, one Triton kernel a
   direction on a GPU (a tile of rows a program), PyTorch elsewhere;
 - ``onednn_linear``: token-wise products on CPU through oneDNN's 1x1 convolution;
+- ``triton_device``: where the Triton kernels run (a GPU, or the CPU under Triton's interpreter);
 - ``depthwise_conv_op``: the blocks' depthwise convolutions (the conv shortcuts' 7x7, CSwin's LePE 3x3) as the
   ``lipsformer::depthwise_conv2d`` custom op, one Triton kernel a pass on a GPU, in the plain module graph too where
   its switch (``KERNEL_DEFAULT_DEVICES``) is on (:func:`depthwise_kernel_applies`);

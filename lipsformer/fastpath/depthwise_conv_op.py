@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .lean_autograd import differentiate_plain
 from .switch import kernel_enabled, plain, traced
+from .triton_device import TRITON_DTYPES, triton_device
 
 __all__ = ['KERNEL_SIZES', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 'triton_available']
 
@@ -47,7 +48,6 @@ _WEIGHT_GRAD_PROGRAMS = 1024  # programs of the weight gradient across channel b
 # Read once, outside any compiled region: dynamo reads these flags instead of importing Triton in a traced call.
 _TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
 _INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1'
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor) -> bool:
@@ -60,7 +60,7 @@ def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor) -> bool:
     device_type = x.device.type
     if not (device_type == 'cuda' or device_type == 'cpu' and _INTERPRETED):
         return False
-    if x.dtype not in _KERNEL_DTYPES or not kernel_enabled('depthwise_conv2d', device_type):
+    if x.dtype not in TRITON_DTYPES or not kernel_enabled('depthwise_conv2d', device_type):
         return False
     if not plain(conv, nn.Conv2d):
         return False
@@ -74,9 +74,7 @@ def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor) -> bool:
 def triton_available(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: on a GPU (or on the CPU under Triton's interpreter,
     ``TRITON_INTERPRET=1``), in float32, bfloat16 or float16, with Triton installed."""
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if not (x.device.type == 'cuda' or x.device.type == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'):
+    if not triton_device(x):
         return False
     return _kernels() is not None
 

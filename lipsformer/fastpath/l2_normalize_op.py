@@ -17,10 +17,11 @@ derivatives are those of the plain expression, as in :mod:`.lean_autograd`.
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
+
+from .triton_device import triton_device
 
 __all__ = ['l2_normalize', 'triton_available']
 
@@ -31,9 +32,7 @@ _TILE = 4096  # elements a program loads: rows of one head are too short to keep
 def triton_available(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: x is on a GPU (or on the CPU under Triton's interpreter,
     ``TRITON_INTERPRET=1``), with rows of at most 1024 elements, and Triton is installed."""
-    if x.shape[-1] > _MAX_WIDTH or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if not (x.device.type == 'cuda' or x.device.type == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'):
+    if x.shape[-1] > _MAX_WIDTH or not triton_device(x):
         return False
     return _kernels() is not None
 
