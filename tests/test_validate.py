@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -475,12 +476,13 @@ def test_bf16_and_channels_last(vit, tmp_path, capsys):
     assert {k: result[k] for k in expected} == expected
 
 
-def test_class_folders_are_labelled_by_the_class_names_saved_with_the_weights(vit, tmp_path, capsys):
-    """A model right on every image scores 100%, whatever order its classes were numbered in and whichever class
-    folders are missing; by folder position (natural sort) it would score less."""
+def _export_with_shuffled_class_names(vit, tmp_path) -> tuple[str, list[str], list[int], Path]:
+    """A test_vit export whose saved class names are numbered out of their sorted (and natural) order (index 1 is
+    kind_7), and a class-folder tree of the photos, each under the class the model predicts for it: (export, names,
+    predicted indices, data folder)."""
     torch.manual_seed(3)
     model = timm.create_model('test_vit', img_size=32, num_classes=10).eval()
-    names = [f'kind_{(7 * i) % 10}' for i in range(10)]  # index 1 is kind_7: not the natural order of the names
+    names = [f'kind_{(7 * i) % 10}' for i in range(10)]
     export = str(tmp_path / 'export')
     save_for_hf(model, export, model_config={'label_names': names}, safe_serialization=True)
     predicted = reference_topk(model, vit.photos, VIT_DATA_CONFIG)[:, 0].tolist()
@@ -489,6 +491,13 @@ def test_class_folders_are_labelled_by_the_class_names_saved_with_the_weights(vi
     for photo, index in zip(vit.photos, predicted):
         os.makedirs(data / names[index], exist_ok=True)
         shutil.copyfile(photo, data / names[index] / os.path.basename(photo))
+    return export, names, predicted, data
+
+
+def test_class_folders_are_labelled_by_the_class_names_saved_with_the_weights(vit, tmp_path, capsys):
+    """A model right on every image scores 100%, whatever order its classes were numbered in and whichever class
+    folders are missing; by folder position (natural sort) it would score less."""
+    export, names, predicted, data = _export_with_shuffled_class_names(vit, tmp_path)
     args = ['--checkpoint', export, '--img-size', '32', '--data-layout', 'imagefolder', '--data-dir', str(data)]
     (result,) = run_validate(args, tmp_path, capsys)['results']
     assert (result['count'], result['top1']) == (24, 100.0)
@@ -646,17 +655,7 @@ def test_a_datasets_classes_are_matched_by_name_with_those_saved_with_the_weight
     """--dataset labels its classes in its own order (torchvision's ImageFolder: sorted names, of the folders it
     has); a model whose saved classes are those names in another order is scored by name (100% for a model right on
     every image), and one without some of them is refused with both lists."""
-    torch.manual_seed(3)
-    model = timm.create_model('test_vit', img_size=32, num_classes=10).eval()
-    names = [f'kind_{(7 * i) % 10}' for i in range(10)]  # index 1 is kind_7: not the sorted order of the names
-    export = str(tmp_path / 'export')
-    save_for_hf(model, export, model_config={'label_names': names}, safe_serialization=True)
-    predicted = reference_topk(model, vit.photos, VIT_DATA_CONFIG)[:, 0].tolist()
-    assert len(set(predicted)) > 1
-    data = tmp_path / 'data'
-    for photo, index in zip(vit.photos, predicted):
-        os.makedirs(data / names[index], exist_ok=True)
-        shutil.copyfile(photo, data / names[index] / os.path.basename(photo))
+    export, names, predicted, data = _export_with_shuffled_class_names(vit, tmp_path)
     args = ['--checkpoint', export, '--img-size', '32', '--dataset', 'torch/image_folder', '--data-dir', str(data)]
     (result,) = run_validate(args, tmp_path, capsys)['results']
     assert (result['count'], result['top1'], result['num_classes']) == (24, 100.0, 10)
