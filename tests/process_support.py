@@ -1,5 +1,5 @@
 """Processes in the tests: torch on one thread, the environment of a subprocess, a run folder's lock held by another
-process, a free port for a launcher."""
+process, a free port for a launcher, a script run under Triton's interpreter."""
 import contextlib
 import os
 import socket
@@ -59,3 +59,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
+
+
+def assert_runs_under_triton_interpreter(script: str, timeout_s: float) -> None:
+    """Run ``script`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (which must be set before Triton is imported,
+    so not in this process) and assert that it ends well and prints 'triton ok'."""
+    result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=timeout_s,
+                            env={**os.environ, 'TRITON_INTERPRET': '1'})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'triton ok' in result.stdout

@@ -4,14 +4,12 @@ Its Triton kernels run here on CPU tensors under Triton's interpreter (``TRITON_
 before Triton is imported: those checks run in a subprocess); its PyTorch form, its fake-tensor registration and its
 autograd formula are checked in this process.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from process_support import assert_runs_under_triton_interpreter
 
 from lipsformer.fastpath import l2_normalize_op
 
@@ -100,10 +98,7 @@ _TRITON_CHECKS = textwrap.dedent('''
 
 def test_the_triton_kernels_under_the_interpreter():
     pytest.importorskip('triton')
-    result = subprocess.run([sys.executable, '-c', _TRITON_CHECKS], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, 'TRITON_INTERPRET': '1'})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert 'triton ok' in result.stdout
+    assert_runs_under_triton_interpreter(_TRITON_CHECKS, timeout_s=600)
 
 
 def test_a_first_order_backward_is_the_one_backward_op():

@@ -127,8 +127,8 @@ class CompiledDropPath(nn.Module):
             return x
         shape = (x.shape[0],) + (1,) * (x.ndim - 1)
         keep = (torch.rand(shape, device=x.device) < self.keep_prob).float()
-        if self.scale_by_keep:
-            keep = keep / self.keep_prob
+        if self.scale_by_keep:  # a rate of 1 keeps nothing and scales nothing, as timm's DropPath
+            keep = keep / self.keep_prob.clamp_min(torch.finfo(self.keep_prob.dtype).tiny)
         return x * keep.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -169,12 +169,12 @@ def compile_regions(model: nn.Module, mode: str | None = 'default', dynamic: boo
 
 
 def _replace_drop_paths(block: nn.Module) -> None:
+    device = next(block.parameters()).device
     for name, module in list(block.named_modules()):
         if type(module) is DropPath:
             parent_name, _, child_name = name.rpartition('.')
-            parent = block.get_submodule(parent_name)
-            device = next(block.parameters()).device
-            setattr(parent, child_name, CompiledDropPath(module.drop_prob, module.scale_by_keep, device=device))
+            setattr(block.get_submodule(parent_name), child_name,
+                    CompiledDropPath(module.drop_prob, module.scale_by_keep, device=device))
 
 
 def compile_model(model: nn.Module, scope: str, mode: str | None, device_type: str,
