@@ -1,6 +1,7 @@
 """lipsformer.cpu_memory: freed blocks stay in the process, so reallocating them costs no page faults."""
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -19,10 +20,11 @@ REALLOCATE = textwrap.dedent('''
     elements = 64 * 2 ** 20 // 4  # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB)
     for _ in range(3):  # warm-up, like a training run's first steps: allocated, touched and freed
         torch.ones(elements)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
+    faults = []
+    for _ in range(9):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         torch.ones(elements)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     print(json.dumps({'applied': applied, 'faults': faults}))
 ''')
 
@@ -46,11 +48,13 @@ def _reallocate(mode: str) -> dict:
 
 @counts_small_pages
 def test_reallocating_a_freed_block_faults_no_pages_once_memory_is_retained():
-    pages = 5 * 64 * 2 ** 20 // 4096  # five 64 MiB allocations after the warm-up
+    pages = 64 * 2 ** 20 // 4096  # the pages of one 64 MiB allocation
     default, retained = _reallocate('default'), _reallocate('retain')
-    # glibc's default unmaps a 64 MiB block on free: every page of the next one is faulted in again.
-    assert not default['applied'] and default['faults'] >= 0.9 * pages
-    assert retained['applied'] and retained['faults'] < 0.05 * pages
+    # glibc's default unmaps a 64 MiB block on free: every page of each next one is faulted in again.
+    assert not default['applied'] and min(default['faults']) >= 0.9 * pages
+    # Retained, a reallocation reuses the freed pages; now and then one still gets its block in fresh pages (one of
+    # five in a CI run), as in the benchmark's per-step count below: the median of nine is asserted.
+    assert retained['applied'] and statistics.median(retained['faults']) < 0.05 * pages
 
 
 def test_benchmark_records_retention_and_still_measures_peak_memory(tmp_path):
