@@ -1,19 +1,20 @@
 """The stability experiment: every arm end to end on a tiny config, resumption, locking, divergence, the queue, the
 results file, the report from it, and an image folder as the data."""
 import json
+import logging
 import math
 import os
+import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from PIL import Image
+from process_support import hold_lock
 
 from lipsformer.experiments.stability import experiment_command, grid
 from lipsformer.experiments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
-from lipsformer.experiments.stability.grid import claim, queue, release, run_dir, run_grid
+from lipsformer.experiments.stability.grid import queue, run_dir, run_grid
 from lipsformer.experiments.stability.report import classify, markers, outright_failure, stable_rates, write_report
 from lipsformer.experiments.stability.results import Results, collect, compact_record, read_results, steps_to_loss
 from lipsformer.experiments.stability.subsets import (
@@ -24,6 +25,7 @@ from lipsformer.experiments.stability.subsets import (
     synthetic_subsets,
 )
 from lipsformer.experiments.stability.training_run import RunFiles, RunSettings, train_run
+from lipsformer.training.run_lock import LOCK_FILE, RunFolderInUseError, RunLock
 from lipsformer.utils.io import write_json
 
 TINY = RunSettings(steps=2, batch_size=8, train_size=40, test_size=20, bound_every=1, eval_every=1,
@@ -125,29 +127,24 @@ def test_resuming_with_other_settings_is_refused(tmp_path, subsets):
         _train(tmp_path, subsets, settings=RunSettings(**{**TINY.__dict__, 'steps': 3}))
 
 
-def _dead_pid():
-    child = subprocess.Popen([sys.executable, '-c', ''])
-    child.wait()
-    return child.pid
-
-
-def test_a_lock_prevents_a_second_claim_and_a_stale_lock_is_taken_over(tmp_path):
-    directory = tmp_path / 'run'
-    assert claim(directory)
-    assert not claim(directory)  # held by a live process (this one)
-    release(directory)
-    assert not (directory / 'lock').exists()
-    (directory / 'lock').write_text(str(_dead_pid()))
-    assert claim(directory)
-    assert (directory / 'lock').read_text() == f'{os.getpid()} {socket.gethostname()}'
-    assert list(directory.iterdir()) == [directory / 'lock']
-    release(directory)
-    (directory / 'lock').write_text(f'{_dead_pid()} {socket.gethostname()}')
-    assert claim(directory)
-    release(directory)
-    # A grid folder shared by several machines: a pid of another host says nothing about that host's process.
-    (directory / 'lock').write_text(f'{_dead_pid()} another-host')
-    assert not claim(directory)
+def test_a_run_held_by_a_live_runner_is_refused_and_a_killed_runner_leaves_nothing_that_refuses(tmp_path, subsets,
+                                                                                               caplog):
+    directory = run_dir(tmp_path, 'lipsformer', 1e-3, 0)
+    holder = hold_lock(str(directory), str(tmp_path / 'release'))  # another runner, alive until killed
+    try:
+        with caplog.at_level(logging.INFO, logger=grid.__name__):
+            assert run_grid(tmp_path, ['lipsformer'], [1e-3], [0], TINY, subsets, CPU) == 0
+        assert not RunFiles(directory).done()
+        assert f'lipsformer lr 0.001 seed 0: left to the runner that holds it, process {holder.pid} on host ' \
+               f'{socket.gethostname()}' in caplog.text
+        with pytest.raises(RunFolderInUseError, match=f'in use by process {holder.pid}'):
+            RunLock(str(directory)).acquire()  # one lock for the grid and train.py: a train.py start is refused too
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # A runner killed mid-run leaves no lock that holds (the kernel lets its flock go): the next one takes the run.
+    assert run_grid(tmp_path, ['lipsformer'], [1e-3], [0], TINY, subsets, CPU) == 1
+    assert RunFiles(directory).done()
 
 
 def test_the_queue_runs_one_seed_of_every_cell_before_the_next_seed():
@@ -166,9 +163,8 @@ def test_runs_of_another_torch_version_have_folders_of_their_own(tmp_path):
 
 def test_the_grid_skips_runs_locked_by_a_live_process_and_finished_runs(tmp_path, subsets):
     locked = run_dir(tmp_path, 'lipsformer', 1e-3, 1)
-    locked.mkdir(parents=True)
-    (locked / 'lock').write_text(str(os.getppid()))
-    assert run_grid(tmp_path, ['lipsformer'], [1e-3], [0, 1], TINY, subsets, CPU) == 1
+    with RunLock(str(locked)):  # held as another runner holds it (a flock of another open file)
+        assert run_grid(tmp_path, ['lipsformer'], [1e-3], [0, 1], TINY, subsets, CPU) == 1
     assert not RunFiles(locked).done() and RunFiles(run_dir(tmp_path, 'lipsformer', 1e-3, 0)).done()
     assert run_grid(tmp_path, ['lipsformer'], [1e-3], [0], TINY, subsets, CPU) == 0
 
@@ -296,8 +292,8 @@ def test_a_seed_that_failed_at_two_consecutive_rates_is_not_run_at_higher_ones(t
     monkeypatch.setattr(grid, 'train_run', _fake_training(trained))
     # A run another live runner has already started is left to it, pruned or not.
     busy = run_dir(tmp_path, 'lipsformer', 0.016, 0)
-    busy.mkdir(parents=True)
-    (busy / 'lock').write_text(str(os.getppid()))
+    busy_lock = RunLock(str(busy))
+    busy_lock.acquire()
     assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0, 1, 2], TINY, subsets, CPU, stop_after_failures=2) == 13
     assert trained == [(0.001, 0), (0.002, 0), (0.004, 0)] + [(lr, seed) for seed in (1, 2) for lr in sorted(PRUNE_LRS)]
     marker = json.loads(RunFiles(run_dir(tmp_path, 'lipsformer', 0.008, 0)).not_run.read_text())
@@ -305,14 +301,15 @@ def test_a_seed_that_failed_at_two_consecutive_rates_is_not_run_at_higher_ones(t
     assert marker['settings'] == TINY.as_dict()
     assert (marker['arm'], marker['lr'], marker['seed'], marker['torch']) == ('lipsformer', 0.008, 0, torch.__version__)
     assert not RunFiles(busy).not_run.exists() and not RunFiles(busy).done()
-    (busy / 'lock').unlink()
+    busy_lock.release()
     # Once that runner is gone the run is left out too; nothing else changes.
     assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0, 1, 2], TINY, subsets, CPU, stop_after_failures=2) == 0
     assert RunFiles(busy).not_run.exists() and len(trained) == 13
     # Three failures in a row are needed with 3; 0 runs the full grid, and a run no longer left out loses its marker.
     assert run_grid(tmp_path, ['lipsformer'], PRUNE_LRS, [0], TINY, subsets, CPU, stop_after_failures=3) == 2
     assert trained[-2:] == [(0.008, 0), (0.016, 0)] and not RunFiles(busy).not_run.exists()
-    assert not list(tmp_path.rglob('not_run.json')) and not list(tmp_path.rglob('lock'))
+    assert not list(tmp_path.rglob('not_run.json'))
+    assert all(not lock.read_text() for lock in tmp_path.rglob(LOCK_FILE))  # every runner let its lock go
 
 
 def test_runs_in_the_results_file_are_not_trained_again_and_prune_as_run_folders_do(tmp_path, subsets, monkeypatch):

@@ -43,7 +43,15 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunFolderInUseError(RuntimeError):
-    """Another process holds the run folder; the message names it (host, pid, since when) and what to do."""
+    """Another process holds the run folder; the message names it (host, pid, since when) and what to do.
+
+    Attributes:
+        holder: The holder alone, in words (``process PID on host HOST (since ...)``), where the refusal knows it.
+    """
+
+    def __init__(self, message: str, holder: str = 'another process') -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class RunLock:
@@ -118,7 +126,7 @@ class RunLock:
             if pid_check_only and (holder is None or _is_us(holder) or not _alive(holder)):
                 return holder
             if time.monotonic() >= deadline:
-                raise RunFolderInUseError(self._refusal(holder, pid_check_only))
+                raise RunFolderInUseError(self._refusal(holder, pid_check_only), _describe(holder))
             if not said_waiting:
                 _logger.info('%s is in use by %s; waiting up to %.0f s for it to end', self.run_dir,
                              _describe(holder), self.wait_s)

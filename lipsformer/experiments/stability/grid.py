@@ -2,10 +2,9 @@
 
 Each run has its folder ``OUT/torch-<version>/<arm>/lr<lr>/seed<seed>/`` (its files:
 :class:`~.training_run.RunFiles`), so that runs of one grid under another torch (the numerics differ) are runs of
-their own, and a ``lock`` there, created exclusively by the runner that claims the run and holding its pid and host
-name, so that several processes can work on one grid; a lock of this host whose pid is dead is stale and taken over.
-A lock of another host (a grid folder shared between machines) is never taken over: delete it by hand once that
-runner is known to be gone.
+their own. A runner claims a run by taking the folder's :class:`~lipsformer.training.run_lock.RunLock` (the lock
+train.py takes on its run folder), so that several processes can work on one grid: a run another live runner holds is
+left to it, and the lock of a runner that has ended however it ended (a kill -9 included) is taken over.
 
 The queue runs seed 0 of every (learning rate, arm) first, then seed 1, and so on, so that a grid stopped part-way
 has one seed of every cell before it has three of any; within a seed it takes the rates in ascending order (every arm
@@ -13,14 +12,13 @@ at one rate, then every arm at the next), so that a seed's lower rates of an arm
 come up and a seed that has failed at several consecutive rates can be left out of the higher ones (:mod:`.pruning`).
 """
 import logging
-import os
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ...training.run_lock import RunFolderInUseError, RunLock
 from ...utils.io import read_json, write_json
 from .arms import ARMS
 from .pruning import failed_lower_rates, not_run_marker
@@ -28,7 +26,7 @@ from .results import Results
 from .subsets import Subsets
 from .training_run import RunFiles, RunSettings, train_run
 
-__all__ = ['claim', 'queue', 'release', 'run_dir', 'run_grid']
+__all__ = ['queue', 'run_dir', 'run_grid']
 
 _logger = logging.getLogger(__name__)
 
@@ -42,84 +40,6 @@ def queue(arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int]) -> li
     """The runs in the order they are taken: seed by seed, and within a seed every arm at each learning rate, the
     rates in ascending order."""
     return [(arm, lr, seed) for seed in seeds for lr in sorted(lrs) for arm in arms]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def _holder() -> str:
-    """What a lock of this process holds: its pid, and the host name after a space."""
-    return f'{os.getpid()} {socket.gethostname()}'
-
-
-def _stale(holder: str) -> bool:
-    """A lock is stale when its process is dead on this host, or it cannot be read as one."""
-    pid, _, host = holder.partition(' ')
-    if not pid.isdigit():
-        return True
-    if host and host != socket.gethostname():
-        return False
-    return not _pid_alive(int(pid))
-
-
-def _create_lock(lock: Path) -> bool:
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, 'w') as f:
-        f.write(_holder())
-    return True
-
-
-def claim(directory: Path) -> bool:
-    """Take the run's lock; False if a live process (or one of another host) holds it.
-
-    A stale lock (its pid dead on this host, or unreadable) is first renamed to a name of this process's own, which
-    only one claimant can do; if what was renamed turns out not to be the stale lock read before (another runner took it
-    over in between), it is put back.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / 'lock'
-    if _create_lock(lock):
-        return True
-    try:
-        holder = lock.read_text()
-    except FileNotFoundError:  # released in between
-        return _create_lock(lock)
-    if not _stale(holder):
-        return False
-    private = directory / f'lock.stale-{os.getpid()}'
-    try:
-        os.rename(lock, private)
-    except FileNotFoundError:  # another runner took it over first
-        return False
-    if private.read_text() != holder:
-        try:
-            os.link(private, lock)
-        except FileExistsError:
-            pass
-        private.unlink()
-        return False
-    private.unlink()
-    return _create_lock(lock)
-
-
-def release(directory: Path) -> None:
-    """Remove the run's lock if this process holds it."""
-    lock = directory / 'lock'
-    try:
-        if lock.read_text() == _holder():
-            lock.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequence[int], settings: RunSettings,
@@ -160,7 +80,11 @@ def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequen
                                                                failed_at)
         if marker is not None and files.not_run.exists() and read_json(files.not_run) == marker:
             continue
-        if not claim(directory):
+        lock = RunLock(str(directory))
+        try:
+            lock.acquire()
+        except RunFolderInUseError as busy:
+            _logger.info('%s lr %g seed %d: left to the runner that holds it, %s', arm, lr, seed, busy.holder)
             continue
         try:
             if files.done():  # finished by another runner between the check and the claim
@@ -177,7 +101,7 @@ def run_grid(out: Path, arms: Sequence[str], lrs: Sequence[float], seeds: Sequen
             _logger.info('%s lr %g seed %d: %s in %.0f s', arm, lr, seed, _summary(result),
                          time.perf_counter() - start)
         finally:
-            release(directory)
+            lock.release()
     return finished
 
 
