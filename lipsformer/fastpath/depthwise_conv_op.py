@@ -11,9 +11,10 @@ float32:
   shifted input tile per tap (the taps' loads overlap and hit the cache);
 - input gradient: the same kernel over the output gradient with the kernel flipped, the transpose of a stride-1
   'same' convolution by an odd kernel;
-- weight and bias gradient: a program sums ``g * shifted x`` (and ``g``) over a chunk of tiles for every tap into a
-  row of float32 partial sums; a second kernel adds the chunks' rows in a fixed order (no atomics: the same inputs
-  give the same bits) and writes both gradients in their dtype.
+- weight and bias gradient: a program sums ``g * shifted x`` for every tap at once (a taps x pixels x channels
+  product over a few pixels, summed over the pixels) and ``g`` over a chunk of tiles into rows of float32 partial
+  sums; a second kernel adds the chunks' rows in a fixed order (no atomics: the same inputs give the same bits) and
+  writes both gradients in their dtype.
 
 It is a ``torch.library`` custom op with fake-tensor registrations and an autograd formula, so that ``torch.compile``
 and ``torch.export`` see one operation forward and one backward (``lipsformer::depthwise_conv2d_backward``, which
@@ -41,7 +42,10 @@ __all__ = ['KERNEL_SIZES', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 't
 
 KERNEL_SIZES = (3, 5, 7)
 _BLOCK_C = 32  # channels a program computes: 64 bytes of a bf16 pixel, one coalesced load per tap
-_TILE = 64  # pixels a program computes (forward) or a loop step sums over (weight gradient)
+_TILE = 64  # pixels a program of the forward computes
+# pixels a loop step of the weight gradient sums over, for all taps at once: (taps, pixels, channels) values a step
+_WEIGHT_GRAD_TILE = 4
+_WEIGHT_GRAD_WARPS = 8
 _WEIGHT_GRAD_PROGRAMS = 1024  # programs of the weight gradient across channel blocks: enough to fill a large GPU
 
 
@@ -122,16 +126,21 @@ def _kernels() -> SimpleNamespace | None:
 
     @triton.jit
     def depthwise_weight_grad(x_ptr, g_ptr, partial_ptr, height, width, channels, tiles_w, tiles_per_image, tiles,
-                    tiles_per_program, sx_b, sx_h, sx_w, sx_c, sg_b, sg_h, sg_w, sg_c, K: tl.constexpr,
-                    ROWS: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_C: tl.constexpr):
+                              tiles_per_program, sx_b, sx_h, sx_w, sx_c, sg_b, sg_h, sg_w, sg_c, K: tl.constexpr,
+                              ROWS: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr, BLOCK_C: tl.constexpr):
         # one program: a chunk of tiles_per_program tiles, BLOCK_C channels; row t < K*K of its partial sums is
-        # tap t's, row K*K the bias's
+        # tap t's, row K*K the bias's. Every tap at once: the (taps, pixels, channels) product of the shifted input
+        # and the output gradient, summed over the tile's few pixels into a (taps, channels) accumulator.
         chunk = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         in_channels = c < channels
         row = tl.arange(0, ROWS)
+        is_tap = row < K * K
+        tap_h = row // K - K // 2
+        tap_w = row % K - K // 2
         pixel = tl.arange(0, TILE_H * TILE_W)
         acc = tl.zeros((ROWS, BLOCK_C), dtype=tl.float32)
+        bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
         first = chunk * tiles_per_program
         for tile in range(first, tl.minimum(first + tiles_per_program, tiles)):
             image = (tile // tiles_per_image).to(tl.int64)
@@ -142,15 +151,15 @@ def _kernels() -> SimpleNamespace | None:
             g_offsets = h.to(tl.int64)[:, None] * sg_h + w.to(tl.int64)[:, None] * sg_w + c[None, :] * sg_c
             g = tl.load(g_ptr + image * sg_b + g_offsets, mask=in_map[:, None] & in_channels[None, :],
                         other=0.0).to(tl.float32)
-            acc += tl.where(row[:, None] == K * K, tl.sum(g, axis=0)[None, :], 0.0)
-            x_image = x_ptr + image * sx_b
-            for tap in tl.static_range(K * K):
-                hh = h + (tap // K - K // 2)
-                ww = w + (tap % K - K // 2)
-                inside = in_map & (hh >= 0) & (hh < height) & (ww >= 0) & (ww < width)
-                offsets = hh.to(tl.int64)[:, None] * sx_h + ww.to(tl.int64)[:, None] * sx_w + c[None, :] * sx_c
-                x = tl.load(x_image + offsets, mask=inside[:, None] & in_channels[None, :], other=0.0)
-                acc += tl.where(row[:, None] == tap, tl.sum(g * x.to(tl.float32), axis=0)[None, :], 0.0)
+            bias += tl.sum(g, axis=0)
+            hh = h[None, :] + tap_h[:, None]
+            ww = w[None, :] + tap_w[:, None]
+            inside = is_tap[:, None] & in_map[None, :] & (hh >= 0) & (hh < height) & (ww >= 0) & (ww < width)
+            offsets = (hh.to(tl.int64) * sx_h + ww.to(tl.int64) * sx_w)[:, :, None] + (c * sx_c)[None, None, :]
+            x = tl.load(x_ptr + image * sx_b + offsets, mask=inside[:, :, None] & in_channels[None, None, :],
+                        other=0.0)
+            acc += tl.sum(x.to(tl.float32) * g[None, :, :], axis=1)
+        acc += tl.where(row[:, None] == K * K, bias[None, :], 0.0)
         out = (chunk.to(tl.int64) * ROWS + row)[:, None] * channels + c[None, :]
         tl.store(partial_ptr + out, acc, mask=(row < K * K + 1)[:, None] & in_channels[None, :])
 
@@ -177,11 +186,12 @@ def _kernels() -> SimpleNamespace | None:
                            cdiv=triton.cdiv)
 
 
-def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace) -> tuple[int, int, int, int, int]:
-    """(TILE_H, TILE_W, BLOCK_C, tiles across, tiles per image): tiles of about :data:`_TILE` pixels, at most 8 wide
-    and no larger than the map (a 1-pixel-wide stripe is computed 64 rows at a time)."""
-    tile_w = min(8, kernels.next_power_of_2(width))
-    tile_h = min(_TILE // tile_w, kernels.next_power_of_2(height))
+def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace, pixels: int = _TILE
+            ) -> tuple[int, int, int, int, int]:
+    """(TILE_H, TILE_W, BLOCK_C, tiles across, tiles per image): tiles of about ``pixels`` pixels, at most 8 wide
+    and no larger than the map (a 1-pixel-wide stripe is computed ``pixels`` rows at a time)."""
+    tile_w = min(8, pixels, kernels.next_power_of_2(width))
+    tile_h = min(pixels // tile_w, kernels.next_power_of_2(height))
     block_c = min(_BLOCK_C, kernels.next_power_of_2(channels))
     tiles_w = kernels.cdiv(width, tile_w)
     return tile_h, tile_w, block_c, tiles_w, kernels.cdiv(height, tile_h) * tiles_w
@@ -244,7 +254,7 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple
             padding=kernel_size // 2, groups=channels)
         return weight_grad.to(x.dtype), grad.sum((0, 1, 2), dtype=torch.float32).to(x.dtype)
     kernels = _kernels()
-    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels)
+    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels, _WEIGHT_GRAD_TILE)
     tiles = batch * tiles_per_image
     channel_blocks = kernels.cdiv(channels, block_c)
     tiles_per_program = kernels.cdiv(tiles, max(_WEIGHT_GRAD_PROGRAMS // channel_blocks, 1))
@@ -253,7 +263,8 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple
     partial = torch.empty((chunks, rows, channels), dtype=torch.float32, device=x.device)
     kernels.weight_grad[(chunks, channel_blocks)](
         x, grad, partial, height, width, channels, tiles_w, tiles_per_image, tiles, tiles_per_program, *x.stride(),
-        *grad.stride(), K=kernel_size, ROWS=rows, TILE_H=tile_h, TILE_W=tile_w, BLOCK_C=block_c)
+        *grad.stride(), K=kernel_size, ROWS=rows, TILE_H=tile_h, TILE_W=tile_w, BLOCK_C=block_c,
+        num_warps=_WEIGHT_GRAD_WARPS)
     weight_grad = torch.empty((channels, 1, kernel_size, kernel_size), dtype=x.dtype, device=x.device)
     bias_grad = torch.empty((channels,), dtype=x.dtype, device=x.device)
     kernels.weight_grad_sum[(channel_blocks,)](partial, weight_grad, bias_grad, chunks, channels, TAPS=taps, ROWS=rows,
