@@ -8,7 +8,7 @@ with stride 1, an odd square kernel of 3 to 7 (p = k // 2, 'same' padding): the 
 float32:
 
 - forward: a program computes a tile of pixels of one image (about 64) for up to 32 channels, one masked load of the
-  shifted input tile per tap (the taps' loads overlap and hit the cache);
+  shifted input tile per tap, its pointers the tile's plus one offset (the taps' loads overlap and hit the cache);
 - input gradient: the same kernel over the output gradient with the kernel flipped, the transpose of a stride-1
   'same' convolution by an odd kernel;
 - weight and bias gradient: a program sums ``g * shifted x`` for every tap at once (a taps x pixels x channels
@@ -108,13 +108,14 @@ def _kernels() -> SimpleNamespace | None:
         acc = tl.zeros((TILE_H * TILE_W, BLOCK_C), dtype=tl.float32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + c, mask=in_channels, other=0.0).to(tl.float32)[None, :]
-        x_image = x_ptr + image * sx_b
+        # the tile's pointers once; a tap adds one scalar offset to them (its masks are per pixel)
+        x_tile = x_ptr + image * sx_b + (h.to(tl.int64) * sx_h + w.to(tl.int64) * sx_w)[:, None] + (c * sx_c)[None, :]
         for tap in tl.static_range(K * K):
             hh = h + (tap // K - K // 2)
             ww = w + (tap % K - K // 2)
             inside = (hh >= 0) & (hh < height) & (ww >= 0) & (ww < width)
-            offsets = hh.to(tl.int64)[:, None] * sx_h + ww.to(tl.int64)[:, None] * sx_w + c[None, :] * sx_c
-            x = tl.load(x_image + offsets, mask=inside[:, None] & in_channels[None, :], other=0.0)
+            x = tl.load(x_tile + ((tap // K - K // 2) * sx_h + (tap % K - K // 2) * sx_w),
+                        mask=inside[:, None] & in_channels[None, :], other=0.0)
             # the input gradient convolves by the flipped kernel: tap t reads weight K*K-1-t
             weight = tl.load(w_ptr + c * (K * K) + (tap + FLIP * (K * K - 1 - 2 * tap)), mask=in_channels,
                              other=0.0)
