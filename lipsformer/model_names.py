@@ -11,33 +11,24 @@ model. Any download of weights that cannot reach its host (``pretrained=True``, 
 :class:`ModelSourceError` whose one line names what was asked for, from where, and the two ways to use a copy of the
 weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsformer.convert`` and ``local-dir:``.
 """
-import contextlib
 import difflib
 import fnmatch
-import functools
 import os
 import re
-import socket
-import urllib.error
-import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import timm
 import torch
-from huggingface_hub import constants as hf_constants
-from huggingface_hub.utils import LocalEntryNotFoundError, OfflineModeIsEnabled
-from timm.models import is_model, parse_model_name, resolve_pretrained_cfg, split_model_name_tag
-from timm.models._builder import _resolve_pretrained_source
+from timm.models import is_model, parse_model_name, split_model_name_tag
 from timm.models._hub import download_cached_file
-from timm.models._registry import _model_entrypoints
 
+from .models import ModelSourceError
+from .models._pretrained import hub_errors, model_source, offline_message, pretrained_source, unreachable
 from .utils.io import read_json
 from .weight_files import CheckpointError, load_file
 
 __all__ = ['ModelSourceError', 'UnknownModelError', 'check_model_source', 'classifier_reset_note', 'create_model',
-           'expand_model_names', 'explain_pretrained_failures', 'hub_errors', 'model_source', 'offline_message',
-           'unaccepted_kwargs', 'unreachable']
+           'expand_model_names', 'hub_errors', 'model_source', 'offline_message', 'unaccepted_kwargs', 'unreachable']
 
 
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
@@ -45,18 +36,6 @@ _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
 
 class UnknownModelError(ValueError):
     """A model name or wildcard that no registered model (or none with pretrained weights) answers."""
-
-
-class ModelSourceError(CheckpointError):
-    """A ``local-dir:`` folder or ``hf-hub:`` repository that holds no usable timm model."""
-
-
-def model_source(name: str) -> str | None:
-    """``'hf-hub'`` or ``'local-dir'`` for a name that carries its weights; None for a registered model name."""
-    try:
-        return parse_model_name(name)[0]
-    except ValueError:
-        return None
 
 
 def check_model_source(name: str) -> None:
@@ -87,74 +66,6 @@ def check_model_source(name: str) -> None:
         raise ModelSourceError(f'{name}: {location!r} has a config.json but no weights file; {made_by}')
 
 
-@contextlib.contextmanager
-def hub_errors(name: str, location: str | None = None) -> Iterator[None]:
-    """Turn a failed download for ``name`` into a :class:`ModelSourceError` saying what to do: a host that cannot be
-    reached (any weights: ``location`` names the URL or Hub repository), or any other Hub failure of an ``hf-hub:``
-    name (an unknown repository or file)."""
-    try:
-        yield
-    except ModelSourceError:
-        raise
-    except Exception as e:  # noqa: BLE001  every network library raises its own types; the others are re-raised
-        if unreachable(e):
-            raise ModelSourceError(offline_message(name, location, e)) from e
-        if model_source(name) != 'hf-hub' or not isinstance(e, OSError):
-            raise
-        raise ModelSourceError(
-            f'{name}: cannot get its files from the Hugging Face Hub ({type(e).__name__}: {str(e)[:300]}). Without '
-            f'network access a Hub model works only once it is in the local cache (HF_HOME); a copy of the model '
-            f'folder works anywhere as local-dir:FOLDER') from e
-
-
-def unreachable(error: BaseException) -> bool:
-    """Whether ``error`` (or what caused it) says that a host could not be reached, or that downloads are off
-    (HF_HUB_OFFLINE and nothing in the cache)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (urllib.error.URLError, ConnectionError, TimeoutError, socket.gaierror,
-                              LocalEntryNotFoundError, OfflineModeIsEnabled)):
-            return True
-        if type(error).__module__.startswith(('httpx', 'httpcore', 'requests', 'urllib3')) and any(
-                word in type(error).__name__ for word in ('Connect', 'Timeout', 'Network', 'Proxy')):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def offline_message(name: str, location: str | None, error: BaseException) -> str:
-    """One line: what was asked for and from where, why it failed, and the two offline ways."""
-    source = model_source(name)
-    file = os.path.basename(urllib.parse.urlparse(location).path) if location and '://' in location else ''
-    file = file or 'model.safetensors'
-    if source == 'hf-hub' or location and '://' not in str(location):
-        repo = location if location else parse_model_name(name)[1]
-        location = f'the Hugging Face Hub repository {repo} at {hf_constants.ENDPOINT}'
-    architecture = split_model_name_tag(name)[0] if not source else 'ARCHITECTURE'
-    text = str(error).strip()
-    reason = text.splitlines()[0].split('. ')[0].rstrip('.')[:200] if text else type(error).__name__
-    copy = ('a copy of the repository\'s files (a folder with its config.json and model.safetensors is itself '
-            'local-dir:FOLDER)' if source == 'hf-hub' else f'a copy of {file}')
-    return (f'cannot download the weights of {name} from {location or "its host"}: {reason}. Offline, use {copy}: '
-            f'timm.create_model(\'{architecture}\', pretrained=True, pretrained_cfg_overlay=dict(file=\'{file}\')), '
-            f'or python -m lipsformer.convert {file} FOLDER --model {architecture} once, then the model name '
-            f'local-dir:FOLDER (validate.py also takes the file as --checkpoint, train.py as model.init_checkpoint)')
-
-
-def _pretrained_source(model_name: str, kwargs: dict[str, Any]) -> tuple[str, Any]:
-    """Where timm will take a registered model's pretrained weights from, as timm decides it: ('url', URL),
-    ('hf-hub', REPO_ID), ('file', PATH), ... or ('', '') for none or a cfg timm itself rejects (its own error then
-    comes from create_model)."""
-    try:
-        cfg = resolve_pretrained_cfg(model_name, kwargs.get('pretrained_cfg'),
-                                     kwargs.get('pretrained_cfg_overlay')).to_dict()
-    except Exception:  # noqa: BLE001
-        return '', ''
-    load_from, location = _resolve_pretrained_source(cfg)
-    return ('url-custom' if load_from == 'url' and cfg.get('custom_load') else load_from), location
-
-
 def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
     """``timm.create_model`` that checks a ``local-dir:`` folder first, gives a damaged or unsafe weights file there
     :mod:`lipsformer.weight_files`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
@@ -171,7 +82,7 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
     hub_name = f'hf-hub:{cfg["hf_hub_id"]}' if cfg.get('source') == 'hf-hub' else asked
     folder = parse_model_name(model_name)[1] if source == 'local-dir' else (
         cfg.get('file') if cfg.get('source') == 'local-dir' else None)
-    load_from, location = _pretrained_source(model_name, kwargs) if kwargs.get('pretrained') and not source else (
+    load_from, location = pretrained_source(model_name, kwargs) if kwargs.get('pretrained') and not source else (
         '', None)
     try:
         if load_from == 'url':  # into timm's cache, where timm finds it: a failure costs no model build
@@ -184,49 +95,6 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
         if problem is None:
             raise
         raise problem from None  # torch's error, and its weights_only advice, left out of the traceback
-
-
-def explain_pretrained_failures(model_names: Iterable[str]) -> None:
-    """Make ``timm.create_model(NAME, pretrained=True, ...)`` of these registered models fail as the commands do: a
-    host that cannot be reached gives :func:`offline_message`, a ``pretrained_cfg_overlay=dict(file=...)`` that is not
-    there or not a weights file gives :mod:`lipsformer.weight_files`' error, instead of urllib's traceback, an empty
-    ``FileNotFoundError`` or torch's advice to unpickle with ``weights_only=False``.
-
-    Each model's timm entry point is wrapped in place (once); models built without pretrained weights are unaffected.
-    """
-    for name in model_names:
-        entrypoint = _model_entrypoints[name]
-        if not getattr(entrypoint, 'explains_pretrained_failures', False):
-            _model_entrypoints[name] = _explaining(name, entrypoint)
-
-
-def _explaining(name: str, entrypoint: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
-    @functools.wraps(entrypoint)
-    def create(pretrained: bool = False, **kwargs: Any) -> torch.nn.Module:
-        if not pretrained:
-            return entrypoint(pretrained=pretrained, **kwargs)
-        load_from, location = _pretrained_source(name, kwargs)
-        tag = kwargs.get('pretrained_cfg') if isinstance(kwargs.get('pretrained_cfg'), str) else None
-        asked = f'{name}.{tag}' if tag else name
-        if load_from == 'file' and not os.path.isfile(location):
-            raise CheckpointError(f'{asked}: pretrained_cfg_overlay=dict(file={location!r}): no such file; give the '
-                                  f'path of a downloaded copy of the weights')
-        try:
-            with hub_errors(asked, location if load_from in ('url', 'url-custom', 'hf-hub') else None):
-                return entrypoint(pretrained=True, **kwargs)
-        except ModelSourceError:
-            raise
-        except Exception:
-            if load_from != 'file':
-                raise
-            try:
-                load_file(location)  # if it reads the file, timm's own error stands
-            except CheckpointError as problem:
-                raise problem from None  # torch's error, and its weights_only advice, left out of the traceback
-            raise
-
-    create.explains_pretrained_failures = True
-    return create
 
 
 def _unreadable_weights(folder: str) -> CheckpointError | None:

@@ -1,4 +1,4 @@
-"""lipsformer._compat: each shim behaves the same whether the dependency has the newer API or not."""
+"""lipsformer.models._compat: each shim behaves the same whether the dependency has the newer API or not."""
 import importlib
 import sys
 
@@ -7,7 +7,7 @@ import timm
 import torch
 from tiny_models import TINY_MODELS
 
-import lipsformer._compat
+import lipsformer.models._compat
 from lipsformer.models import _base
 
 HAS_INPUT_RECORD = importlib.util.find_spec('timm.models._input') is not None
@@ -19,13 +19,13 @@ def tiny_swin() -> torch.nn.Module:
 
 @pytest.fixture
 def without_timm_input_record(monkeypatch):
-    """lipsformer._compat imported as under a timm that has no ``timm.models._input``, restored afterwards."""
+    """lipsformer.models._compat imported as under a timm that has no ``timm.models._input``, restored afterwards."""
     monkeypatch.setitem(sys.modules, 'timm.models._input', None)  # makes the import raise ImportError
-    fallback = importlib.reload(lipsformer._compat).update_model_input_size
+    fallback = importlib.reload(lipsformer.models._compat).update_model_input_size
     monkeypatch.setattr(_base, 'update_model_input_size', fallback)
     yield fallback
     monkeypatch.undo()
-    importlib.reload(lipsformer._compat)
+    importlib.reload(lipsformer.models._compat)
 
 
 @pytest.mark.skipif(not HAS_INPUT_RECORD, reason=f'timm {timm.__version__} has no timm.models._input')
@@ -40,7 +40,7 @@ def test_set_input_size_is_recorded_where_timm_keeps_a_record():
 
 
 def test_set_input_size_without_timms_record(without_timm_input_record):
-    assert without_timm_input_record.__module__ == 'lipsformer._compat'
+    assert without_timm_input_record.__module__ == 'lipsformer.models._compat'
     model = tiny_swin()
     model.set_input_size((96, 128))
     assert model.patch_embed.img_size == (96, 128)
@@ -51,5 +51,5 @@ def test_set_input_size_without_timms_record(without_timm_input_record):
 
 
 def test_compat_is_restored_after_the_fallback_test():
-    expected = 'timm.models._input' if HAS_INPUT_RECORD else 'lipsformer._compat'
-    assert lipsformer._compat.update_model_input_size.__module__ == expected
+    expected = 'timm.models._input' if HAS_INPUT_RECORD else 'lipsformer.models._compat'
+    assert lipsformer.models._compat.update_model_input_size.__module__ == expected

@@ -5,6 +5,7 @@ arXiv:2304.09856). A family supplies its token mixer (window or cross-stripe att
 module holds everything else, with timm's model API (features, intermediates, pruning, grad checkpointing, heads).
 Feature maps are NHWC throughout, as in timm's Swin.
 """
+import contextlib
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,6 @@ from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_f
 from timm.models._features import feature_take_indices
 
 from .. import fastpath
-from .._compat import update_model_input_size
 from ..layers import (
     CenterNorm,
     ConvShortcut,
@@ -29,7 +29,9 @@ from ..layers import (
     get_norm_layer,
     init_weights_,
 )
-from ..weight_files import CheckpointError
+from ._compat import update_model_input_size
+from ._pretrained import explaining_pretrained_failures
+from ._weights_reading import CheckpointError
 
 __all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'TokenMixer',
            'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg', 'record_input_size']
@@ -517,14 +519,22 @@ def build_lipsformer(model_cls: type[LipsFormer], variant: str, pretrained: bool
                      checkpoint_filter_fn: Callable[[dict[str, Any], nn.Module], dict[str, torch.Tensor]],
                      model_args: dict[str, Any], **kwargs: Any) -> LipsFormer:
     """A registered variant through timm's ``build_model_with_cfg``: its ``model_args`` overridden by the caller's
-    ``kwargs``, a feature map per stage (``features_only``), checkpoints mapped by the family's filter."""
+    ``kwargs``, a feature map per stage (``features_only``), checkpoints mapped by the family's filter, and pretrained
+    weights that cannot be had explained (:mod:`._pretrained`).
+
+    Raises:
+        CheckpointError: The pretrained weights do not fit the model, or their file is missing or unreadable.
+        ModelSourceError: The pretrained weights' host cannot be reached.
+    """
+    explained = explaining_pretrained_failures(variant, kwargs) if pretrained else contextlib.nullcontext()
     kwargs = dict(model_args, **kwargs)
     out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs['depths']))))
-    model = build_model_with_cfg(
-        model_cls, variant, pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs)
+    with explained:
+        model = build_model_with_cfg(
+            model_cls, variant, pretrained,
+            pretrained_filter_fn=checkpoint_filter_fn,
+            feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+            **kwargs)
     record_input_size(model, kwargs.get('in_chans'), kwargs.get('img_size'), kwargs.get('patch_size', 4) * 2 ** (
         len(kwargs['depths']) - 1))
     return model
