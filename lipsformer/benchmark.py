@@ -7,19 +7,18 @@ Example (the CPU comparison of ``docs/performance.md``)::
 
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
 window_size=12]``; ``img_size`` there also sets that model's input size; ``fast_path=False`` or ``True`` runs that model
-with ``lipsformer.fastpath`` switched off or on whatever the device's default, ``native=False`` with the fast paths'
-PyTorch code instead of the package's C kernels, and ``compile=True``, ``compile=regional`` / ``compile=whole`` (each
-LipsFormer block once per block shape, the default, or the whole model) or ``compile=reduce-overhead`` (any
-``torch.compile`` mode; ``compile_mode=`` names it beside a scope: ``[compile=regional,compile_mode=reduce-overhead]``)
-through ``torch.compile``, ``compile=False`` eager, whatever ``--compile`` says; so these forms
-of one model are timed in one process), or ``file:/path/module.py:factory[...]`` for a model outside timm (the factory
-is any callable returning an ``nn.Module``; the file is imported and run, so only name files you trust). Per model and
-mode it reports images/s (models interleaved in the warm-up and in every repeat, median of the repeats), the median and
-interquartile range of its per-repeat ratios to the first model (paired within each repeat: the steadier figure when
-another job disturbs some repeats), the process's minor page faults per timed step, peak memory (each model in a fresh
-process), activations saved for backward per image, params, GMACs and TFLOP/s, with ratios to the first model;
-``docs/performance.md`` says how each is measured. With ``--json``, the report is also written after each mode,
-``complete`` false until the end, so that a run cut short keeps the modes it finished.
+with ``lipsformer.fastpath`` switched off or on whatever the device's default, and ``compile=True``,
+``compile=regional`` / ``compile=whole`` (each LipsFormer block once per block shape, the default, or the whole model)
+or ``compile=reduce-overhead`` (any ``torch.compile`` mode; ``compile_mode=`` names it beside a scope:
+``[compile=regional,compile_mode=reduce-overhead]``) through ``torch.compile``, ``compile=False`` eager, whatever
+``--compile`` says; so these forms of one model are timed in one process), or ``file:/path/module.py:factory[...]`` for
+a model outside timm (the factory is any callable returning an ``nn.Module``; the file is imported and run, so only name
+files you trust). Per model and mode it reports images/s (models interleaved in the warm-up and in every repeat, median
+of the repeats), the median and interquartile range of its per-repeat ratios to the first model (paired within each
+repeat: the steadier figure when another job disturbs some repeats), the process's minor page faults per timed step,
+peak memory (each model in a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with
+ratios to the first model; ``docs/performance.md`` says how each is measured. With ``--json``, the report is also
+written after each mode, ``complete`` false until the end, so that a run cut short keeps the modes it finished.
 """
 
 import argparse
@@ -46,7 +45,6 @@ from torch import nn
 from lipsformer.complexity import build_model, model_complexity
 from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import use_fast_path
-from lipsformer.fastpath.native import native_kernels
 from lipsformer.model_specs import (
     COMPILE_SCOPES,
     PRECISIONS,
@@ -366,7 +364,7 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float
     macs_per_image = counts['gmacs'] * (TRAIN_MACS_PER_FORWARD_MAC if mode == 'train' else 1)
     torch_compile_mode = compile_mode(spec, config)
     device_type = torch.device(config.device).type
-    # What this model ran with: compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels too.
+    # What this model ran with: compiled, lipsformer.fastpath steps aside for the plain graph.
     fast_path = torch_compile_mode is None and spec.running(functools.partial(use_fast_path, device_type))()
     return {
         'model': spec.text,
@@ -376,7 +374,6 @@ def _result_row(spec: ModelSpec, mode: str, counts: dict, runs: list[tuple[float
         'compile': None if torch_compile_mode is None else effective_mode(torch_compile_mode, device_type),
         'compile_scope': compile_scope(spec, config, counts['lipsformer_blocks']),
         'fast_path': fast_path,
-        'native_kernels': fast_path and spec.native is not False and all(native_kernels().values()),
         'input_size': list(counts['input_size']),
         'batch_size': config.batch_size,
         'params': counts['params'],
@@ -491,7 +488,6 @@ def environment(device: str) -> dict:
         'platform': platform.platform(), 'cpu': cpu_name(), 'cpu_count': os.cpu_count(),
         'cpu_details': cpu_details(),  # CPUs sold under one name differ in generation and flags, and so in ratios
         'torch_threads': torch.get_num_threads(), 'load_average_end': _load_average(),
-        'native_kernels': native_kernels(),  # the C kernels in use: without them the CPU backward is slower
         # the switch for the device (LIPSFORMER_FAST_PATH, the device defaults); a model spec's fast_path overrides it
         'fast_path': use_fast_path(device.split(':')[0]),
         'memory_metric': 'cuda_max_memory_allocated' if device.startswith('cuda') else 'cpu_peak_rss_minus_baseline',

@@ -1,7 +1,6 @@
 """Model specs, as the benchmark and the kernel counter take them: ``name[key=value,...]`` or
-``file:/path/module.py:factory[...]``, with three keys that are no constructor arguments: ``fast_path=True`` /
-``False`` switches ``lipsformer.fastpath`` for that model, ``native=False`` keeps the fast paths off the package's C
-kernels (their PyTorch code instead), and ``compile=True``, ``compile=regional`` / ``whole`` (the scope) or
+``file:/path/module.py:factory[...]``, with keys that are no constructor arguments: ``fast_path=True`` / ``False``
+switches ``lipsformer.fastpath`` for that model, and ``compile=True``, ``compile=regional`` / ``whole`` (the scope) or
 ``compile='<mode>'`` runs that model through ``torch.compile`` (``False``: eager, whatever ``--compile`` says), in the
 mode ``compile_mode='<mode>'`` names where the scope is given; the precisions they run in; the loss of a timed
 training step; and the checks of their JSON reports.
@@ -25,13 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipsformer.fastpath import set_fast_path
-from lipsformer.fastpath.native import set_native_kernels
 from lipsformer.model_names import check_model_source, expand_model_names, model_source
 from lipsformer.training.compilation import COMPILE_SCOPES  # a compile key may name a scope instead of a mode
 from lipsformer.utils import write_json
 from lipsformer.utils.io import unwritable_file_reason
 
-__all__ = ['PRECISIONS', 'SPEC_KEYS', 'ModelSpec', 'check_report_path', 'parse_model_specs',
+__all__ = ['PRECISIONS', 'REMOVED_SPEC_KEYS', 'SPEC_KEYS', 'ModelSpec', 'check_report_path', 'parse_model_specs',
            'meant_argument', 'rejected_argument_message', 'step_loss', 'write_report']
 
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -45,14 +43,13 @@ class ModelSpec:
     source: str  # timm name, or 'file:/path.py:factory'
     kwargs: dict[str, Any] = field(default_factory=dict)
     fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
-    native: bool | None = None  # False: the fast paths' PyTorch code instead of the C kernels (None: the kernels)
     compile: bool | str | None = None  # torch.compile: True, a scope or a mode, or False (eager); None: --compile
     mode: str | None = None  # torch.compile's mode from compile_mode= (None: the compile key's, else --compile-mode)
 
     def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
-        """``step`` with the fast paths and their C kernels switched as this spec asks."""
+        """``step`` with the fast paths switched as this spec asks."""
         def switched() -> Any:
-            with set_fast_path(self.fast_path), set_native_kernels(self.native):
+            with set_fast_path(self.fast_path):
                 return step()
         return switched
 
@@ -116,7 +113,12 @@ def _split_top_level(text: str) -> list[str]:
 
 
 # The keys of a spec that are no constructor arguments.
-SPEC_KEYS = ('fast_path', 'native', 'compile', 'compile_mode')
+SPEC_KEYS = ('fast_path', 'compile', 'compile_mode')
+# Keys that earlier releases took, and what became of them: refused with that, not passed to the constructor.
+REMOVED_SPEC_KEYS = {
+    'native': "native= was removed with the package's C kernels: the fast path runs its PyTorch code, as it did with "
+              'native=False',
+}
 
 
 def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
@@ -125,6 +127,8 @@ def _parse_kwargs(text: str, spec: str) -> dict[str, Any]:
         key, sep, value = item.partition('=')
         if not sep or not key.strip().isidentifier():
             raise ValueError(f'bad constructor argument {item!r} in {spec!r}; write name[key=value,key=value]')
+        if key.strip() in REMOVED_SPEC_KEYS:
+            raise ValueError(f'{spec!r}: {REMOVED_SPEC_KEYS[key.strip()]}; drop {item!r} from the spec')
         near = difflib.get_close_matches(key.strip(), SPEC_KEYS, n=1, cutoff=0.7)
         if near and key.strip() not in SPEC_KEYS:  # a misspelt key would reach the constructor as an argument
             raise ValueError(f'{spec!r}: unknown key {key.strip()!r}; did you mean {near[0]}? (the spec keys are '
@@ -158,9 +162,10 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
     """Parse the ``--models`` comma list (commas inside brackets belong to the constructor arguments).
 
     Raises:
-        ValueError: a malformed spec, an unknown timm name (with close matches) or a duplicate.
-        TypeError: an ``img_size`` argument that is not one integer; a ``fast_path`` or ``native`` that is not True or
-            False, a ``compile`` that is not True, False or a string (an unknown mode is a ValueError).
+        ValueError: a malformed spec, an unknown timm name (with close matches), a duplicate, or a key a release
+            removed (:data:`REMOVED_SPEC_KEYS`).
+        TypeError: an ``img_size`` argument that is not one integer; a ``fast_path`` that is not True or False, a
+            ``compile`` that is not True, False or a string (an unknown mode is a ValueError).
     """
     specs = []
     for item in _split_top_level(text):
@@ -170,10 +175,9 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
         if not isinstance(kwargs.get('img_size', 1), int):
             raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
-        fast_path, native = kwargs.pop('fast_path', None), kwargs.pop('native', None)
-        for key, value in (('fast_path', fast_path), ('native', native)):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f'{item!r}: {key} must be True or False, got {value!r}')
+        fast_path = kwargs.pop('fast_path', None)
+        if fast_path is not None and not isinstance(fast_path, bool):
+            raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
         compile_setting = _compile_setting(kwargs.pop('compile', None), item)
         mode_setting = _compile_setting(kwargs.pop('compile_mode', None), item, key='compile_mode')
         if mode_setting is not None and compile_setting not in (None, True, *COMPILE_SCOPES):  # False or a mode
@@ -188,7 +192,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
             check_model_source(source)
         else:
             expand_model_names(source)  # raises with close matches if the name is unknown
-        specs.append(ModelSpec(item, source, kwargs, fast_path, native, compile_setting, mode_setting))
+        specs.append(ModelSpec(item, source, kwargs, fast_path, compile_setting, mode_setting))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')
     if not specs:

@@ -9,8 +9,6 @@ because pyproject sets pytest's pythonpath to tests/, each for one purpose:
 - ``process_support``: one torch thread, subprocess environments, a lock held by another process, a free port;
 - ``synthetic_weights`` / ``validate_reference``: weights and timm's own validation, for comparisons.
 """
-import os
-
 import pytest
 import torch
 from image_data import make_image_folder
@@ -18,18 +16,6 @@ from probe_models import register_probe_model
 from process_support import single_thread
 
 import lipsformer  # noqa: F401  (registers the models with timm)
-
-
-@pytest.fixture(scope='session', autouse=True)
-def _native_cache(tmp_path_factory):
-    """The C kernels are built into a folder of the test session (and its subprocesses), not the user's cache."""
-    previous = os.environ.get('LIPSFORMER_CACHE_DIR')
-    os.environ['LIPSFORMER_CACHE_DIR'] = str(tmp_path_factory.mktemp('native'))
-    yield
-    if previous is None:
-        del os.environ['LIPSFORMER_CACHE_DIR']
-    else:
-        os.environ['LIPSFORMER_CACHE_DIR'] = previous
 
 
 @pytest.fixture(autouse=True)

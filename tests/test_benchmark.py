@@ -52,7 +52,7 @@ def test_report_schema(report):
         assert all(value >= 0 for value in row['page_faults_per_step_samples'])
         assert row['page_faults_per_step'] == statistics.median(row['page_faults_per_step_samples'])
     assert report['environment']['cpu_freed_memory_retained'] is False  # as CONFIG asks
-    assert report['environment']['native_kernels'] == {'fastpath/cpu_kernels.c': True}  # the test host has cc
+    assert 'native_kernels' not in report['environment']  # the C kernels were removed
     assert report['environment']['cpu_details']['isa'] == torch.backends.cpu.get_cpu_capability()
     json.dumps(report)  # JSON-ready as it is
 
@@ -89,7 +89,7 @@ def test_the_table_shows_each_row_with_its_paired_ratio(report):
         assert cells[:4] == [row['model'], row['mode'], f'{row["images_per_s"]:.2f}', f'{row["ratio"]:.3f}']
         assert cells[4] == '{:.3f} ({:.3f}-{:.3f})'.format(row['ratio_median'], *row['ratio_quartiles'])
         assert cells[-1] == '-' and row['compile'] is None  # eager, as CONFIG asks
-        assert row['native_kernels'] is True and row['fast_path'] is True  # the CPU's defaults
+        assert row['fast_path'] is True and 'native_kernels' not in row  # the CPU's default
 
 
 def test_ratio_quartiles_of_a_single_repeat():
@@ -362,6 +362,8 @@ def test_cli_an_input_size_a_model_cannot_take_is_a_one_line_error(capsys):
     ('lipsformer_swin_tiny[windw_size=4]', "--models: 'lipsformer_swin_tiny[windw_size=4]': the model takes no "
                                            "argument 'windw_size'; did you mean window_size?"),
     ('lipsformer_swin_tiny', '--img-size 50: img_size must be a multiple of 32, got 50x50'),
+    ('lipsformer_swin_tiny[native=False]', "'lipsformer_swin_tiny[native=False]': native= was removed with the "
+                                           "package's C kernels"),
 ])
 def test_cli_a_misspelt_key_or_a_size_a_model_cannot_take_is_a_one_line_error(command, spec, message, capsys):
     """A misspelt spec key or constructor argument is named with the one it most likely meant, and an input size
@@ -428,13 +430,13 @@ def test_kernel_counting_refuses_an_unsupported_torch(capsys, monkeypatch):
         kernel_count.count_step('test_vit[img_size=32]', 'infer', 2, 32)
 
 
-def test_a_model_spec_can_take_its_own_compile_mode_and_keep_off_the_c_kernels():
-    """``compile`` and ``native`` are no constructor arguments: ``compile=True`` is torch.compile's default mode, a
-    mode string that mode, ``False`` eager whatever ``--compile`` says, and a spec without it follows ``--compile``."""
+def test_a_model_spec_can_take_its_own_compile_mode():
+    """``compile`` is no constructor argument: ``compile=True`` is torch.compile's default mode, a mode string that
+    mode, ``False`` eager whatever ``--compile`` says, and a spec without it follows ``--compile``."""
     default, eager, compiled, mode = parse_model_specs(
-        "test_vit,test_vit[compile=False],test_vit[compile=True,native=False],test_vit[compile='reduce-overhead']")
+        "test_vit,test_vit[compile=False],test_vit[compile=True],test_vit[compile='reduce-overhead']")
     assert [spec.kwargs for spec in (default, eager, compiled, mode)] == [{}] * 4
-    assert (compiled.compile, compiled.native, mode.compile, default.native) == (True, False, 'reduce-overhead', None)
+    assert (compiled.compile, mode.compile, default.compile) == (True, 'reduce-overhead', None)
     plain, flagged = BenchmarkConfig(), BenchmarkConfig(compile=True, compile_mode='max-autotune')
     assert [benchmark.compile_mode(spec, plain) for spec in (default, eager, compiled, mode)] == [
         None, None, 'default', 'reduce-overhead']
@@ -474,9 +476,14 @@ def test_compile_scope_needs_compile(capsys):
     ('test_vit[compile=False,compile_mode=default]', ValueError, r"compile_mode='default' with compile=False"),
     ('test_vit[compile_mode=regional]', ValueError, r"compile_mode='regional' is no torch.compile mode; write one of "
                                                     r'default'),
-    ('test_vit[native=0]', TypeError, r"'test_vit\[native=0\]': native must be True or False, got 0"),
+    ('test_vit[fast_path=0]', TypeError, r"'test_vit\[fast_path=0\]': fast_path must be True or False, got 0"),
+    # native= went with the package's C kernels: refused, not handed to the constructor as an argument
+    ('test_vit[native=False]', ValueError, r"'test_vit\[native=False\]': native= was removed with the package's C "
+                                           r'kernels: the fast path runs its PyTorch code, as it did with '
+                                           r"native=False; drop 'native=False' from the spec"),
+    ('test_vit[img_size=32,native=True]', ValueError, r"native= was removed .*; drop 'native=True' from the spec"),
 ])
-def test_bad_compile_or_native_keys_say_what_is_accepted(text, error, message, capsys):
+def test_bad_spec_keys_say_what_is_accepted(text, error, message, capsys):
     with pytest.raises(error, match=message):
         parse_model_specs(text)
     with pytest.raises(SystemExit, match='2'):
@@ -503,50 +510,6 @@ def _spec_arguments(shape: dict) -> str:
     return ','.join(f'{key}={list(value) if isinstance(value, tuple) else value}' for key, value in shape.items())
 
 
-def _count_kernel_calls(monkeypatch) -> list[str]:
-    """The names of the C kernels called from now on, through every caller of ``native.call_kernel``."""
-    from lipsformer.fastpath import depthwise_conv, lean_autograd, native
-    calls = []
-
-    def counted(library, name, tensors, sizes, real=native.call_kernel):
-        calls.append(name)
-        return real(library, name, tensors, sizes)
-    for module in (native, depthwise_conv, lean_autograd):
-        monkeypatch.setattr(module, 'call_kernel', counted)
-    return calls
-
-
-def test_native_false_runs_the_fast_path_without_the_c_kernels(monkeypatch):
-    """``native=False`` keeps the fast path (fast_path stays on) but off the C kernels while its model runs: none is
-    called, and the gradients equal those the kernels give; the other model in the same process still calls them."""
-    from tiny_models import TINY_SWIN
-
-    from lipsformer.fastpath import native
-    calls = _count_kernel_calls(monkeypatch)
-    tiny = f'lipsformer_swin_tiny[{_spec_arguments(TINY_SWIN)}'
-    with_kernels, without = parse_model_specs(f'{tiny}],{tiny},native=False]')
-    assert 'native' not in without.kwargs and without.fast_path is None
-    config = BenchmarkConfig(batch_size=2, img_size=64)
-    gradients = []
-    for spec in (with_kernels, without):
-        torch.manual_seed(0)
-        model, inputs = _build(spec, config)
-        calls.clear()
-        spec.running(_make_step(model, inputs, 'train', config, spec))()  # one AdamW step: the gradients stay
-        gradients.append({name: parameter.grad for name, parameter in model.named_parameters()})
-        assert native._enabled is True  # restored after the step
-        if spec is with_kernels:
-            assert {'depthwise7_weight_grad', 'gelu_residual_backward'} <= set(calls)
-        else:
-            assert calls == []
-    assert gradients[0].keys() == gradients[1].keys()
-    for name, grad in gradients[0].items():
-        torch.testing.assert_close(gradients[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    report = run_benchmark([with_kernels, without], ['train'], BenchmarkConfig(
-        batch_size=2, img_size=64, warmup=0, repeats=1, memory=False, retain_cpu_memory=False))
-    assert [row['native_kernels'] for row in report['results']] == [True, False]
-
-
 def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
     """``compile=True`` runs that model alone through torch.compile (dynamo for real; its eager backend here, for
     speed), interleaved with the eager one; the rows say which is which, and the first step times compilation."""
@@ -567,9 +530,8 @@ def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
     assert (eager['compile_scope'], compiled['compile_scope']) == (None, 'regional')
     assert compile_calls == ['default'] * 4  # each of the four blocks, in place
     assert eager['compile_s'] is None and compiled['compile_s'] == compiled['first_step_s'] > 0
-    # compiled, lipsformer.fastpath steps aside for the plain graph, its C kernels with it
-    assert (eager['fast_path'], eager['native_kernels'], compiled['fast_path'], compiled['native_kernels']) == (
-        True, True, False, False)
+    # compiled, lipsformer.fastpath steps aside for the plain graph
+    assert (eager['fast_path'], compiled['fast_path']) == (True, False)
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1  # dynamo traced the compiled model
     assert format_table(report).splitlines()[2].split()[-2:] == ['regional,', 'default']
     torch._dynamo.reset()

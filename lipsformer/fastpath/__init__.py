@@ -16,10 +16,8 @@ Everything that computes a model's layers other than through their modules is he
 - ``depthwise_conv_op``: the blocks' depthwise convolutions (the conv shortcuts' 7x7, CSwin's LePE 3x3) as the
   ``lipsformer::depthwise_conv2d`` custom op, one Triton kernel a pass on a GPU, in the plain module graph too where
   its switch (``KERNEL_DEFAULT_DEVICES``) is on (:func:`depthwise_kernel_applies`);
-- ``depthwise_conv``: the 7x7 depthwise conv with a faster CPU weight gradient; ``cpu_kernels.c``, the C kernels of
-  the CPU backward (that weight gradient, the GELU residual's), built by ``native``;
-- ``native``: the package's C kernels, compiled for the CPU on first use, cached and checked before loading
-  (:func:`native_kernels`: which of them this process can use; ``set_native_kernels(False)``: their PyTorch code);
+- ``depthwise_conv``: the 7x7 depthwise conv with a faster CPU weight gradient (oneDNN's forward kernel, an image
+  at a time);
 - CenterNorm through LayerNorm's fused kernel (:func:`center_norm`).
 
 The modules in ``lipsformer.layers`` and ``lipsformer.models`` hold the plain path, which reads like the paper. The
@@ -31,7 +29,6 @@ from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
 from .center_norm import center_norm
 from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
 from .lean_autograd import l2_normalize
-from .native import native_kernels
 from .switch import (
     DEFAULT_DEVICES,
     KERNEL_DEFAULT_DEVICES,
@@ -48,5 +45,5 @@ from .switch import (
 
 __all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'active', 'center_norm', 'conv_shortcut',
            'depthwise_conv2d_op', 'depthwise_kernel_applies', 'engage', 'engaged', 'kernel_enabled', 'l2_normalize',
-           'linear', 'mlp', 'mlp_is_plain', 'native_kernels', 'plain', 'set_fast_path', 'traced',
-           'transformed', 'use_fast_path', 'weighted_residual']
+           'linear', 'mlp', 'mlp_is_plain', 'plain', 'set_fast_path', 'traced', 'transformed', 'use_fast_path',
+           'weighted_residual']

@@ -6,29 +6,21 @@
 On CPU, oneDNN computes that weight gradient for channels-last maps with its generic grouped-convolution kernel,
 far slower than its forward pass (docs/performance.md). The sum over (h, w) is itself a depthwise convolution, of
 x_pad by a kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in
-cache, it goes through oneDNN's depthwise forward kernel instead. For the shortcuts' 7x7 kernels a C kernel
-(``cpu_kernels.c``, built by :mod:`.native`) is faster still, and replaces the per-image
-calls' thousands of small PyTorch operations a step by one call a layer; where it cannot be built the per-image path
-gives the same values. The input gradient, a convolution by the flipped kernel, goes through oneDNN's forward kernel.
+cache, it goes through oneDNN's depthwise forward kernel instead. The input gradient, a convolution by the flipped
+kernel, goes through oneDNN's forward kernel.
 """
-
-import ctypes
 
 import torch
 import torch.nn.functional as F
 
 from .lean_autograd import autocast_backward, autocast_forward, differentiate_plain
-from .native import call_kernel, cpu_kernels
 
 __all__ = ['depthwise_conv2d']
 
 
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], kernel: tuple[int, int]
                  ) -> torch.Tensor:
-    """dL/dW (C, 1, kh, kw) from NHWC input and output gradient: the C kernel for 7x7, else one image at a time."""
-    library = cpu_kernels(x, grad) if kernel == (7, 7) and x.numel() else None  # the kernel refuses a batch of 0
-    if library is not None and x.shape[-1] % library.channel_block() == 0:
-        return _native_weight_grad(library, x, grad)
+    """dL/dW (C, 1, kh, kw) from NHWC input and output gradient, one image at a time."""
     channels = x.shape[-1]
     weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
     for image, image_grad in zip(x.unbind(0), grad.unbind(0)):
@@ -37,16 +29,6 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], 
         weight_grad += F.conv2d(image.permute(2, 0, 1).unsqueeze(0), image_grad.permute(2, 0, 1).unsqueeze(1),
                                 padding=padding, groups=channels)[0]
     return weight_grad.unsqueeze(1)
-
-
-def _native_weight_grad(library: ctypes.CDLL, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The 7x7 weight gradient through ``cpu_kernels.c``: per image in its threads, summed here."""
-    x, grad = x.contiguous(), grad.contiguous()
-    batch, height, width, channels = x.shape
-    per_image = x.new_empty(batch, channels, 7, 7)
-    call_kernel(library, 'depthwise7_weight_grad', (x, grad, per_image),
-                (batch, height, width, channels, torch.get_num_threads()))
-    return per_image.sum(0).unsqueeze(1)
 
 
 def _plain_depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

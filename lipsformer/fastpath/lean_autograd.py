@@ -21,7 +21,7 @@ cannot spare, and its backward's extra passes cost kernels: there the plain expr
 folded into the weights (docs/performance.md counts both). GELU is the exact (erf)
 form, as ``nn.GELU()``. Every backward is itself differentiable: when autograd records it (``create_graph=True``:
 gradient penalties, ``torch.autograd.functional.jvp`` / ``hvp``), it differentiates the plain expression again
-instead of running its in-place arithmetic and C kernels, so second derivatives are the plain expression's. Each
+instead of running its in-place arithmetic, so second derivatives are the plain expression's. Each
 Function runs its backward under the autocast state of its forward (``torch.amp.custom_fwd`` / ``custom_bwd`` for
 the device of its inputs, CPU and CUDA alike). ``torch.func`` transforms never reach these Functions: the fast
 paths step aside under them (``switch.active``).
@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from . import l2_normalize_op
-from .native import call_kernel, cpu_kernels
 from .onednn_linear import linear, linear_backward
 
 __all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize',
@@ -202,7 +201,7 @@ def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weig
 
 
 class _GeluResidual(torch.autograd.Function):
-    """x + scale * gelu(z) keeping only z (and scale); on CPU the backward is one pass of ``cpu_kernels.c``."""
+    """x + scale * gelu(z) keeping only z (and scale)."""
 
     @staticmethod
     @autocast_forward
@@ -222,9 +221,6 @@ class _GeluResidual(torch.autograd.Function):
         if torch.is_grad_enabled():
             return grad.to(ctx.x_dtype), *differentiate_plain(lambda z, scale: F.gelu(z) * scale, (z, scale),
                                                               (need_z, need_scale), grad)
-        native = _native_gelu_residual_backward(grad, z, scale) if need_z and need_scale else None
-        if native is not None:
-            return grad.to(ctx.x_dtype), *native
         grad_z = grad_scale = None
         if need_z:
             grad_z = (grad * scale).to(z.dtype)
@@ -232,29 +228,6 @@ class _GeluResidual(torch.autograd.Function):
         if need_scale:
             grad_scale = F.gelu(z).mul_(grad).sum_to_size(scale.shape).to(scale.dtype)
         return grad.to(ctx.x_dtype), grad_z, grad_scale
-
-
-def _native_gelu_residual_backward(grad: torch.Tensor, z: torch.Tensor, scale: torch.Tensor
-                                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(dL/dz, dL/dscale) in one pass through ``cpu_kernels.c``, for a per-channel or per-image-and-channel scale of
-    a channels-last z; None where the kernels do not apply (then the PyTorch expressions run)."""
-    library = cpu_kernels(grad, z, scale)
-    if library is None or z.numel() == 0:  # an empty batch: the PyTorch expressions give its empty gradients
-        return None
-    batch, channels = z.shape[0], z.shape[-1]
-    per_image = scale.shape == (batch, *[1] * (z.dim() - 2), channels)  # alpha times drop path's keep mask
-    if (library is None or channels % library.channel_block() or grad.shape != z.shape
-            or not (per_image or scale.shape == (channels,))):
-        return None
-    grad, z, flat_scale = grad.contiguous(), z.contiguous(), scale.reshape(-1, channels).contiguous()
-    positions = z[0].numel() // channels
-    grad_z = torch.empty_like(z)
-    chunks = -(-positions // library.gelu_residual_chunk())
-    grad_scale = z.new_empty(batch, chunks, channels)
-    call_kernel(library, 'gelu_residual_backward', (grad, z, flat_scale, grad_z, grad_scale),
-                (batch, positions, channels, int(per_image), torch.get_num_threads()))
-    grad_scale = grad_scale.sum(1)
-    return grad_z, (grad_scale if per_image else grad_scale.sum(0)).view(scale.shape)
 
 
 def gelu_residual(x: torch.Tensor, z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
