@@ -1,7 +1,7 @@
 """``torch.compile`` of both families: one graph (``fullgraph=True``) with a dynamic batch for the training step
 (forward and backward) and for evaluation, equal to eager in float32 (logits and every parameter gradient).
 
-Eager runs the package's fast path (its lean autograd Functions and C kernels); under dynamo the fast path steps aside
+Eager runs the package's fast path (its lean autograd Functions); under dynamo the fast path steps aside
 (:mod:`lipsformer.fastpath.switch`) and inductor compiles the plain module graph, so the comparison also holds the
 two paths to the same function. Small widths here, the default widths in the slow suite.
 """

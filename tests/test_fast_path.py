@@ -87,7 +87,8 @@ def test_fast_and_plain_paths_agree_in_float64(name, training):
 
 @pytest.mark.parametrize('name', TINY_MODELS)
 def test_fast_and_plain_paths_agree_in_float32(name):
-    """float32 sums in another order (oneDNN's products, the C kernels): close relative to each gradient's size."""
+    """float32 sums in another order (oneDNN's products, the per-image weight gradient): close relative to each
+    gradient's size."""
     model = _model(name).train()
     x = torch.randn(3, 3, 64, 96)
     (fast_logits, fast_grads), (plain_logits, plain_grads) = _both_paths(model, x)
@@ -277,8 +278,8 @@ def test_a_training_step_on_a_batch_of_zero_images(name, fast):
 
 
 def test_the_fast_kernels_take_an_empty_batch():
-    """The token-wise linear (oneDNN's 1x1 convolution) and the 7x7 depthwise convolution's weight gradient (the C
-    kernel) on a batch of 0: empty outputs and zero gradients, as the plain operators give."""
+    """The token-wise linear (oneDNN's 1x1 convolution) and the 7x7 depthwise convolution's weight gradient (an image
+    at a time) on a batch of 0: empty outputs and zero gradients, as the plain operators give."""
     from lipsformer.fastpath.depthwise_conv import depthwise_conv2d
     from lipsformer.fastpath.onednn_linear import linear, linear_backward
     x, weight, bias = torch.randn(0, 49, 64), torch.randn(32, 64), torch.randn(32)
