@@ -96,7 +96,7 @@ def _same_images_in_two_depths(root, colour: bool) -> tuple[str, str]:
 def test_sixteen_bit_images_read_as_their_eight_bit_copies_everywhere(tmp_path, colour):
     """Training's splits, validate.py's images and the stability experiment's subsets read a 16-bit PNG as its 8-bit
     copy (Pillow's own conversion clips 16-bit grey to 0..255: nearly black and white)."""
-    from lipsformer.evaluation.datasets import DataRequest, open_named_dataset
+    from lipsformer.evaluation.dataset_passes import DataRequest, open_named_dataset
     from lipsformer.evaluation.predict import EvalImageDataset
     from lipsformer.experiments.stability.subsets import load_image_folder
     eight, sixteen = _same_images_in_two_depths(tmp_path, colour)

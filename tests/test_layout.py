@@ -126,3 +126,17 @@ def test_no_import_cycle_between_parts_of_the_package():
     if cycle:
         steps = [f'  {a} -> {b}  ({", ".join(sorted(set(graph[a][b])))})' for a, b in zip(cycle, cycle[1:])]
         pytest.fail('import cycle between parts of lipsformer:\n' + '\n'.join(steps))
+
+
+# Names a package may use in every room: the package itself, ``python -m`` and a command line.
+SHARED_MODULE_NAMES = {'__init__.py', '__main__.py', 'cli.py'}
+
+
+def test_no_two_modules_share_a_file_name():
+    """One name, one module: a name such as ``datasets.py`` in two rooms would mean two concepts under one name."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE_DIR.rglob('*.py')):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE_DIR.parent)))
+    assert len(by_name) > 20, 'the test reads no source'
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in SHARED_MODULE_NAMES}
+    assert not shared, f'modules that share a file name: {shared}'

@@ -12,7 +12,7 @@ from tiny_models import TINY_CSWIN, TINY_SWIN
 from lipsformer.layers import CenterNorm, ScaleLayer
 from lipsformer.lipschitz import LipschitzConstraint, reshaped_norm
 from lipsformer.lipschitz.analysis import network_bound
-from lipsformer.lipschitz.sources import MeasuredNorms
+from lipsformer.lipschitz.norm_sources import MeasuredNorms
 from lipsformer.lipschitz.structure import describe
 from lipsformer.training.config import LipschitzConfig
 from lipsformer.training.session import create_lipschitz_constraint

@@ -16,7 +16,6 @@ from lipsformer.experiments.stability import experiment_command, grid
 from lipsformer.experiments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
 from lipsformer.experiments.stability.grid import queue, run_dir, run_grid
 from lipsformer.experiments.stability.report import classify, markers, outright_failure, stable_rates, write_report
-from lipsformer.experiments.stability.results import Results, collect, compact_record, read_results, steps_to_loss
 from lipsformer.experiments.stability.subsets import (
     Batches,
     balanced_indices,
@@ -24,6 +23,7 @@ from lipsformer.experiments.stability.subsets import (
     load_subsets,
     synthetic_subsets,
 )
+from lipsformer.experiments.stability.sweep_results import Results, collect, compact_record, read_results, steps_to_loss
 from lipsformer.experiments.stability.training_run import RunFiles, RunSettings, train_run
 from lipsformer.training.run_lock import LOCK_FILE, RunFolderInUseError, RunLock
 from lipsformer.utils.io import write_json

@@ -671,7 +671,7 @@ def test_a_torchvision_dataset_is_written_into_a_data_folder_only_when_asked_to_
     """Without --dataset-download, a missing or empty --data-dir is an error naming the option, and stays as it
     was; with it, Fashion-MNIST is unpacked there (from the Debian package when installed)."""
     from lipsformer.data import DEBIAN_FASHION_MNIST
-    from lipsformer.evaluation.datasets import DataRequest, plan_datasets
+    from lipsformer.evaluation.dataset_passes import DataRequest, plan_datasets
     missing, empty = tmp_path / 'missing', tmp_path / 'empty'
     os.makedirs(empty)
     base = ['--model', 'test_vit', '--num-classes', '10', '--img-size', '32', '--dataset', 'torch/fashion_mnist',

@@ -23,7 +23,7 @@ from lipsformer.evaluation import (
     score_label_sets,
     score_labels,
 )
-from lipsformer.evaluation.results import write_results
+from lipsformer.evaluation.records import write_results
 from lipsformer.model_names import UnknownModelError
 from lipsformer.training import load_config
 from lipsformer.training.config_io import dump_config

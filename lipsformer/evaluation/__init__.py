@@ -4,13 +4,13 @@
 - :mod:`.real`: ReaL label sets matched by file name, so any subset of val can be scored;
 - :mod:`.checkpoints`: which weights a ``--checkpoint`` means and the model that fits them (model names themselves are
   resolved by :mod:`lipsformer.model_names`, as in every command);
-- :mod:`.predict` / :mod:`.metrics` / :mod:`.datasets`: predictions in data set order on one or many processes, and
-  their scores on each requested data set;
-- :mod:`.results`: the table, JSON and CSV; :mod:`.validate_command`: the command line.
+- :mod:`.predict` / :mod:`.metrics` / :mod:`.dataset_passes`: predictions in data set order on one or many processes,
+  and their scores on each requested data set;
+- :mod:`.records`: the table, JSON and CSV; :mod:`.validate_command`: the command line.
 """
 from ..model_names import expand_model_names
 from .checkpoints import ResolvedCheckpoint, SavedModelConfig, create_eval_model, resolve_checkpoint
-from .datasets import DataRequest, DatasetResult, evaluate, plan_datasets
+from .dataset_passes import DataRequest, DatasetResult, evaluate, plan_datasets
 from .errors import EvaluationError
 from .layouts import ImageList, imagenet_synsets, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels

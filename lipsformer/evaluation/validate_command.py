@@ -24,11 +24,11 @@ from ..utils.io import unwritable_file_reason
 from ..utils.processes import end_processes, select_device, wants_cpu_group
 from ..weight_files import CheckpointError
 from .checkpoints import ResolvedCheckpoint, create_eval_model, resolve_checkpoint
-from .datasets import DataRequest, PlannedPass, evaluate, plan_datasets
+from .dataset_passes import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .predict import InferenceSettings
 from .real import load_real_labels
-from .results import format_table, model_record, write_results
+from .records import format_table, model_record, write_results
 
 __all__ = ['build_parser', 'run', 'main']
 

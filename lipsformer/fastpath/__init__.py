@@ -26,8 +26,8 @@ trunk's block (``lipsformer.models._base.LipsFormerBlock``) decides once per cal
 know nothing of it. The tests compare the two paths' values and gradients.
 """
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
-from .center_norm import center_norm
 from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
+from .fused_center_norm import center_norm
 from .lean_autograd import l2_normalize
 from .switch import (
     DEFAULT_DEVICES,

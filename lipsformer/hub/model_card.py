@@ -22,7 +22,7 @@ from huggingface_hub import EvalResult, ModelCardData
 from timm.data import ImageNetInfo
 
 from ..complexity import model_complexity
-from ..evaluation.results import file_sha256
+from ..evaluation.records import file_sha256
 from ..lipschitz.analysis import analyze
 from ..training import Config, ConfigError, load_config
 from ..training.run_files import METRICS_FILE

@@ -47,7 +47,7 @@ class CenterNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A LipsFormer block computes its norms through LayerNorm's fused kernel in its fast form
-        # (lipsformer.fastpath.center_norm).
+        # (lipsformer.fastpath.fused_center_norm).
         return self.weight * self.scale * (x - x.mean(-1, keepdim=True)) + self.bias
 
     def extra_repr(self) -> str:

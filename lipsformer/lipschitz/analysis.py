@@ -20,7 +20,7 @@ import torch.nn as nn
 from timm.layers import to_2tuple
 
 from .empirical import capture_inputs, difference_quotient_ascent, explicit_attention, frozen, jacobian_norm
-from .sources import MeasuredNorms, NormSource
+from .norm_sources import MeasuredNorms, NormSource
 from .structure import Entry, describe, require_lipsformer
 
 __all__ = ['analyze', 'network_bound']

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..layers import DotProductAttention, L2Attention, LipschitzNormAttention, ScaledCosineAttention
-from .sources import NormSource
+from .norm_sources import NormSource
 from .theorems import DASOULAS_SELF_ATTENTION, kim_l2_head_bound, scsa_head_bound
 
 __all__ = ['Bound', 'cross_stripe_attention_bound', 'mixer_bound', 'stripe_sizes', 'window_attention_bound']

@@ -30,8 +30,8 @@ from timm.layers import to_2tuple
 
 from ..layers import CenterNorm, ScaledCosineAttention, ScaleLayer
 from .analysis import network_bound
+from .norm_sources import NormSource
 from .norms import conv_overlap_factor
-from .sources import NormSource
 from .structure import describe
 
 __all__ = ['LipschitzConstraint']

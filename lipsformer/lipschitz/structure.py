@@ -5,7 +5,7 @@
 
 (a pre-norm block, ``norm_position='pre'``, is (I + alpha2 MLP o norm2) o (I + alpha1 Attn o norm1) instead).
 
-Each entry bounds its own map from a :class:`~lipsformer.lipschitz.sources.NormSource`: a plain layer by its
+Each entry bounds its own map from a :class:`~lipsformer.lipschitz.norm_sources.NormSource`: a plain layer by its
 Lipschitz constant, a weighted residual x + alpha (.) f(x) by 1 + max|alpha| Lip(f) (Lip(f) is what the entry's
 ``bound`` returns for a residual).
 """
@@ -18,8 +18,8 @@ import torch.nn as nn
 
 from ..layers import CenterNorm, ScaleLayer
 from .attention_bounds import Bound, mixer_bound, stripe_sizes
+from .norm_sources import NormSource
 from .norms import activation_lipschitz
-from .sources import NormSource
 
 __all__ = ['Entry', 'Residual', 'describe', 'require_lipsformer']
 

@@ -10,7 +10,7 @@ of its arm's higher ones (:mod:`.pruning`).
 - :mod:`.arms`: the arms and the model shape they share; :mod:`.subsets`: the data as in-memory tensors, and batches;
 - :mod:`.training_run`: one run, resumable; :mod:`.grid`: the queue of runs, shared by several processes with locks;
   :mod:`.pruning`: which runs the queue leaves out after a seed's consecutive failures;
-- :mod:`.results`: the committed results file (one line per run), collected from the run folders;
+- :mod:`.sweep_results`: the committed results file (one line per run), collected from the run folders;
 - :mod:`.report`: failures classified, the doc's tables and its figure, from the results file alone.
 
 Sized so that the whole grid runs on a small CPU, one thread per run (docs/stability.md gives the measured cost):

@@ -13,8 +13,8 @@ from ...utils.cli import HelpFormatter, command_name
 from .arms import ARMS, ModelShape
 from .grid import run_grid
 from .report import write_report
-from .results import collect, read_results
 from .subsets import Subsets, load_image_folder, load_subsets, synthetic_subsets
+from .sweep_results import collect, read_results
 from .training_run import RunSettings
 
 __all__ = ['main']

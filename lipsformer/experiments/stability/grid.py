@@ -22,8 +22,8 @@ from ...training.run_lock import RunFolderInUseError, RunLock
 from ...utils.io import read_json, write_json
 from .arms import ARMS
 from .pruning import failed_lower_rates, not_run_marker
-from .results import Results
 from .subsets import Subsets
+from .sweep_results import Results
 from .training_run import RunFiles, RunSettings, train_run
 
 __all__ = ['queue', 'run_dir', 'run_grid']

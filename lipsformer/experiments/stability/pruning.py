@@ -19,7 +19,7 @@ import torch
 from ...utils.io import read_json
 from .arms import Arm
 from .report import outright_failure
-from .results import compact_record
+from .sweep_results import compact_record
 from .training_run import RunFiles, RunSettings
 
 __all__ = ['failed_lower_rates', 'not_run_marker']

@@ -31,7 +31,7 @@ from typing import Any
 
 from ...utils.io import atomic_open, write_text
 from .arms import ARMS, WARMUP_ARM
-from .results import LOSS_THRESHOLD, Results, read_results
+from .sweep_results import LOSS_THRESHOLD, Results, read_results
 
 __all__ = ['DEGRADED_POINTS', 'STUCK_MARGIN', 'classify', 'figure_name', 'markers', 'outright_failure', 'stable_rates',
            'write_report']

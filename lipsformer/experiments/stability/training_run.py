@@ -29,7 +29,7 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
 from ...lipschitz import describe, network_bound
-from ...lipschitz.sources import MeasuredNorms
+from ...lipschitz.norm_sources import MeasuredNorms
 from ...utils.env import cpu_details
 from ...utils.io import JsonLines, read_json, save_torch, write_json
 from .arms import Arm, ModelShape, build_model

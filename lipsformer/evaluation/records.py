@@ -2,8 +2,8 @@
 
 A record holds the model, checkpoint (its path and the SHA-256 of its bytes, which bind the scores to the weights
 wherever the file is moved or copied), evaluation settings, package versions and a ``results`` list with one entry
-per data set (see :class:`~lipsformer.evaluation.datasets.DatasetResult`), each with timm validate.py's columns too:
-``top1``, ``top1_err``, ``top5``, ``top5_err``, ``param_count`` (millions), ``img_size``, ``crop_pct`` and
+per data set (see :class:`~lipsformer.evaluation.dataset_passes.DatasetResult`), each with timm validate.py's columns
+too: ``top1``, ``top1_err``, ``top5``, ``top5_err``, ``param_count`` (millions), ``img_size``, ``crop_pct`` and
 ``interpolation``. The JSON file holds the record, or a list of
 records when several models were evaluated; the CSV has one row per model and data set. Files are written
 atomically, so an interrupted run never leaves a half-written results file over an earlier one.
@@ -18,7 +18,7 @@ from dataclasses import asdict
 from importlib import metadata
 
 from ..utils.io import write_text
-from .datasets import DatasetResult
+from .dataset_passes import DatasetResult
 
 __all__ = ['file_sha256', 'package_versions', 'model_record', 'format_table', 'write_results']
 
