@@ -47,12 +47,15 @@ from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import use_fast_path
 from lipsformer.model_specs import (
     COMPILE_SCOPES,
+    MODES,
     PRECISIONS,
     ModelSpec,
+    add_step_arguments,
     check_report_path,
     parse_model_specs,
     rejected_argument_message,
     step_loss,
+    step_modes,
     write_report,
 )
 from lipsformer.models._base import LipsFormerBlock
@@ -63,7 +66,6 @@ from lipsformer.utils.cli import command_name
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
            'run_benchmark', 'saved_activations_mb', 'write_report']
 
-MODES = ('infer', 'train')
 TRAIN_MACS_PER_FORWARD_MAC = 3  # forward + backward (grad of inputs and of weights)
 
 
@@ -556,14 +558,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=command_name('lipsformer.benchmark'),
         description='Images/s, peak memory, params, GMACs and TFLOP/s of timm models (lipsformer included), '
                     'models interleaved so that ratios to the first model cancel machine drift.')
-    parser.add_argument('--models', required=True,
-                        help='comma list: timm names, name[key=value,...] constructor arguments '
-                             '(img_size there sets that model\'s input), or file:/path/module.py:factory[...]')
-    parser.add_argument('--mode', default='infer,train', help='comma list of infer, train (default: both)')
-    parser.add_argument('--batch-size', type=int, default=64)
-    parser.add_argument('--img-size', type=int, default=224, help='input height and width')
-    parser.add_argument('--precision', choices=sorted(PRECISIONS), default='fp32',
-                        help='fp32, or autocast to bf16 / fp16 (fp16 training uses a GradScaler)')
+    add_step_arguments(parser, batch_size=64, precision='fp32')
     parser.add_argument('--compile', action='store_true',
                         help='torch.compile every model without a compile= key of its own (warm-up compiles)')
     parser.add_argument('--compile-mode', default=None,
@@ -609,7 +604,7 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
             parser.error(f'--{flag.replace("_", "-")} needs --compile')
     if args.profile < 0:
         parser.error(f'--profile must be 0 or more, got {args.profile}')
-    for name in ('batch_size', 'img_size', 'repeats', 'steps', 'threads'):
+    for name in ('repeats', 'steps', 'threads'):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
     if args.warmup < 0:
@@ -638,9 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
         reason = unsupported_reason()
         if reason:
             parser.error(f'--count-kernels: {reason}')
-    modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
-    if not modes or set(modes) - set(MODES):
-        parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
+    modes = step_modes(parser, args)
     try:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:

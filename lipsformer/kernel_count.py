@@ -64,12 +64,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path, use_fast_path
 from lipsformer.model_specs import (
+    MODES,
     PRECISIONS,
     ModelSpec,
+    add_step_arguments,
     check_report_path,
     parse_model_specs,
     rejected_argument_message,
     step_loss,
+    step_modes,
     write_report,
 )
 from lipsformer.utils.cli import command_name
@@ -79,7 +82,6 @@ __all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'compiled_spec_reason', 
            'format_count_json_table', 'format_count_table', 'group_of',
            'multi_tensor_launches', 'main']
 
-MODES = ('infer', 'train')
 _aten = torch.ops.aten
 # Ops whose traffic depends on their tiling (matmuls, convolutions, attention): no bytes are counted for them. The
 # package's depthwise convolution op counts as the convolutions it stands in for, so that the two paths compare.
@@ -788,13 +790,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=command_name('lipsformer.kernel_count'),
         description='Kernels, bytes moved by non-matmul ops and dispatched ops of one eager CUDA step, counted on '
                     'fake CUDA tensors (no GPU needed), with ratios to the first model.')
-    parser.add_argument('--models', required=True,
-                        help='comma list of model specs as the benchmark takes them (name[key=value,...], '
-                             'fast_path=True or False included; without it, CUDA\'s default)')
-    parser.add_argument('--mode', default='infer,train', help='comma list of infer, train (default: both)')
-    parser.add_argument('--batch-size', type=int, default=128)
-    parser.add_argument('--img-size', type=int, default=224)
-    parser.add_argument('--precision', choices=sorted(PRECISIONS), default='bf16')
+    add_step_arguments(parser, batch_size=128, precision='bf16')  # without fast_path=, CUDA's default
     parser.add_argument('--parts', type=int, default=8, help='groups to list per model and mode (0: none)')
     parser.add_argument('--json', type=Path, help='write every count, by phase, part and group, here')
     parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
@@ -816,11 +812,7 @@ def count_models(specs: list[ModelSpec], modes: list[str], batch_size: int, img_
 def main(argv: list[str] | None = None) -> list[StepCount]:
     parser = _parser()
     args = parser.parse_args(argv)
-    modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
-    if not modes or set(modes) - set(MODES):
-        parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
-    if args.batch_size < 1 or args.img_size < 1:
-        parser.error('--batch-size and --img-size must be at least 1')
+    modes = step_modes(parser, args)
     check_report_path(parser, args.json)
     reason = unsupported_reason()
     if reason:

@@ -33,6 +33,7 @@ __all__ = ['PRECISIONS', 'REMOVED_SPEC_KEYS', 'SPEC_KEYS', 'ModelSpec', 'check_r
            'meant_argument', 'rejected_argument_message', 'step_loss', 'write_report']
 
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+MODES = ('infer', 'train')  # an inference forward; a training step (forward, loss, backward, optimizer step)
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,35 @@ def step_loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
         targets['labels'] = torch.randint(logits.shape[1], (logits.shape[0],), generator=generator).to(logits.device)
     return F.cross_entropy(logits.float(), targets['labels'])
 
+
+
+def add_step_arguments(parser: argparse.ArgumentParser, batch_size: int, precision: str) -> None:
+    """The flags that name the models and the step every instrument measures (the benchmark, the kernel counter):
+    ``--models``, ``--mode``, ``--batch-size``, ``--img-size``, ``--precision``, with the instrument's own defaults
+    for the batch size and the precision. :func:`step_modes` checks them once parsed."""
+    parser.add_argument('--models', required=True,
+                        help='comma list of model specs: timm names, name[key=value,...] constructor arguments '
+                             '(img_size there sets that model\'s input; fast_path=True or False; compile=...), or '
+                             'file:/path/module.py:factory[...]')
+    parser.add_argument('--mode', default=','.join(MODES),
+                        help=f'comma list of {", ".join(MODES)} (default: %(default)s)')
+    parser.add_argument('--batch-size', type=int, default=batch_size, help='images a step (default: %(default)s)')
+    parser.add_argument('--img-size', type=int, default=224, help='input height and width (default: %(default)s)')
+    parser.add_argument('--precision', choices=sorted(PRECISIONS), default=precision,
+                        help='fp32, or autocast to bf16 / fp16 (fp16 training uses a GradScaler; default: '
+                             '%(default)s)')
+
+
+def step_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The modes ``--mode`` names, in its order, once :func:`add_step_arguments`' flags are checked: a bad mode or a
+    size under 1 is a usage error (exit 2) that says what was wrong."""
+    for name in ('batch_size', 'img_size'):
+        if getattr(args, name) < 1:
+            parser.error(f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
+    modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
+    return modes
 
 
 def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike | None) -> None:

@@ -272,6 +272,33 @@ def test_cli_rejects_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+STEP_FLAGS = ('--models', '--mode', '--batch-size', '--img-size', '--precision')
+
+
+def test_the_benchmark_and_the_kernel_counter_share_one_definition_of_the_step_flags(capsys):
+    """Both take the models and the step as lipsformer.model_specs defines them: the same types, choices and help,
+    each with its own default batch size and precision, and the same usage errors."""
+    from lipsformer import benchmark, kernel_count
+
+    def actions(parser):
+        return {flag: parser._option_string_actions[flag] for flag in STEP_FLAGS}
+
+    ours, theirs = actions(benchmark._parser()), actions(kernel_count._parser())
+    for flag in STEP_FLAGS:
+        a, b = ours[flag], theirs[flag]
+        assert (a.type, a.choices, a.required, a.help) == (b.type, b.choices, b.required, b.help), flag
+        assert a.help and '%(default)s' in a.help or flag == '--models', flag
+    assert (ours['--batch-size'].default, ours['--precision'].default) == (64, 'fp32')
+    assert (theirs['--batch-size'].default, theirs['--precision'].default) == (128, 'bf16')
+    for command in (benchmark.main, kernel_count.main):
+        for argv, message in [
+                (['--mode', 'infer,eval'], "--mode must be a comma list of infer, train, got 'infer,eval'"),
+                (['--img-size', '0'], '--img-size must be at least 1, got 0')]:
+            with pytest.raises(SystemExit) as stopped:
+                command(['--models', 'resnet10t', *argv])
+            assert stopped.value.code == 2 and message in capsys.readouterr().err, (command, argv)
+
+
 def test_cli_end_to_end_with_a_model_outside_timm(tmp_path):
     # A factory that calls .item() while building cannot run on the meta device: its counts come from the built model.
     (tmp_path / 'outside.py').write_text(textwrap.dedent('''
