@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh OUT_DIR [--budget SECONDS] [--cpu-smoke] [--dry-run]
 #
-# Runs lipsformer.gpu_check (docs/performance.md, "The GPU check"): the environment, the eager benchmark of timm's
+# Runs lipsformer.instruments.gpu_check (docs/performance.md, "The GPU check"): the environment, the eager benchmark of timm's
 # Swin-T and both tiny LipsFormer models with a profile of each, tests/test_cuda.py, the compiled runs and the peak
 # memory, each step under its own time limit, skipping what would not fit in the budget (570 s by default). Writes
 # OUT_DIR/gpu_check.md, gpu_check.json and gpu_check.log; a driver that ends before its first report (a bad option)
@@ -28,7 +28,7 @@ hard_limit_s=${GPU_CHECK_HARD_LIMIT_S:-590}
 # The driver's error output is shown as it comes and kept, for a report of a driver that ends before writing one.
 errors=$(mktemp) || exit 2
 trap 'rm -f "$errors"' EXIT
-{ timeout -k 10 "$hard_limit_s" "$python" -m lipsformer.gpu_check --out "$out_dir" "$@" 2>&1 1>&3 \
+{ timeout -k 10 "$hard_limit_s" "$python" -m lipsformer.instruments.gpu_check --out "$out_dir" "$@" 2>&1 1>&3 \
     | tee "$errors" >&2; } 3>&1
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ] && [ ! -s "$out_dir/gpu_check.md" ]; then

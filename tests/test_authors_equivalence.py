@@ -19,7 +19,7 @@ from synthetic_weights import synthetic_input, synthetic_state_dict
 from tiny_models import TINY_SWIN
 
 from lipsformer.models import lipsformer_cswin, lipsformer_swin
-from lipsformer.weight_files import CheckpointError, load_file, load_model_weights
+from lipsformer.weights.weight_files import CheckpointError, load_file, load_model_weights
 
 AUTHORS = Path(__file__).parent / 'fixtures' / 'authors'
 FAMILIES = {'swin': lipsformer_swin, 'cswin': lipsformer_cswin}

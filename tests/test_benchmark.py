@@ -1,4 +1,5 @@
-"""The benchmark harness (lipsformer.benchmark) on tiny timm models: report schema, ratios, counts, memory, CLI."""
+"""The benchmark harness (lipsformer.instruments.benchmark) on tiny timm models: report schema, ratios, counts, memory,
+CLI."""
 import json
 import re
 import statistics
@@ -10,8 +11,8 @@ import pytest
 import timm
 import torch
 
-from lipsformer import benchmark
-from lipsformer.benchmark import (
+from lipsformer.instruments import benchmark
+from lipsformer.instruments.benchmark import (
     BenchmarkConfig,
     ModelSpec,
     _build,
@@ -23,7 +24,7 @@ from lipsformer.benchmark import (
     run_benchmark,
     saved_activations_mb,
 )
-from lipsformer.complexity import model_complexity
+from lipsformer.instruments.complexity import model_complexity
 
 MODELS = ['resnet10t', 'test_vit']  # the first has weights big enough (20 MB) to move the resident size
 # glibc's defaults here: retaining freed memory would change the allocator of the whole test process.
@@ -276,9 +277,9 @@ STEP_FLAGS = ('--models', '--mode', '--batch-size', '--img-size', '--precision')
 
 
 def test_the_benchmark_and_the_kernel_counter_share_one_definition_of_the_step_flags(capsys):
-    """Both take the models and the step as lipsformer.model_specs defines them: the same types, choices and help,
-    each with its own default batch size and precision, and the same usage errors."""
-    from lipsformer import benchmark, kernel_count
+    """Both take the models and the step as lipsformer.instruments.model_specs defines them: the same types, choices and
+    help, each with its own default batch size and precision, and the same usage errors."""
+    from lipsformer.instruments import benchmark, kernel_count
 
     def actions(parser):
         return {flag: parser._option_string_actions[flag] for flag in STEP_FLAGS}
@@ -313,12 +314,14 @@ def test_cli_end_to_end_with_a_model_outside_timm(tmp_path):
     out = tmp_path / 'report.json'
     models = f'test_vit[img_size=64],file:{tmp_path}/outside.py:tiny_cnn[width=16]'
     completed = subprocess.run(
-        [sys.executable, '-m', 'lipsformer.benchmark', '--models', models, '--mode', 'infer,train', '--batch-size', '2',
+        [sys.executable, '-m', 'lipsformer.instruments.benchmark', '--models', models, '--mode', 'infer,train',
+         '--batch-size', '2',
          '--img-size', '32', '--warmup', '1', '--repeats', '2', '--threads', '1', '--no-memory', '--json', str(out)],
         check=True, capture_output=True, text=True)
     assert completed.stdout.splitlines()[0].split()[:4] == ['model', 'mode', 'img/s', 'ratio']
     saved = json.loads(out.read_text())
-    assert saved['command'].startswith('python -m lipsformer.benchmark --models') and saved['complete'] is True
+    assert saved['command'].startswith('python -m lipsformer.instruments.benchmark --models')
+    assert saved['complete'] is True
     assert saved['environment']['torch_threads'] == 1 and saved['config']['threads'] == 1
     assert saved['config']['retain_cpu_memory'] is True  # the default, as in train.py
     vit, cnn = saved['results'][:2]
@@ -330,7 +333,7 @@ def test_cli_end_to_end_with_a_model_outside_timm(tmp_path):
 
 
 def test_memory_ratio_is_none_when_the_first_model_moved_no_memory(monkeypatch):
-    import lipsformer.benchmark as benchmark
+    import lipsformer.instruments.benchmark as benchmark
     monkeypatch.setattr(benchmark, '_peak_memories', lambda specs, modes, config: {
         (spec.text, mode): value for spec, value in zip(specs, (0.0, 12.0)) for mode in modes})
     config = BenchmarkConfig(batch_size=2, img_size=32, warmup=0, repeats=1, retain_cpu_memory=False)
@@ -341,12 +344,13 @@ def test_memory_ratio_is_none_when_the_first_model_moved_no_memory(monkeypatch):
 
 def test_profile_and_kernel_counts_join_the_report(tmp_path):
     """``--profile`` adds a torch.profiler summary to every row (on the CPU: host ops only, no device kernels) and
-    ``--count-kernels`` the counts of lipsformer.kernel_count, printed beside the speed table."""
-    from lipsformer.kernel_count import unsupported_reason
+    ``--count-kernels`` the counts of lipsformer.instruments.kernel_count, printed beside the speed table."""
+    from lipsformer.instruments.kernel_count import unsupported_reason
     counting = unsupported_reason() is None  # else tested by test_kernel_counting_refuses_an_unsupported_torch
     out = tmp_path / 'report.json'
     completed = subprocess.run(
-        [sys.executable, '-m', 'lipsformer.benchmark', '--models', 'test_vit[img_size=32]', '--mode', 'infer,train',
+        [sys.executable, '-m', 'lipsformer.instruments.benchmark', '--models', 'test_vit[img_size=32]', '--mode',
+         'infer,train',
          '--batch-size', '2', '--img-size', '32', '--warmup', '1', '--repeats', '1', '--threads', '1', '--no-memory',
          '--profile', '2', '--json', str(out)] + (['--count-kernels'] if counting else []),
         check=True, capture_output=True, text=True)
@@ -396,8 +400,8 @@ def test_cli_a_misspelt_key_or_a_size_a_model_cannot_take_is_a_one_line_error(co
     """A misspelt spec key or constructor argument is named with the one it most likely meant, and an input size
     the model refuses is named: exit 2 and one line, in both commands that take model specs."""
     if command == 'kernel_count':
-        from lipsformer.kernel_count import main as command_main
-        from lipsformer.kernel_count import unsupported_reason
+        from lipsformer.instruments.kernel_count import main as command_main
+        from lipsformer.instruments.kernel_count import unsupported_reason
         if unsupported_reason():
             pytest.skip(unsupported_reason())
     else:
@@ -413,7 +417,7 @@ def test_cli_a_misspelt_key_or_a_size_a_model_cannot_take_is_a_one_line_error(co
 @pytest.mark.parametrize('command', ['benchmark', 'kernel_count'])
 def test_cli_an_unwritable_json_report_is_refused_before_any_model_runs(command, tmp_path, capsys, monkeypatch):
     """A folder (or a read-only place) as ``--json`` is a usage error at once, not a traceback after the run."""
-    from lipsformer import kernel_count
+    from lipsformer.instruments import kernel_count
     ran = []
     monkeypatch.setattr(benchmark, 'run_benchmark', lambda *args, **kwargs: ran.append(1))
     monkeypatch.setattr(kernel_count, 'count_models', lambda *args, **kwargs: ran.append(1))
@@ -431,7 +435,7 @@ def test_cli_a_failed_json_write_keeps_the_table_and_exits_4(tmp_path, capsys, m
     def full_disk(path, data, indent=2):
         raise OSError(28, 'No space left on device')
 
-    from lipsformer import model_specs
+    from lipsformer.instruments import model_specs
     monkeypatch.setattr(model_specs, 'write_json', full_disk)
     report = tmp_path / 'new' / 'report.json'
     with pytest.raises(SystemExit, match='4'):
@@ -445,7 +449,7 @@ def test_cli_a_failed_json_write_keeps_the_table_and_exits_4(tmp_path, capsys, m
 def test_kernel_counting_refuses_an_unsupported_torch(capsys, monkeypatch):
     """Where fake CUDA tensors cannot run without a GPU (an older torch), counting is a one-line refusal, not an
     abort of the process."""
-    from lipsformer import kernel_count
+    from lipsformer.instruments import kernel_count
     monkeypatch.setattr(kernel_count, 'MIN_TORCH_WITHOUT_A_GPU', (99, 0))
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     with pytest.raises(SystemExit, match='2'):
@@ -582,10 +586,11 @@ def test_the_report_is_written_after_each_mode_and_marked_complete_at_the_end(tm
     with pytest.raises(SystemExit, match='130'):
         main(argv + ['--mode', 'infer,train'])
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == (f"python -m lipsformer.benchmark: interrupted by Ctrl-C: the report so far (infer; "
-                                    f"complete false) is in --json {str(out)!r}") and 'Traceback' not in err
+    assert err.splitlines()[-1] == (f"python -m lipsformer.instruments.benchmark: interrupted by Ctrl-C: the report so "
+                                    f"far (infer; complete false) is in --json {str(out)!r}") and 'Traceback' not in err
     saved = json.loads(out.read_text())
-    assert saved['complete'] is False and saved['command'].startswith('python -m lipsformer.benchmark --models')
+    assert saved['complete'] is False
+    assert saved['command'].startswith('python -m lipsformer.instruments.benchmark --models')
     assert [(row['model'], row['mode']) for row in saved['results']] == [('test_vit', 'infer'), ('resnet10t', 'infer')]
     assert saved['config']['modes'] == ['infer', 'train']
     finished = main(argv + ['--mode', 'infer'])
@@ -593,5 +598,6 @@ def test_the_report_is_written_after_each_mode_and_marked_complete_at_the_end(tm
     interrupted_modes.add('infer')
     with pytest.raises(SystemExit, match='130'):
         main(argv[:-2] + ['--mode', 'infer'])
-    assert capsys.readouterr().err.splitlines()[-1] == ('python -m lipsformer.benchmark: interrupted by Ctrl-C: '
-                                                        'nothing was kept (--json FILE keeps each mode as it finishes)')
+    assert capsys.readouterr().err.splitlines()[-1] == ('python -m lipsformer.instruments.benchmark: interrupted by '
+                                                        'Ctrl-C: nothing was kept (--json FILE keeps each mode as it '
+                                                        'finishes)')

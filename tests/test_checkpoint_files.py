@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import save_file
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
-from lipsformer.convert import main as convert_main
 from lipsformer.evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from lipsformer.hub import create_model
+from lipsformer.hub.convert import main as convert_main
 from lipsformer.lipschitz.report_command import main as lipschitz_main
 from lipsformer.training.session import load_initial_weights
-from lipsformer.weight_files import READABLE_FORMATS, CheckpointError, load_file
+from lipsformer.weights.weight_files import READABLE_FORMATS, CheckpointError, load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

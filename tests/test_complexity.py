@@ -1,4 +1,5 @@
-"""Parameter and MAC counts (lipsformer.complexity) checked against hand-derived formulas and published numbers."""
+"""Parameter and MAC counts (lipsformer.instruments.complexity) checked against hand-derived formulas and published
+numbers."""
 import functools
 import subprocess
 import sys
@@ -14,14 +15,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import lipsformer  # noqa: F401  (registers the lipsformer models)
-from lipsformer.complexity import (
+from lipsformer.instruments.complexity import (
     SDPA_FLOP_FORMULAS,
     build_model,
     complexity_table,
     main,
     model_complexity,
 )
-from lipsformer.model_names import expand_model_names
+from lipsformer.weights.model_names import expand_model_names
 
 aten = torch.ops.aten
 
@@ -216,7 +217,7 @@ def test_module_breakdown_adds_up():
 
 def test_billion_parameter_model_is_counted_without_its_weights():
     # 1.01 B float32 parameters would need 4 GB; on the meta device the whole process stays near its import size.
-    code = ('import resource; from lipsformer.complexity import model_complexity; '
+    code = ('import resource; from lipsformer.instruments.complexity import model_complexity; '
             "info = model_complexity('vit_giant_patch14_224'); "
             "print(info['params'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     params, peak_kb = map(int, subprocess.run([sys.executable, '-c', code], check=True, capture_output=True,

@@ -1,4 +1,5 @@
-"""python -m lipsformer.convert: weights of any layout into a timm folder that local-dir: loads with equal logits."""
+"""python -m lipsformer.hub.convert: weights of any layout into a timm folder that local-dir: loads with equal
+logits."""
 import json
 import os
 
@@ -7,10 +8,10 @@ import timm
 import torch
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
-from lipsformer.convert import ConversionError, authors_model_config, convert
-from lipsformer.convert import main as convert_main
+from lipsformer.hub.convert import ConversionError, authors_model_config, convert
+from lipsformer.hub.convert import main as convert_main
 from lipsformer.utils.io import save_safetensors
-from lipsformer.weight_files import load_file
+from lipsformer.weights.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

@@ -1,4 +1,4 @@
-"""lipsformer.cpu_memory: freed blocks stay in the process, so reallocating them costs no page faults."""
+"""lipsformer.utils.cpu_memory: freed blocks stay in the process, so reallocating them costs no page faults."""
 import json
 import platform
 import statistics
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(platform.system() != 'Linux' or platform.libc_ve
 REALLOCATE = textwrap.dedent('''
     import json, resource, sys
     import torch
-    from lipsformer.cpu_memory import retain_freed_memory
+    from lipsformer.utils.cpu_memory import retain_freed_memory
     applied = retain_freed_memory() if sys.argv[1] == 'retain' else False
     elements = 64 * 2 ** 20 // 4  # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB)
     for _ in range(3):  # warm-up, like a training run's first steps: allocated, touched and freed
@@ -60,7 +60,8 @@ def test_reallocating_a_freed_block_faults_no_pages_once_memory_is_retained():
 def test_benchmark_records_retention_and_still_measures_peak_memory(tmp_path):
     out = tmp_path / 'report.json'
     subprocess.run(
-        [sys.executable, '-m', 'lipsformer.benchmark', '--models', 'resnet10t', '--mode', 'train', '--batch-size', '2',
+        [sys.executable, '-m', 'lipsformer.instruments.benchmark', '--models', 'resnet10t', '--mode', 'train',
+         '--batch-size', '2',
          '--img-size', '32', '--warmup', '1', '--repeats', '1', '--threads', '1', '--retain-cpu-memory',
          '--json', str(out)], check=True, capture_output=True, text=True)
     report = json.loads(out.read_text())
@@ -93,7 +94,8 @@ def test_benchmark_counts_the_page_faults_of_fresh_memory_each_step(tmp_path):
     for retain in ('--no-retain-cpu-memory', '--retain-cpu-memory'):
         out = tmp_path / f'{retain}.json'
         subprocess.run(
-            [sys.executable, '-m', 'lipsformer.benchmark', '--models', f'file:{tmp_path}/fresh.py:FreshBlock',
+            [sys.executable, '-m', 'lipsformer.instruments.benchmark', '--models',
+             f'file:{tmp_path}/fresh.py:FreshBlock',
              '--mode', 'infer', '--batch-size', '1', '--img-size', '8', '--warmup', '2', '--repeats', '9',
              '--threads', '1', '--no-memory', retain, '--json', str(out)], check=True, capture_output=True, text=True)
         row, = json.loads(out.read_text())['results']

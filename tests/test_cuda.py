@@ -24,7 +24,7 @@ from training_support import tiny_overrides
 
 from lipsformer.fastpath import set_fast_path
 from lipsformer.training import load_config, train
-from lipsformer.weight_files import load_file
+from lipsformer.weights.weight_files import load_file
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
 
@@ -157,7 +157,8 @@ def test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eage
 def test_benchmark_runs_on_cuda(tmp_path):
     out = tmp_path / 'report.json'
     completed = subprocess.run(
-        [sys.executable, '-m', 'lipsformer.benchmark', '--models', ','.join(FAMILIES), '--mode', 'infer,train',
+        [sys.executable, '-m', 'lipsformer.instruments.benchmark', '--models', ','.join(FAMILIES), '--mode',
+         'infer,train',
          '--batch-size', '8', '--img-size', '224', '--precision', 'bf16', '--device', DEVICE, '--warmup', '2',
          '--repeats', '2', '--steps', '2', '--json', str(out)],
         cwd=REPO, capture_output=True, text=True)

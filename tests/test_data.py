@@ -98,7 +98,7 @@ def test_sixteen_bit_images_read_as_their_eight_bit_copies_everywhere(tmp_path, 
     copy (Pillow's own conversion clips 16-bit grey to 0..255: nearly black and white)."""
     from lipsformer.evaluation.dataset_passes import DataRequest, open_named_dataset
     from lipsformer.evaluation.predict import EvalImageDataset
-    from lipsformer.experiments.stability.subsets import load_image_folder
+    from lipsformer.instruments.stability.subsets import load_image_folder
     eight, sixteen = _same_images_in_two_depths(tmp_path, colour)
     with Image.open(os.path.join(sixteen, 'train', 'class_0', '0.png')) as image:
         assert image.mode in (('RGB',) if colour else ('I;16', 'I'))  # 'I': how Pillow before 10.4 opens them

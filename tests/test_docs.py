@@ -333,7 +333,7 @@ def test_command_lines_parse(block, doc_world, capsys):
     'lipsformer-validate --model lipsformer_swin_tiny --no-such-flag',
     'python validate.py --model lipsformer_swin_tiny --amp fp64',
     'python -m lipsformer.hub card',
-    'python -m lipsformer.convert only_one_argument',
+    'python -m lipsformer.hub.convert only_one_argument',
     'lipsformer-benchmark --models lipsformer_swin_tiny --precision fp64',
     'sbatch scripts/slurm_train.sh quickstart runs/x --no-such-flag',
     'python -m pytest tests/test_no_such_file.py',

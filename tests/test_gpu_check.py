@@ -1,5 +1,5 @@
-"""The GPU check's parts that run on a CPU: the profile summary (lipsformer.step_profile), the time guard and the
-step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
+"""The GPU check's parts that run on a CPU: the profile summary (lipsformer.instruments.step_profile), the time guard
+and the step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
 import json
 import os
 import re
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer import gpu_check
-from lipsformer.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_report
-from lipsformer.step_profile import TimedEvent, busy_time, kernel_kind, profile_steps, summarize
+from lipsformer.instruments import gpu_check
+from lipsformer.instruments.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_report
+from lipsformer.instruments.step_profile import TimedEvent, busy_time, kernel_kind, profile_steps, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / 'scripts' / 'gpu_check.sh'
@@ -186,8 +186,8 @@ def test_script_dry_run_prints_the_plan(tmp_path):
     completed = subprocess.run([str(SCRIPT), str(tmp_path / 'out'), '--dry-run'], capture_output=True, text=True,
                                env=os.environ | {'PYTHON': sys.executable}, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.count('-m lipsformer.benchmark') == 1 + len(gpu_check.COMPILED) + 1
-    assert completed.stdout.count('-m lipsformer.gpu_check --conv-benchmark') == 1
+    assert completed.stdout.count('-m lipsformer.instruments.benchmark') == 1 + len(gpu_check.COMPILED) + 1
+    assert completed.stdout.count('-m lipsformer.instruments.gpu_check --conv-benchmark') == 1
     assert 'tests/test_cuda.py' in completed.stdout
 
 

@@ -17,19 +17,19 @@ from huggingface_hub.utils import LocalEntryNotFoundError
 from image_data import make_image_folder
 from training_support import tiny_overrides
 
-from lipsformer.benchmark import BenchmarkConfig, _build, parse_model_specs
-from lipsformer.convert import convert
 from lipsformer.evaluation.checkpoints import create_eval_model
 from lipsformer.evaluation.validate_command import main as validate_main
 from lipsformer.hub import CardError, ModelSourceError, check_model_source, create_model, write_card
 from lipsformer.hub.__main__ import main as hub_main
+from lipsformer.hub.convert import convert
+from lipsformer.instruments.benchmark import BenchmarkConfig, _build, parse_model_specs
 from lipsformer.lipschitz.analysis import analyze
 from lipsformer.lipschitz.report_command import main as lipschitz_main
-from lipsformer.model_names import expand_model_names
 from lipsformer.training import ConfigError, load_config, train
 from lipsformer.training.data import resolve_input_spec
 from lipsformer.training.session import create_model as create_training_model
-from lipsformer.weight_files import load_file
+from lipsformer.weights.model_names import expand_model_names
+from lipsformer.weights.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -330,7 +330,7 @@ def test_hf_hub_names_up_to_the_download(run_dir, data_dir, monkeypatch):
                   lambda: create_model('hf-hub:me/tiny', pretrained=True)):
         with pytest.raises(ModelSourceError, match=r'cannot download the weights of hf-hub:me/tiny from the Hugging '
                                                    r'Face Hub repository me/tiny at .*pretrained_cfg_overlay=dict\('
-                                                   r'file=.*python -m lipsformer.convert .*local-dir:FOLDER'):
+                                                   r'file=.*python -m lipsformer.hub.convert .*local-dir:FOLDER'):
             build()
 
 

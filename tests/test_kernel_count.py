@@ -1,6 +1,6 @@
-"""The kernel counter (lipsformer.kernel_count): exact counts of a toy module derived by hand, the CUDA autocast casts,
-the SDPA kernel choice, the attribution to parts, its backward against autograd's engine, and the kernel budget of
-both LipsFormer families against timm's Swin-T at batch 128."""
+"""The kernel counter (lipsformer.instruments.kernel_count): exact counts of a toy module derived by hand, the CUDA
+autocast casts, the SDPA kernel choice, the attribution to parts, its backward against autograd's engine, and the kernel
+budget of both LipsFormer families against timm's Swin-T at batch 128."""
 import collections
 import json
 import math
@@ -12,9 +12,9 @@ import torch
 from tiny_models import TINY_MODELS, TINY_SWIN
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lipsformer import kernel_count
-from lipsformer.benchmark import parse_model_specs
-from lipsformer.kernel_count import (
+from lipsformer.instruments import kernel_count
+from lipsformer.instruments.benchmark import parse_model_specs
+from lipsformer.instruments.kernel_count import (
     count_step,
     cuda_sdp_choice,
     format_count_table,
@@ -235,7 +235,7 @@ TORCH_RELEASE = '.'.join(torch.__version__.split('+')[0].split('.')[:2])
 measured_torch_only = pytest.mark.skipif(
     TORCH_RELEASE != BUDGET['torch'],
     reason=f'the kernel budget was measured with torch {BUDGET["torch"]}, this is {TORCH_RELEASE}: re-measure it '
-           '(python -m lipsformer.kernel_count, docs/performance.md) when the suite moves to a new torch')
+           '(python -m lipsformer.instruments.kernel_count, docs/performance.md) when the suite moves to a new torch')
 
 
 @pytest.fixture(scope='module')
@@ -271,7 +271,7 @@ def test_a_spec_that_compiles_is_refused_not_counted_as_its_eager_step(spec, cap
     assert f'error: {spec!r}: the counts are of one eager step' in err and 'Traceback' not in err
     with pytest.raises(ValueError, match='not of what torch.compile runs'):
         count_step(spec, 'infer', 1, 64)
-    from lipsformer.benchmark import main as benchmark_main
+    from lipsformer.instruments.benchmark import main as benchmark_main
     with pytest.raises(SystemExit, match='2'):
         benchmark_main(['--models', spec, '--count-kernels', '--mode', 'infer'])
     assert f'--count-kernels counts one eager step of each model, and {spec!r} runs compiled' in \

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from tiny_models import TINY_MODELS
 
-from lipsformer.benchmark import BenchmarkConfig, saved_activations_mb
 from lipsformer.fastpath.lean_autograd import (
     _GeluResidual,
     _L2Normalize,
@@ -14,6 +13,7 @@ from lipsformer.fastpath.lean_autograd import (
     l2_normalize,
     scaled_linear,
 )
+from lipsformer.instruments.benchmark import BenchmarkConfig, saved_activations_mb
 
 
 def _linear_reference(x, weight, bias, scale, gelu):

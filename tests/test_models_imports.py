@@ -12,12 +12,12 @@ from timm.models._registry import _model_entrypoints
 from tiny_models import TINY_MODELS
 
 import lipsformer.models
-from lipsformer import model_names, weight_files
 from lipsformer.models import lipsformer_swin
+from lipsformer.weights import model_names, weight_files
 
 # What the models must not pull in: the commands, and the package's file handling above them.
-NOT_FOR_THE_MODELS = ('lipsformer.training', 'lipsformer.evaluation', 'lipsformer.weight_files',
-                      'lipsformer.model_names', 'lipsformer.model_folder', 'lipsformer.convert', 'lipsformer.utils')
+NOT_FOR_THE_MODELS = ('lipsformer.training', 'lipsformer.evaluation', 'lipsformer.weights', 'lipsformer.hub',
+                      'lipsformer.instruments', 'lipsformer.utils')
 
 _IMPORTED_AFTER = '''
 import json, sys
@@ -54,7 +54,7 @@ def test_importing_the_package_and_building_a_model_imports_none_of_it_either():
 
 
 def test_the_forbidden_modules_are_found_where_they_are_imported():
-    assert _forbidden(_lipsformer_modules_after('import lipsformer.model_names')) != []
+    assert _forbidden(_lipsformer_modules_after('import lipsformer.weights.model_names')) != []
 
 
 def test_timms_registry_holds_the_models_own_entry_points():

@@ -17,17 +17,17 @@ from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
 import lipsformer
 from lipsformer.evaluation.validate_command import main as validate_main
-from lipsformer.model_folder import save_model_folder
-from lipsformer.model_names import ModelSourceError
 from lipsformer.training.train_command import main as train_main
-from lipsformer.weight_files import CheckpointError, load_file
+from lipsformer.weights.model_folder import save_model_folder
+from lipsformer.weights.model_names import ModelSourceError
+from lipsformer.weights.weight_files import CheckpointError, load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(lipsformer.__file__))  # the code under test, for the subprocesses
 URL = 'https://github.com/cyh1112/LipsFormer/releases/download/checkpoint/lipsformer-swin-tiny.pth'
-OFFLINE_WAYS = ("pretrained_cfg_overlay=dict(file=", 'python -m lipsformer.convert', 'local-dir:FOLDER')
+OFFLINE_WAYS = ("pretrained_cfg_overlay=dict(file=", 'python -m lipsformer.hub.convert', 'local-dir:FOLDER')
 
 
 @pytest.fixture()

@@ -12,19 +12,19 @@ import torch
 from PIL import Image
 from process_support import hold_lock
 
-from lipsformer.experiments.stability import experiment_command, grid
-from lipsformer.experiments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
-from lipsformer.experiments.stability.grid import queue, run_dir, run_grid
-from lipsformer.experiments.stability.report import classify, markers, outright_failure, stable_rates, write_report
-from lipsformer.experiments.stability.subsets import (
+from lipsformer.instruments.stability import experiment_command, grid
+from lipsformer.instruments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
+from lipsformer.instruments.stability.grid import queue, run_dir, run_grid
+from lipsformer.instruments.stability.report import classify, markers, outright_failure, stable_rates, write_report
+from lipsformer.instruments.stability.subsets import (
     Batches,
     balanced_indices,
     load_image_folder,
     load_subsets,
     synthetic_subsets,
 )
-from lipsformer.experiments.stability.sweep_results import Results, collect, compact_record, read_results, steps_to_loss
-from lipsformer.experiments.stability.training_run import RunFiles, RunSettings, train_run
+from lipsformer.instruments.stability.sweep_results import Results, collect, compact_record, read_results, steps_to_loss
+from lipsformer.instruments.stability.training_run import RunFiles, RunSettings, train_run
 from lipsformer.training.run_lock import LOCK_FILE, RunFolderInUseError, RunLock
 from lipsformer.utils.io import write_json
 

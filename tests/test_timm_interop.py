@@ -20,11 +20,11 @@ from timm.optim import create_optimizer_v2
 from timm.utils import CheckpointSaver, ModelEmaV3
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN_KWARGS, TINY_MODELS
 
-from lipsformer.convert import main as convert_main
 from lipsformer.evaluation.validate_command import main as validate_main
-from lipsformer.model_folder import save_model_folder
+from lipsformer.hub.convert import main as convert_main
 from lipsformer.training.train_command import main as train_main
-from lipsformer.weight_files import CheckpointError, load_file, load_model_weights
+from lipsformer.weights.model_folder import save_model_folder
+from lipsformer.weights.weight_files import CheckpointError, load_file, load_model_weights
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -100,7 +100,7 @@ def test_a_timm_train_checkpoint_in_every_command(timm_checkpoint, data_dir, tmp
                       '--data-dir', folder, '--data-layout', 'imagefolder')
     assert named['results'][0]['top1'] == pytest.approx(_timm_top1(ema, data_dir))
 
-    # lipsformer.convert: a timm model folder with the same logits, its architecture from the saved arguments.
+    # lipsformer.hub.convert: a timm model folder with the same logits, its architecture from the saved arguments.
     assert convert_main([path, str(tmp_path / 'converted'), '--use-ema']) == 0
     converted = timm.create_model(f'local-dir:{tmp_path / "converted"}', pretrained=True).eval()
     inputs = torch.randn(2, 1, 32, 32)
@@ -203,7 +203,7 @@ COMMANDS = {
     'lipsformer-validate': ('lipsformer.evaluation.validate_command', 'build_parser',
                             'lipsformer.evaluation.validate_command'),
     'lipsformer-lipschitz': ('lipsformer.lipschitz.report_command', 'build_parser', 'lipsformer.lipschitz'),
-    'lipsformer-benchmark': ('lipsformer.benchmark', '_parser', 'lipsformer.benchmark'),
+    'lipsformer-benchmark': ('lipsformer.instruments.benchmark', '_parser', 'lipsformer.instruments.benchmark'),
     'lipsformer-train': ('lipsformer.training.train_command', '_parser', 'lipsformer.training.train_command'),
 }
 
@@ -221,8 +221,8 @@ def test_usage_names_the_command_as_it_was_run(command, monkeypatch):
 
 
 def test_module_commands_say_python_dash_m(monkeypatch):
-    from lipsformer.convert import build_parser as convert_parser
     from lipsformer.hub.__main__ import build_parser as hub_parser
+    from lipsformer.hub.convert import build_parser as convert_parser
     from lipsformer.lipschitz import __main__ as lipschitz_main
     monkeypatch.setattr(sys, 'argv', [lipschitz_main.__file__])
     from lipsformer.lipschitz.report_command import build_parser as lipschitz_parser

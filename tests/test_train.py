@@ -20,8 +20,8 @@ from lipsformer.training.finish import write_plots
 from lipsformer.training.overhead import main as overhead_main
 from lipsformer.training.train_state import list_checkpoints
 from lipsformer.utils.io import default_file_mode
-from lipsformer.weight_files import CheckpointError
-from lipsformer.weight_files import load_file as load_file_any
+from lipsformer.weights.weight_files import CheckpointError
+from lipsformer.weights.weight_files import load_file as load_file_any
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

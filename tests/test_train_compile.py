@@ -21,7 +21,7 @@ from lipsformer.training import load_config, train
 from lipsformer.training.compilation import compiles, dynamo_plugin, effective_mode, keep_own_gradients
 from lipsformer.training.session import Session
 from lipsformer.training.train_state import optimizer_state_dict, set_optimizer_state
-from lipsformer.weight_files import strip_wrapper_prefixes
+from lipsformer.weights.weight_files import strip_wrapper_prefixes
 
 # Two updates of two micro-batches an epoch (48 images, batch 8, 6 micro-batches: 3 updates), clipping and the
 # package's Lipschitz constraint, EMA (tiny_overrides turns it on); the validation split (24 images, batches of 16)

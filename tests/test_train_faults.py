@@ -20,7 +20,7 @@ from training_support import assert_same_run, tiny_overrides
 from lipsformer.training import NonFiniteLossError, load_config, train
 from lipsformer.training.train_command import main
 from lipsformer.training.train_state import latest_checkpoint, list_checkpoints, read_meta
-from lipsformer.weight_files import load_file
+from lipsformer.weights.weight_files import load_file
 
 pytestmark = pytest.mark.usefixtures('one_thread', 'probe_model')
 

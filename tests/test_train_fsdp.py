@@ -24,7 +24,7 @@ from process_support import free_port, subprocess_env
 from training_support import tiny_overrides
 
 from lipsformer.utils.io import default_file_mode
-from lipsformer.weight_files import load_file
+from lipsformer.weights.weight_files import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP_CONFIG = os.path.join(REPO, 'configs', 'accelerate', 'fsdp.yaml')
@@ -127,7 +127,7 @@ _STATE_DICT_SCRIPT = _AS_ON_GPUS + '''
 import json, os, sys, torch, timm
 import lipsformer
 from accelerate import Accelerator
-from lipsformer.weight_files import load_file
+from lipsformer.weights.weight_files import load_file
 from lipsformer.training.finish import export_checkpoint
 from lipsformer.training.session import prepare_model
 from lipsformer.training.train_state import (Progress, TrainingObjects, model_state_dict, optimizer_state_dict,

@@ -129,7 +129,7 @@ def test_a_constraint_rejecting_its_settings_is_a_config_error():
 
 @pytest.mark.parametrize('retain', [True, False])
 def test_cpu_runs_retain_freed_memory_unless_switched_off(retain, monkeypatch, tmp_path):
-    """train.cpu_retain_freed_memory (default on) applies lipsformer.cpu_memory's malloc settings on a CPU run."""
+    """train.cpu_retain_freed_memory (default on) applies lipsformer.utils.cpu_memory's malloc settings on a CPU run."""
     calls = []
     monkeypatch.setattr(session, 'retain_freed_memory', lambda: calls.append(True) or True)
     config = load_config(None, [f'train.cpu_retain_freed_memory={str(retain).lower()}', 'log.trackers=[]'])

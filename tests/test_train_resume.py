@@ -16,8 +16,8 @@ from training_support import tiny_overrides
 
 from lipsformer.training import load_config, train
 from lipsformer.training.train_state import Progress, latest_checkpoint, list_checkpoints, read_meta, update_progress
-from lipsformer.weight_files import CheckpointError
-from lipsformer.weight_files import load_file as load_any
+from lipsformer.weights.weight_files import CheckpointError
+from lipsformer.weights.weight_files import load_file as load_any
 
 pytestmark = pytest.mark.usefixtures('one_thread', 'probe_model')
 

@@ -13,9 +13,9 @@ import transformers
 from PIL import Image
 from tiny_models import TINY_MODELS
 
-from lipsformer.convert import convert
-from lipsformer.model_folder import save_model_folder
+from lipsformer.hub.convert import convert
 from lipsformer.utils.io import read_json, save_safetensors
+from lipsformer.weights.model_folder import save_model_folder
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -53,7 +53,7 @@ def test_transformers_loads_an_export_as_timm_does(name, tmp_path):
 
 
 def test_a_converted_folder_loads_in_transformers(tmp_path):
-    """python -m lipsformer.convert writes the same config.json (the training export goes through it as well)."""
+    """python -m lipsformer.hub.convert writes the same config.json (the training export goes through it as well)."""
     name = 'lipsformer_cswin_tiny'
     model = timm.create_model(name, num_classes=3, **TINY_MODELS[name]).eval()
     save_safetensors(model.state_dict(), str(tmp_path / 'weights.safetensors'))

@@ -30,7 +30,7 @@ from validate_reference import file_by_prediction, reference_accuracy, reference
 from lipsformer.evaluation import imagenet_synsets, load_real_labels
 from lipsformer.evaluation.validate_command import main
 from lipsformer.training import load_config, train
-from lipsformer.weight_files import load_model_weights
+from lipsformer.weights.weight_files import load_model_weights
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 

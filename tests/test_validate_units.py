@@ -24,9 +24,9 @@ from lipsformer.evaluation import (
     score_labels,
 )
 from lipsformer.evaluation.records import write_results
-from lipsformer.model_names import UnknownModelError
 from lipsformer.training import load_config
 from lipsformer.training.config_io import dump_config
+from lipsformer.weights.model_names import UnknownModelError
 
 
 @pytest.fixture(scope='module')

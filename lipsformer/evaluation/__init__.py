@@ -3,12 +3,12 @@
 - :mod:`.layouts`: image lists and labels of each data set layout, checked before scoring;
 - :mod:`.real`: ReaL label sets matched by file name, so any subset of val can be scored;
 - :mod:`.checkpoints`: which weights a ``--checkpoint`` means and the model that fits them (model names themselves are
-  resolved by :mod:`lipsformer.model_names`, as in every command);
+  resolved by :mod:`lipsformer.weights.model_names`, as in every command);
 - :mod:`.predict` / :mod:`.metrics` / :mod:`.dataset_passes`: predictions in data set order on one or many processes,
   and their scores on each requested data set;
 - :mod:`.records`: the table, JSON and CSV; :mod:`.validate_command`: the command line.
 """
-from ..model_names import expand_model_names
+from ..weights.model_names import expand_model_names
 from .checkpoints import ResolvedCheckpoint, SavedModelConfig, create_eval_model, resolve_checkpoint
 from .dataset_passes import DataRequest, DatasetResult, evaluate, plan_datasets
 from .errors import EvaluationError

@@ -10,9 +10,9 @@ The model is rebuilt from the arguments timm's ``train.py`` saved in its own che
 ``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the run's ``config.yaml`` (read by
 :func:`lipsformer.training.load_config`) with the class count and architecture a training checkpoint's ``meta.json``
 records, else from ``--model``; all weights then go through
-:func:`lipsformer.weight_files.load_model_weights`, which never executes pickled code and names every mismatched key.
-The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along, so
-that a class-folder data set is labelled by name, as in training.
+:func:`lipsformer.weights.weight_files.load_model_weights`, which never executes pickled code and names every mismatched
+key. The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along,
+so that a class-folder data set is labelled by name, as in training.
 """
 import argparse
 import logging
@@ -24,10 +24,10 @@ import torch
 from timm.models import resolve_model_input_args, split_model_name_tag
 from timm.models._hub import load_model_config_from_path
 
-from ..model_names import create_model, hub_errors
 from ..training import ConfigError, latest_checkpoint, load_config
 from ..training.train_state import read_meta
-from ..weight_files import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
+from ..weights.model_names import create_model, hub_errors
+from ..weights.weight_files import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
 from .errors import EvaluationError
 
 __all__ = ['ResolvedCheckpoint', 'SavedModelConfig', 'resolve_checkpoint', 'create_eval_model']

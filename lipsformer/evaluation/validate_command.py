@@ -17,12 +17,12 @@ import torch
 from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 
-from ..model_names import UnknownModelError, expand_model_names, unaccepted_kwargs
 from ..training.compilation import COMPILE_SCOPES, CUDA_GRAPH_MODES, compile_model, effective_mode
 from ..utils.cli import ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason
 from ..utils.processes import end_processes, select_device, wants_cpu_group
-from ..weight_files import CheckpointError
+from ..weights.model_names import UnknownModelError, expand_model_names, unaccepted_kwargs
+from ..weights.weight_files import CheckpointError
 from .checkpoints import ResolvedCheckpoint, create_eval_model, resolve_checkpoint
 from .dataset_passes import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError

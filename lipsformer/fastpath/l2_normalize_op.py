@@ -9,10 +9,10 @@ float32), and one kernel computes the backward from y, r^2 and the output gradie
     dL/dx = (s g - <g, y> y / s) / r + 2 (dL/dr^2) r y / s        (both terms only where ||x|| > eps)
 
 It is a ``torch.library`` custom op with a fake-tensor registration and an autograd formula, so that
-``torch.compile``, ``torch.export`` and the kernel counter of :mod:`lipsformer.kernel_count` see one operation. Where
-Triton cannot run (no Triton, a CPU tensor outside Triton's interpreter) the op computes the same in PyTorch. A
-recorded backward (``create_graph=True``) is written in y and r^2 with differentiable PyTorch operations, so second
-derivatives are those of the plain expression, as in :mod:`.lean_autograd`.
+``torch.compile``, ``torch.export`` and the kernel counter of :mod:`lipsformer.instruments.kernel_count` see one
+operation. Where Triton cannot run (no Triton, a CPU tensor outside Triton's interpreter) the op computes the same in
+PyTorch. A recorded backward (``create_graph=True``) is written in y and r^2 with differentiable PyTorch operations, so
+second derivatives are those of the plain expression, as in :mod:`.lean_autograd`.
 
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from ..utils.cli import command_name
-from ..weight_files import CheckpointError
+from ..weights.weight_files import CheckpointError
 from .model_card import CardError, write_card
 from .upload import push
 

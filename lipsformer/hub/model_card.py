@@ -7,7 +7,7 @@ It holds a Hub metadata header (library_name timm, license, tags, the data sets'
 widget), the model with its parameters and GMACs, the data, the recipe's key config values, the exported epoch's
 metrics (raw and EMA), the Lipschitz summary, the plots, how to run it with timm and with transformers, and the
 paper's citation. Scores of ``validate.py --results-file`` runs on the exported weights (ImageNet val, ReaL, V2, any
-data set) are added with ``--results``. A folder written by ``lipsformer.convert`` has no run: its card says what
+data set) are added with ``--results``. A folder written by ``lipsformer.hub.convert`` has no run: its card says what
 the folder alone tells.
 """
 import glob
@@ -21,8 +21,8 @@ import torch
 from huggingface_hub import EvalResult, ModelCardData
 from timm.data import ImageNetInfo
 
-from ..complexity import model_complexity
 from ..evaluation.records import file_sha256
+from ..instruments.complexity import model_complexity
 from ..lipschitz.analysis import analyze
 from ..training import Config, ConfigError, load_config
 from ..training.run_files import METRICS_FILE
@@ -108,7 +108,7 @@ def find_export(target: str, which: str = 'best') -> ExportFolder:
         if os.path.isfile(os.path.join(folder, 'config.json')):
             return ExportFolder(folder, target)
     raise CardError(f'{target!r} is neither a training run with export/{which} (or export/last) nor a timm model '
-                    f'folder with config.json; finish a run (or python -m lipsformer.convert) first')
+                    f'folder with config.json; finish a run (or python -m lipsformer.hub.convert) first')
 
 
 def _run_facts(run_dir: str) -> tuple[Config, dict[str, Any]]:
@@ -214,7 +214,7 @@ def _model_section(config_json: dict[str, Any], complexity: dict[str, Any]) -> l
     return ['## Model', '',
             f'- architecture: `{config_json["architecture"]}` ({args})',
             f'- parameters: {complexity["params"] / 1e6:.2f}M; {complexity["gmacs"]:.3g} GMACs per image at {size} '
-            f'(multiply-accumulates, attention matmuls included; `python -m lipsformer.complexity`)',
+            f'(multiply-accumulates, attention matmuls included; `python -m lipsformer.instruments.complexity`)',
             f'- classes: {config_json["num_classes"]}' + (' (names in `config.json` `label_names`)'
                                                           if config_json.get('label_names') else ''),
             f'- preprocessing: input {size}, {cfg.get("interpolation")} interpolation, crop_pct {cfg.get("crop_pct")}, '
@@ -361,7 +361,7 @@ def _usage_section(repo_id: str | None, has_ema: bool, in_chans: int, label_name
               '(with `model.pretrained: true`), as `--model` in `validate.py` and `python -m lipsformer.lipschitz`.']
     if has_ema:
         lines += ['', 'The EMA weights are in `model_ema.safetensors`: `validate.py --checkpoint FOLDER --use-ema`, or '
-                  '`lipsformer.weight_files.load_model_weights(model, \'model_ema.safetensors\')`.']
+                  '`lipsformer.weights.weight_files.load_model_weights(model, \'model_ema.safetensors\')`.']
     return lines + ['']
 
 

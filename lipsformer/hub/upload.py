@@ -17,8 +17,8 @@ import timm
 from huggingface_hub import CommitOperationAdd, HfApi, get_token
 from huggingface_hub import constants as hf_constants
 
-from ..model_names import unreachable
 from ..utils.io import read_json
+from ..weights.model_names import unreachable
 from .model_card import CARD_FILE, CardError, build_card, find_export, save_card
 
 __all__ = ['HubAccessError', 'REQUIRED_FILES', 'check_access', 'export_files', 'push']

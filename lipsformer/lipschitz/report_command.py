@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
-from ..model_names import create_model, expand_model_names, model_source
 from ..utils.cli import HelpFormatter, ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason, write_json
-from ..weight_files import CheckpointError
+from ..weights.model_names import create_model, expand_model_names, model_source
+from ..weights.weight_files import CheckpointError
 from .analysis import analyze
 
 __all__ = ['build_parser', 'format_report', 'main', 'to_json']

@@ -5,7 +5,7 @@ that cannot be reached gives :func:`offline_message` (the two ways to use a copy
 ``pretrained_cfg_overlay=dict(file=...)`` that is not there or not a weights file gives the words of
 :func:`~._weights_reading.load_file`, instead of urllib's traceback, an empty ``FileNotFoundError`` or torch's advice to
 unpickle with ``weights_only=False``. The commands use the same pieces for names that carry their weights
-(``hf-hub:``, ``local-dir:``; :mod:`lipsformer.model_names`).
+(``hf-hub:``, ``local-dir:``; :mod:`lipsformer.weights.model_names`).
 """
 import contextlib
 import os
@@ -90,7 +90,7 @@ def offline_message(name: str, location: str | None, error: BaseException) -> st
             'local-dir:FOLDER)' if source == 'hf-hub' else f'a copy of {file}')
     return (f'cannot download the weights of {name} from {location or "its host"}: {reason}. Offline, use {copy}: '
             f'timm.create_model(\'{architecture}\', pretrained=True, pretrained_cfg_overlay=dict(file=\'{file}\')), '
-            f'or python -m lipsformer.convert {file} FOLDER --model {architecture} once, then the model name '
+            f'or python -m lipsformer.hub.convert {file} FOLDER --model {architecture} once, then the model name '
             f'local-dir:FOLDER (validate.py also takes the file as --checkpoint, train.py as model.init_checkpoint)')
 
 

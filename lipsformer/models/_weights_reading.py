@@ -2,7 +2,8 @@
 
 timm's ``pretrained=True`` reads a file (``pretrained_cfg_overlay=dict(file=...)``, a download) with torch's
 weights-only loader; when that fails, the builder reads the file here to say what it is instead of torch's advice to
-unpickle it with ``weights_only=False``. :mod:`lipsformer.weight_files` reads every file through :func:`load_file`.
+unpickle it with ``weights_only=False``. :mod:`lipsformer.weights.weight_files` reads every file through
+:func:`load_file`.
 
 Every file goes through ``torch.load(weights_only=True)`` (or safetensors), never an unrestricted unpickler. Two
 non-tensor objects that checkpoints users have carry are admitted by torch's restricted (weights-only) unpickler as
@@ -35,8 +36,8 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be read or does not fit the model it is loaded into (its blocks per stage, its
     keys or shapes), or pretrained weights that cannot be had.
 
-    :mod:`lipsformer.weight_files` raises it too (it is ``lipsformer.weight_files.CheckpointError``): one ``except``
-    catches what the models, the weights' readers and the commands say about a checkpoint."""
+    :mod:`lipsformer.weights.weight_files` raises it too (it is ``lipsformer.weights.weight_files.CheckpointError``):
+    one ``except`` catches what the models, the weights' readers and the commands say about a checkpoint."""
 
 
 # Pickled names that stand for plain configuration data in checkpoints users have (the authors' yacs config).

@@ -80,7 +80,7 @@ class ModelConfig:
     drop_path_rate: float = _key(0.1, 'Stochastic depth rate of the last block (rises linearly from 0).', _FRACTION)
     pretrained: bool = _key(False, 'Start from the model\'s default pretrained weights (timm pretrained=True).')
     init_checkpoint: str | None = _key(None, 'Start from the weights in this file (fine-tuning); any layout '
-                                             'lipsformer.weight_files.load_model_weights reads. Not a resume.')
+                                             'lipsformer.weights.weight_files.load_model_weights reads. Not a resume.')
     grad_checkpointing: bool = _key(False, 'Recompute activations in the backward pass to save memory.')
     channels_last: bool = _key(False, 'Use the channels-last memory format (faster convolutions on GPUs).')
     compile: bool | Literal['auto'] = _key(
@@ -233,7 +233,7 @@ class TrainConfig:
                                          '(one per core). On a small or shared CPU, 1 thread plus a loader worker '
                                          'avoids threads waiting on each other.', _optional(_POSITIVE_INT))
     cpu_retain_freed_memory: bool = _key(True, 'On a CPU run with glibc (Linux), keep freed memory in the process for '
-                                               'reuse instead of unmapping it (lipsformer.cpu_memory): large '
+                                               'reuse instead of unmapping it (lipsformer.utils.cpu_memory): large '
                                                'activations stop page-faulting every step (docs/performance.md '
                                                'measures the gain); the process keeps its peak memory until it '
                                                'exits.')

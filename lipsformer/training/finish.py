@@ -1,7 +1,7 @@
 """The end of a run: final weights in timm's format, PNG curves of the metrics and ``summary.json``.
 
 ``export/<which>/model.safetensors`` (+ ``model_ema.safetensors``) and the ``config.json`` that
-``timm.models.save_for_hf`` writes (:func:`lipsformer.model_folder.save_model_folder`: transformers' TimmWrapper
+``timm.models.save_for_hf`` writes (:func:`lipsformer.weights.model_folder.save_model_folder`: transformers' TimmWrapper
 loads it too), so that both
 
     timm.create_model('local-dir:<run>/export/best', pretrained=True)
@@ -21,10 +21,10 @@ import timm
 import torch
 from accelerate.utils import gather_object
 
-from ..model_folder import save_model_folder
 from ..utils.io import atomic_open, default_file_mode, replace_dir, write_json
 from ..utils.processes import distributed_summary
-from ..weight_files import load_file, strip_wrapper_prefixes
+from ..weights.model_folder import save_model_folder
+from ..weights.weight_files import load_file, strip_wrapper_prefixes
 from .optim import best_metric_name
 from .session import Session
 from .train_state import best_checkpoint, is_sharded

@@ -3,9 +3,9 @@
 - ``--resume auto`` takes the run's newest checkpoint; one with an unreadable file (truncated, corrupt) is moved to
   ``checkpoints/unreadable/`` and the one before it is taken, with a warning. An explicit checkpoint that cannot be
   read is an error.
-- Refused with a :class:`~lipsformer.weight_files.CheckpointError`, before anything in the run folder changes: another
-  model (name, or an architecture the weights do not fit), another ``optimizer.name``, other training classes, or
-  another batch layout.
+- Refused with a :class:`~lipsformer.weights.weight_files.CheckpointError`, before anything in the run folder changes:
+  another model (name, or an architecture the weights do not fit), another ``optimizer.name``, other training classes,
+  or another batch layout.
 - Applied and said: the optimizer's settings (weight decay, betas, eps, momentum, ...) are the config's, and those
   that differ from the checkpoint's are logged; a changed schedule follows the config; every other changed key is
   listed with its old and new value and the step it applies from, and ``config.yaml`` takes the new values while the
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..weight_files import CheckpointError
+from ..weights.weight_files import CheckpointError
 from .config_io import config_to_dict, flat_dict
 from .optim import best_metric_name, total_epochs
 from .session import Session

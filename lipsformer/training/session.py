@@ -32,18 +32,18 @@ from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 from accelerate.utils.other import is_compiled_module  # exported from accelerate.utils only after 1.6
 from timm.utils import ModelEmaV3
 
-from ..cpu_memory import retain_freed_memory
 from ..data import class_map_of, class_names_of, num_classes_of
-from ..model_names import (
+from ..utils.cpu_memory import retain_freed_memory
+from ..utils.processes import check_process_group, select_device, wants_cpu_group
+from ..weights.model_names import (
     ModelSourceError,
     check_model_source,
     classifier_reset_note,
     model_source,
     unaccepted_kwargs,
 )
-from ..model_names import create_model as create_timm_model
-from ..utils.processes import check_process_group, select_device, wants_cpu_group
-from ..weight_files import check_state_dict, extract_state_dict, load_file
+from ..weights.model_names import create_model as create_timm_model
+from ..weights.weight_files import check_state_dict, extract_state_dict, load_file
 from .compilation import (
     compile_regions,
     compiles,
@@ -302,8 +302,8 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
 def load_initial_weights(model: torch.nn.Module, path: str) -> None:
     """Start from a file's weights (fine-tuning); a classifier of another size is left at its initialisation.
 
-    Any layout :mod:`lipsformer.weight_files` reads works, including the authors' files (through the model module's
-    ``checkpoint_filter_fn``). Every other mismatch is an error.
+    Any layout :mod:`lipsformer.weights.weight_files` reads works, including the authors' files (through the model
+    module's ``checkpoint_filter_fn``). Every other mismatch is an error.
     """
     state_dict = extract_state_dict(load_file(path))
     filter_fn = getattr(sys.modules[type(model).__module__], 'checkpoint_filter_fn', None)

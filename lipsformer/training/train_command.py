@@ -22,7 +22,7 @@ from ..data import DatasetError
 from ..utils.cli import command_name
 from ..utils.io import os_error_in_chain, unusable_folder_reason
 from ..utils.processes import LaunchError
-from ..weight_files import CheckpointError
+from ..weights.weight_files import CheckpointError
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..utils.io import fsync_dir, remove_dir, replace_dir, save_safetensors, save_torch, write_json
-from ..weight_files import CheckpointError, check_state_dict, load_file, strip_wrapper_prefixes
+from ..weights.weight_files import CheckpointError, check_state_dict, load_file, strip_wrapper_prefixes
 
 __all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'checkpoints_to_resume', 'checkpoints_root',
            'is_sharded', 'latest_checkpoint', 'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint',

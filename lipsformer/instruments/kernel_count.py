@@ -1,16 +1,16 @@
-"""Kernels, bytes and dispatched ops of one eager CUDA step, counted without a GPU (``python -m
-lipsformer.kernel_count``).
+"""Kernels, bytes and dispatched ops of one eager CUDA step, counted without a GPU.
 
 Example (the table of ``docs/performance.md``)::
 
-    python -m lipsformer.kernel_count --models 'swin_tiny_patch4_window7_224,lipsformer_swin_tiny' --batch-size 128
+    python -m lipsformer.instruments.kernel_count --models 'swin_tiny_patch4_window7_224,lipsformer_swin_tiny' \\
+        --batch-size 128
 
 The model is built on the meta device and its parameters and buffers are replaced by fake CUDA tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no storage and no compute), so the
 model's code takes the branches it takes on a GPU (``x.device.type == 'cuda'``), and ``torch.autocast('cuda')`` runs
-with CUDA's op lists. One step runs as the benchmark's (:func:`lipsformer.benchmark._make_step`) does: for ``train``
-a forward under autocast, the loss, a backward and the AdamW step as the benchmark builds it; for ``infer`` a forward
-without gradients. A ``TorchDispatchMode`` under the fake mode records every aten op that reaches a backend.
+with CUDA's op lists. One step runs as the benchmark's (:func:`lipsformer.instruments.benchmark._make_step`) does: for
+``train`` a forward under autocast, the loss, a backward and the AdamW step as the benchmark builds it; for ``infer`` a
+forward without gradients. A ``TorchDispatchMode`` under the fake mode records every aten op that reaches a backend.
 
 What is counted (the rules, also in ``docs/performance.md``):
 
@@ -61,9 +61,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lipsformer.complexity import build_model
 from lipsformer.fastpath import set_fast_path, use_fast_path
-from lipsformer.model_specs import (
+from lipsformer.instruments.complexity import build_model
+from lipsformer.instruments.model_specs import (
     MODES,
     PRECISIONS,
     ModelSpec,
@@ -730,7 +730,7 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
 
 
 def _benchmarkstep_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The benchmark's loss (:func:`lipsformer.model_specs.step_loss`) with its labels given."""
+    """The benchmark's loss (:func:`lipsformer.instruments.model_specs.step_loss`) with its labels given."""
     return step_loss(output, {'labels': labels})
 
 
@@ -787,7 +787,7 @@ def format_parts(count: StepCount, top: int = 12, by: str = 'groups') -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=command_name('lipsformer.kernel_count'),
+        prog=command_name('lipsformer.instruments.kernel_count'),
         description='Kernels, bytes moved by non-matmul ops and dispatched ops of one eager CUDA step, counted on '
                     'fake CUDA tensors (no GPU needed), with ratios to the first model.')
     add_step_arguments(parser, batch_size=128, precision='bf16')  # without fast_path=, CUDA's default

@@ -1,8 +1,8 @@
-"""Throughput and memory benchmark of timm models, LipsFormer's included: ``python -m lipsformer.benchmark``.
+"""Throughput and memory benchmark of timm models, LipsFormer's included: ``lipsformer-benchmark``.
 
 Example (the CPU comparison of ``docs/performance.md``)::
 
-    python -m lipsformer.benchmark --models lipsformer_swin_tiny,swin_tiny_patch4_window7_224 \\
+    python -m lipsformer.instruments.benchmark --models lipsformer_swin_tiny,swin_tiny_patch4_window7_224 \\
         --mode infer,train --batch-size 16 --img-size 224 --precision fp32 --device cpu --json cpu.json
 
 Models are timm names, optionally with constructor arguments in brackets (``lipsformer_swin_tiny[img_size=384,
@@ -42,10 +42,9 @@ import torch
 from timm.optim import create_optimizer_v2
 from torch import nn
 
-from lipsformer.complexity import build_model, model_complexity
-from lipsformer.cpu_memory import retain_freed_memory
 from lipsformer.fastpath import use_fast_path
-from lipsformer.model_specs import (
+from lipsformer.instruments.complexity import build_model, model_complexity
+from lipsformer.instruments.model_specs import (
     COMPILE_SCOPES,
     MODES,
     PRECISIONS,
@@ -62,6 +61,7 @@ from lipsformer.models._base import LipsFormerBlock
 from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
 from lipsformer.utils.cli import command_name
+from lipsformer.utils.cpu_memory import retain_freed_memory
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
            'run_benchmark', 'saved_activations_mb', 'write_report']
@@ -88,9 +88,9 @@ class BenchmarkConfig:
     steps: int | None = None  # steps per timed run; None: 1 on CPU, 10 on CUDA
     memory: bool = True
     threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
-    retain_cpu_memory: bool = True  # lipsformer.cpu_memory.retain_freed_memory() in every process on CPU
-    profile_steps: int = 0  # steps of each model and mode profiled after its timed runs (lipsformer.step_profile)
-    count_kernels: bool = False  # lipsformer.kernel_count's counts of each model and mode, as CUDA eager runs them
+    retain_cpu_memory: bool = True  # lipsformer.utils.cpu_memory.retain_freed_memory() in every process on CPU
+    profile_steps: int = 0  # steps of each model and mode profiled after its timed runs (instruments.step_profile)
+    count_kernels: bool = False  # instruments.kernel_count's counts of each model and mode, as CUDA eager runs them
 
     def steps_per_run(self) -> int:
         return self.steps or (10 if self.device.startswith('cuda') else 1)
@@ -302,7 +302,7 @@ class ModeRuns:
 
     runs: list[list[tuple[float, float]]]  # (seconds, page faults per step) of every timed run
     first_step_s: list[float | None]  # the first warm-up step (compilation included when compiled)
-    profiles: list[dict | None]  # lipsformer.step_profile summaries, if asked for
+    profiles: list[dict | None]  # lipsformer.instruments.step_profile summaries, if asked for
     cuda_peak_memory_mb: float | None  # torch.cuda.max_memory_allocated over the mode (all its models)
 
 
@@ -338,7 +338,7 @@ def _time_mode(models: list[tuple[nn.Module, torch.Tensor]], mode: str, config: 
             runs[index].append(_time_run(steps[index], config.steps_per_run(), config.device))
     profiles: list[dict | None] = [None] * len(models)
     if config.profile_steps:
-        from lipsformer.step_profile import profile_steps
+        from lipsformer.instruments.step_profile import profile_steps
         for index, (step, spec) in enumerate(zip(steps, specs)):
             _log(f'profile: {mode}, {config.profile_steps} step(s) of {spec.text}')
             step_ms = 1e3 * statistics.median(seconds for seconds, _ in runs[index]) / config.steps_per_run()
@@ -459,9 +459,9 @@ def _report(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig, r
 
 
 def _kernel_counts(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> list:
-    """lipsformer.kernel_count's counts of one step of each model and mode at the benchmark's batch, input size and
-    precision, as eager CUDA runs them (counted on fake tensors, whatever the benchmark's device)."""
-    from lipsformer.kernel_count import count_models  # it imports this module
+    """lipsformer.instruments.kernel_count's counts of one step of each model and mode at the benchmark's batch, input
+    size and precision, as eager CUDA runs them (counted on fake tensors, whatever the benchmark's device)."""
+    from lipsformer.instruments.kernel_count import count_models  # it imports this module
     _log('counting kernels (fake CUDA tensors)')
     return count_models(specs, modes, config.batch_size, config.img_size, config.precision)
 
@@ -555,7 +555,7 @@ def _table(header: list[str], lines: list[list[str]], markdown: bool, left: tupl
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=command_name('lipsformer.benchmark'),
+        prog=command_name('lipsformer.instruments.benchmark'),
         description='Images/s, peak memory, params, GMACs and TFLOP/s of timm models (lipsformer included), '
                     'models interleaved so that ratios to the first model cancel machine drift.')
     add_step_arguments(parser, batch_size=64, precision='fp32')
@@ -582,7 +582,7 @@ def _parser() -> argparse.ArgumentParser:
                              'other jobs on a shared machine')
     parser.add_argument('--retain-cpu-memory', action=argparse.BooleanOptionalAction, default=True,
                         help='on CPU, keep freed memory in the process for reuse instead of unmapping it (glibc '
-                             'malloc settings, lipsformer.cpu_memory, as train.py does): large activations stop '
+                             'malloc settings, lipsformer.utils.cpu_memory, as train.py does): large activations stop '
                              'page-faulting every step, whose cost otherwise depends on the allocation history '
                              '(default: on; --no-retain-cpu-memory measures glibc\'s defaults)')
     parser.add_argument('--no-memory', dest='memory', action='store_false',
@@ -593,7 +593,7 @@ def _parser() -> argparse.ArgumentParser:
                              'none)')
     parser.add_argument('--count-kernels', action='store_true',
                         help='also count the kernels, non-matmul bytes and dispatched ops of one step of each model '
-                             'and mode as eager CUDA runs them (lipsformer.kernel_count; no GPU needed)')
+                             'and mode as eager CUDA runs them (lipsformer.instruments.kernel_count; no GPU needed)')
     parser.add_argument('--markdown', action='store_true', help='print the table as Markdown')
     return parser
 
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_report_path(parser, args.json)
     config = _config_from_args(args, parser)
     if config.count_kernels:
-        from lipsformer.kernel_count import unsupported_reason
+        from lipsformer.instruments.kernel_count import unsupported_reason
         reason = unsupported_reason()
         if reason:
             parser.error(f'--count-kernels: {reason}')
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.count_kernels and compiled:
         parser.error(f'--count-kernels counts one eager step of each model, and {compiled[0].text!r} runs compiled '
                      f'({compile_mode(compiled[0], config)}): count it in a run without compile')
-    command = ' '.join(['python -m lipsformer.benchmark'] + (sys.argv[1:] if argv is None else argv))
+    command = ' '.join(['python -m lipsformer.instruments.benchmark'] + (sys.argv[1:] if argv is None else argv))
 
     kept = []  # the modes whose rows a report holds, for the line a Ctrl-C ends with
 
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.profile_steps:
         print('\n' + format_profile_table(report, markdown=args.markdown))
     if config.count_kernels:
-        from lipsformer.kernel_count import format_count_json_table
+        from lipsformer.instruments.kernel_count import format_count_json_table
         print('\n' + format_count_json_table(report['kernel_counts'], markdown=args.markdown))
     if args.json is not None:
         write_report(parser, args.json, report)

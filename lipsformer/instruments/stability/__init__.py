@@ -30,7 +30,7 @@ accuracy; at the first step the log10 of Theorem 2's product bound over the part
 (with the authors' SCSA, whose values are not normalised, and with LayerNorm or dot-product attention, the full
 product is infinite); both at the end. A non-finite loss stops the run, recorded as diverged at that step.
 
-    python -m lipsformer.experiments.stability --out runs/stability/fashion_mnist             # run or resume the sweep
-    python -m lipsformer.experiments.stability --out runs/stability/fashion_mnist --collect   # -> results/stability/
-    python -m lipsformer.experiments.stability --report docs     # docs/stability.md's tables and figure
+    python -m lipsformer.instruments.stability --out runs/stability/fashion_mnist             # run or resume the sweep
+    python -m lipsformer.instruments.stability --out runs/stability/fashion_mnist --collect   # -> results/stability/
+    python -m lipsformer.instruments.stability --report docs     # docs/stability.md's tables and figure
 """

@@ -14,14 +14,14 @@ allocated: counting a billion-parameter model takes about a second and a few MB.
 
 Example:
     >>> import lipsformer
-    >>> from lipsformer.complexity import model_complexity
+    >>> from lipsformer.instruments.complexity import model_complexity
     >>> info = model_complexity('swin_tiny_patch4_window7_224')
     >>> round(info['params'] / 1e6, 2), round(info['gmacs'], 2)
     (28.29, 4.49)
 
 Command line (the README model table is made with ``--markdown``)::
 
-    python -m lipsformer.complexity --models 'lipsformer*' --markdown
+    python -m lipsformer.instruments.complexity --models 'lipsformer*' --markdown
 """
 import argparse
 import math
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .model_names import create_model, expand_model_names
-from .utils.cli import command_name
+from ..utils.cli import command_name
+from ..weights.model_names import create_model, expand_model_names
 
 __all__ = ['SDPA_FLOP_FORMULAS', 'build_model', 'complexity_table', 'count_macs', 'model_complexity']
 
@@ -97,7 +97,8 @@ def build_model(source: str | Callable[..., nn.Module], img_size: int | tuple[in
         img_size: passed to the constructor as ``img_size`` so size-dependent parts (position embeddings, window
             masks) match the input; dropped for constructors that do not take it (CNNs).
         device: where the parameters are created.
-        **create_kwargs: forwarded to :func:`lipsformer.model_names.create_model` (``timm.create_model`` with its
+        **create_kwargs: forwarded to :func:`lipsformer.weights.model_names.create_model` (``timm.create_model`` with
+        its
             checks of ``local-dir:`` and ``hf-hub:`` names) or to the callable.
 
     Returns:
@@ -257,7 +258,7 @@ def complexity_table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=command_name('lipsformer.complexity'),
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.instruments.complexity'),
                                      description='Parameters and GMACs (multiply-accumulates, attention included) '
                                                  'of timm models, counted on the meta device.')
     parser.add_argument('--models', required=True,

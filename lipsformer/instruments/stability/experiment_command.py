@@ -51,7 +51,7 @@ def _arms(text: str) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults, shape = RunSettings(), ModelShape()
     parser = argparse.ArgumentParser(
-        prog=command_name('lipsformer.experiments.stability'), description=__doc__, formatter_class=HelpFormatter)
+        prog=command_name('lipsformer.instruments.stability'), description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument('--out', type=Path,
                         help='grid folder of the run folders (resumed if it exists; needed to train and to --collect)')
     parser.add_argument('--collect', action='store_true',

@@ -10,7 +10,6 @@ import ast
 import difflib
 import functools
 import importlib.util
-import inspect
 import os
 import re
 import sys
@@ -24,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from lipsformer.fastpath import set_fast_path
-from lipsformer.model_names import check_model_source, expand_model_names, model_source
 from lipsformer.training.compilation import COMPILE_SCOPES  # a compile key may name a scope instead of a mode
 from lipsformer.utils import write_json
 from lipsformer.utils.io import unwritable_file_reason
+from lipsformer.weights.model_names import check_model_source, expand_model_names, meant_argument, model_source
 
 __all__ = ['PRECISIONS', 'REMOVED_SPEC_KEYS', 'SPEC_KEYS', 'ModelSpec', 'check_report_path', 'parse_model_specs',
-           'meant_argument', 'rejected_argument_message', 'step_loss', 'write_report']
+           'rejected_argument_message', 'step_loss', 'write_report']
 
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 MODES = ('infer', 'train')  # an inference forward; a training step (forward, loss, backward, optimizer step)
@@ -212,35 +211,6 @@ def rejected_argument_message(error: TypeError, specs: list[ModelSpec]) -> str |
     near = meant_argument(error, SPEC_KEYS)
     return (f'{spec.text if spec else "a model"!r}: the model takes no argument {name!r}'
             + (f'; did you mean {near}?' if near else f' ({error})'))
-
-
-def meant_argument(error: TypeError, also: tuple[str, ...] = ()) -> str | None:
-    """The argument a constructor's ``got an unexpected keyword argument 'X'`` most likely meant: the closest of the
-    model class's keyword arguments (and ``also``), or None."""
-    match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
-    owner = re.search(r'(\w+)\.__init__\(\)', str(error))
-    if match is None:
-        return None
-    known = [*also, *_constructor_parameters(owner.group(1) if owner else '')]
-    near = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
-    return near[0] if near else None
-
-
-def _constructor_parameters(class_name: str) -> list[str]:
-    """The keyword arguments of the model class ``class_name`` (of the package or of timm) and of its subclasses,
-    which hand it theirs: a LipsFormer family's ``window_size`` too."""
-    import timm.models
-
-    from lipsformer.models import _base, lipsformer_cswin, lipsformer_swin
-    classes = [getattr(module, class_name, None) for module in (_base, lipsformer_swin, lipsformer_cswin, timm.models)]
-    cls = next((found for found in classes if isinstance(found, type)), None)
-    if cls is None:
-        return []
-    names = []
-    for candidate in (cls, *cls.__subclasses__()):
-        names += [name for name, parameter in inspect.signature(candidate.__init__).parameters.items()
-                  if name != 'self' and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
-    return names
 
 
 def step_loss(output: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:

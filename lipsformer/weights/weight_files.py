@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .models._weights_reading import READABLE_FORMATS, CheckpointError, load_file
+from ..models._weights_reading import READABLE_FORMATS, CheckpointError, load_file
 
 __all__ = ['READABLE_FORMATS', 'WRAPPER_PREFIXES', 'CheckpointError', 'check_state_dict', 'extract_state_dict',
            'load_checkpoint_dict', 'load_file', 'load_model_weights', 'strip_wrapper_prefixes']

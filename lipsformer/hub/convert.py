@@ -1,4 +1,4 @@
-"""Command line: ``python -m lipsformer.convert SRC OUT_DIR [--model NAME] [--model-kwargs K=V ...]``.
+"""Command line: ``python -m lipsformer.hub.convert SRC OUT_DIR [--model NAME] [--model-kwargs K=V ...]``.
 
 Turns weights into a timm model folder (``config.json`` + ``model.safetensors``, as ``timm.models.save_for_hf``
 writes it) that ``timm.create_model('local-dir:OUT_DIR', pretrained=True)`` and transformers'
@@ -9,7 +9,7 @@ SRC is an authors' checkpoint (``{'model', ..., 'config'}``; the architecture, c
 come from its yacs config), or anything validate.py's ``--checkpoint`` takes: a training run folder, an export, a
 checkpoint folder, a ``.safetensors`` or a timm ``train.py`` checkpoint (``model_best.pth.tar``, whose saved arguments
 name the model); ``--model`` names the architecture when nothing in or next to the file does, and takes precedence
-over an authors' config. Files are read by :mod:`lipsformer.weight_files`, which never runs pickled code.
+over an authors' config. Files are read by :mod:`lipsformer.weights.weight_files`, which never runs pickled code.
 """
 import argparse
 import logging
@@ -23,14 +23,13 @@ import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, ImageNetInfo
 from timm.models import split_model_name_tag
 
-from .evaluation.checkpoints import create_eval_model, resolve_checkpoint
-from .evaluation.errors import EvaluationError
-from .model_folder import save_model_folder
-from .model_names import unaccepted_kwargs
-from .model_specs import meant_argument
-from .utils.cli import HelpFormatter, ModelKwargs, command_name
-from .utils.io import replace_dir, unwritable_file_reason
-from .weight_files import CheckpointError, load_checkpoint_dict, load_file
+from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
+from ..evaluation.errors import EvaluationError
+from ..utils.cli import HelpFormatter, ModelKwargs, command_name
+from ..utils.io import replace_dir, unwritable_file_reason
+from ..weights.model_folder import save_model_folder
+from ..weights.model_names import meant_argument, unaccepted_kwargs
+from ..weights.weight_files import CheckpointError, load_checkpoint_dict, load_file
 
 __all__ = ['ConversionError', 'authors_model_config', 'convert', 'main']
 
@@ -207,7 +206,7 @@ def convert(src: str, out_dir: str, model_name: str | None = None, model_kwargs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=command_name('lipsformer.convert'), description=__doc__.split('\n\n')[1],
+    parser = argparse.ArgumentParser(prog=command_name('lipsformer.hub.convert'), description=__doc__.split('\n\n')[1],
                                      formatter_class=HelpFormatter)
     parser.add_argument('src', help='authors\' checkpoint, training run folder, export, checkpoint folder or weights '
                                     'file')

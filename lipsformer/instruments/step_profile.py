@@ -1,9 +1,9 @@
 """What a few steps of a model run on the device, from ``torch.profiler``: kernels per step, the device's busy
 fraction, the kernels that take the most time and the attention (SDPA) kernels and ops that ran.
 
-Used by ``python -m lipsformer.benchmark --profile`` (one summary per model and mode, after its timed runs) and by
-``scripts/gpu_check.sh``. :func:`summarize` works on plain :class:`TimedEvent` records, so that it is tested without a
-GPU; :func:`profile_steps` turns a profiler's events into them.
+Used by ``python -m lipsformer.instruments.benchmark --profile`` (one summary per model and mode, after its timed runs)
+and by ``scripts/gpu_check.sh``. :func:`summarize` works on plain :class:`TimedEvent` records, so that it is tested
+without a GPU; :func:`profile_steps` turns a profiler's events into them.
 """
 
 import re

@@ -11,7 +11,7 @@ the budget (and says so in the report):
    measured device copy) and the op's error against cuDNN's result (:func:`depthwise_conv_benchmark`);
 3. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
    224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
-   mode (``python -m lipsformer.benchmark --profile``);
+   mode (``python -m lipsformer.instruments.benchmark --profile``);
 4. the compiled runs, one process each, in order of need (:data:`COMPILED`): both tiny models with
    ``mode='reduce-overhead'`` (CUDA graphs), timm's Swin-T and both tiny models in the default mode, then both with
    the Triton convolutions (``[fast_path=True]``): compile time (the first step), steady-state training and
@@ -140,14 +140,15 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
         estimates = {'environment': 20, 'conv': 120, 'eager': 150, 'pytest': 240, 'pytest_compiled': 240, 'memory': 90}
         profile = '3'
         conv = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '20']
-    benchmark = [python, '-m', 'lipsformer.benchmark']
+    benchmark = [python, '-m', 'lipsformer.instruments.benchmark']
     # -v names each test as it ends, so that the log of a step cut at its limit says which test was running
     pytest = [python, '-m', 'pytest', '-v', '-p', 'no:cacheprovider', '--durations=0', 'tests/test_cuda.py']
     steps = [
-        Step('environment', [python, '-m', 'lipsformer.gpu_check', '--environment', str(work_dir / 'environment.json')],
+        Step('environment',
+             [python, '-m', 'lipsformer.instruments.gpu_check', '--environment', str(work_dir / 'environment.json')],
              estimates['environment'], 60, 'environment', str(work_dir / 'environment.json')),
         Step('depthwise convolutions, op against cuDNN',
-             [python, '-m', 'lipsformer.gpu_check', '--conv-benchmark', str(work_dir / 'conv.json'), *conv],
+             [python, '-m', 'lipsformer.instruments.gpu_check', '--conv-benchmark', str(work_dir / 'conv.json'), *conv],
              estimates['conv'], 180, 'conv', str(work_dir / 'conv.json')),
         Step('eager benchmark', [*benchmark, '--models', ','.join(eager_models), '--mode', 'infer,train', *common,
                                  *timed['eager'],
@@ -472,7 +473,7 @@ def _top_kernels(report: dict) -> str:
 def _kinds_table(reports: list[tuple[str, dict | None]]) -> str:
     """Device time a step by kernel kind (``step_profile.kernel_kind``) of every profiled row of ``reports``
     (label, benchmark report)."""
-    from lipsformer.step_profile import KERNEL_KINDS
+    from lipsformer.instruments.step_profile import KERNEL_KINDS
     kinds = [kind for kind, _ in KERNEL_KINDS if kind != 'annotation'] + ['other']
     lines = ['| model | run | mode | ' + ' | '.join(kinds) + ' | busy |', '|---|---|---|' + '---:|' * (len(kinds) + 1)]
     for label, report in reports:

@@ -1,18 +1,19 @@
 """Model names that carry their weights: timm's ``hf-hub:REPO_ID`` and ``local-dir:FOLDER``, beside registered names.
 
 Every command that takes a model name (train.py's ``model.name``, validate.py's ``--model``, ``python -m
-lipsformer.lipschitz --model``, ``python -m lipsformer.benchmark --models``) accepts them through this module: a
-``local-dir:`` folder is checked before anything is built, and a Hub download that fails names the model and the
-way around it instead of a bare network error.
+lipsformer.lipschitz --model``, ``python -m lipsformer.instruments.benchmark --models``) accepts them through this
+module: a ``local-dir:`` folder is checked before anything is built, and a Hub download that fails names the model and
+the way around it instead of a bare network error.
 
 Pretrained weights at a URL (a registered tag such as ``lipsformer_swin_tiny.in1k``) are fetched into timm's cache
 before the model is built, so that a machine without network fails in a second rather than after building a large
 model. Any download of weights that cannot reach its host (``pretrained=True``, a tagged name, ``hf-hub:``) raises a
 :class:`ModelSourceError` whose one line names what was asked for, from where, and the two ways to use a copy of the
-weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsformer.convert`` and ``local-dir:``.
+weights offline: ``pretrained_cfg_overlay=dict(file=...)``, or ``python -m lipsformer.hub.convert`` and ``local-dir:``.
 """
 import difflib
 import fnmatch
+import inspect
 import os
 import re
 from typing import Any
@@ -22,13 +23,14 @@ import torch
 from timm.models import is_model, parse_model_name, split_model_name_tag
 from timm.models._hub import download_cached_file
 
-from .models import ModelSourceError
-from .models._pretrained import hub_errors, model_source, offline_message, pretrained_source, unreachable
-from .utils.io import read_json
+from ..models import ModelSourceError
+from ..models._pretrained import hub_errors, model_source, offline_message, pretrained_source, unreachable
+from ..utils.io import read_json
 from .weight_files import CheckpointError, load_file
 
 __all__ = ['ModelSourceError', 'UnknownModelError', 'check_model_source', 'classifier_reset_note', 'create_model',
-           'expand_model_names', 'hub_errors', 'model_source', 'offline_message', 'unaccepted_kwargs', 'unreachable']
+           'expand_model_names', 'hub_errors', 'meant_argument', 'model_source', 'offline_message', 'unaccepted_kwargs',
+           'unreachable']
 
 
 _WEIGHT_SUFFIXES = ('.safetensors', '.bin', '.pth', '.pth.tar')
@@ -50,7 +52,7 @@ def check_model_source(name: str) -> None:
         return
     config_path = os.path.join(location, 'config.json')
     made_by = ('a timm model folder holds config.json and model.safetensors: a training run\'s export/best, or the '
-               'output of python -m lipsformer.convert')
+               'output of python -m lipsformer.hub.convert')
     if not os.path.isfile(config_path):
         what = 'does not exist' if not os.path.exists(location) else 'holds no config.json'
         raise ModelSourceError(f'{name}: {location!r} {what}; {made_by}')
@@ -68,7 +70,7 @@ def check_model_source(name: str) -> None:
 
 def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
     """``timm.create_model`` that checks a ``local-dir:`` folder first, gives a damaged or unsafe weights file there
-    :mod:`lipsformer.weight_files`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
+    :mod:`lipsformer.weights.weight_files`'s message instead of torch's, and explains failed ``hf-hub:`` downloads.
 
     Raises:
         ModelSourceError: The folder is not a timm model folder, or the Hub cannot be reached or lacks the repo.
@@ -98,7 +100,8 @@ def create_model(model_name: str, **kwargs: Any) -> torch.nn.Module:
 
 
 def _unreadable_weights(folder: str) -> CheckpointError | None:
-    """Our error for the first weights file in ``folder`` that :func:`lipsformer.weight_files.load_file` refuses."""
+    """Our error for the first weights file in ``folder`` that :func:`lipsformer.weights.weight_files.load_file`
+    refuses."""
     for name in sorted(os.listdir(folder)):
         if name.endswith(_WEIGHT_SUFFIXES):
             try:
@@ -162,3 +165,32 @@ def expand_model_names(spec: str, with_weights: bool = False) -> list[str]:
                                     'registered by `import lipsformer`)')
         names.extend(matches)
     return list(dict.fromkeys(names))
+
+
+def meant_argument(error: TypeError, also: tuple[str, ...] = ()) -> str | None:
+    """The argument a constructor's ``got an unexpected keyword argument 'X'`` most likely meant: the closest of the
+    model class's keyword arguments (and ``also``), or None."""
+    match = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    owner = re.search(r'(\w+)\.__init__\(\)', str(error))
+    if match is None:
+        return None
+    known = [*also, *_constructor_parameters(owner.group(1) if owner else '')]
+    near = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def _constructor_parameters(class_name: str) -> list[str]:
+    """The keyword arguments of the model class ``class_name`` (of the package or of timm) and of its subclasses,
+    which hand it theirs: a LipsFormer family's ``window_size`` too."""
+    import timm.models
+
+    from ..models import _base, lipsformer_cswin, lipsformer_swin
+    classes = [getattr(module, class_name, None) for module in (_base, lipsformer_swin, lipsformer_cswin, timm.models)]
+    cls = next((found for found in classes if isinstance(found, type)), None)
+    if cls is None:
+        return []
+    names = []
+    for candidate in (cls, *cls.__subclasses__()):
+        names += [name for name, parameter in inspect.signature(candidate.__init__).parameters.items()
+                  if name != 'self' and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    return names

@@ -12,7 +12,7 @@ from typing import Any
 import timm
 import torch
 
-from .utils.io import read_json, write_json
+from ..utils.io import read_json, write_json
 
 __all__ = ['save_model_folder']
 

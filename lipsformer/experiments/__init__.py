@@ -1,1 +1,0 @@
-"""Experiments that reproduce the paper's claims in miniature (``python -m lipsformer.experiments.<name>``)."""
