@@ -1,4 +1,4 @@
-"""The data readers that training, evaluation and the experiments share.
+"""The data readers that training, evaluation and the stability sweep share.
 
 - :mod:`.splits`: which images a split name means (``<data_dir>/<split>`` or one of timm's synonyms, a torchvision
   dataset's training or test set) and one class map for every split, with :class:`DatasetError` /

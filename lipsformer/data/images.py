@@ -1,4 +1,5 @@
-"""The one image reader of training, evaluation and the experiments: any file Pillow opens, as 8-bit ``L`` or ``RGB``.
+"""The one image reader of training, evaluation and the stability sweep: any file Pillow opens, as 8-bit ``L`` or
+``RGB``.
 
 Pillow's own conversion clips a 16-bit grey image (``I;16``, common from microscopes, medical and scientific cameras)
 to 0..255, leaving it nearly black and white; here its values are scaled to the 8-bit range instead (v * 255 / 65535,
