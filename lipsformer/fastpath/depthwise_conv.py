@@ -5,8 +5,9 @@
 
 On CPU, oneDNN computes that weight gradient for channels-last maps with its generic grouped-convolution kernel,
 far slower than its forward pass (docs/performance.md). The sum over (h, w) is itself a depthwise convolution, of
-x_pad by a kernel g[b] the size of the map, with a (kh, kw) output: run per image, where x_pad[b] and g[b] stay in
-cache, it goes through oneDNN's depthwise forward kernel instead. The input gradient, a convolution by the flipped
+x_pad by a kernel g[b] the size of the map, with a (kh, kw) output: it goes through oneDNN's depthwise forward kernel
+instead, per image where x_pad[b] and g[b] stay in cache, or for small maps all images in one call, their channels side
+by side as the groups of one convolution. The input gradient, a convolution by the flipped
 kernel, goes through oneDNN's forward kernel.
 """
 
@@ -18,10 +19,23 @@ from .lean_autograd import autocast_backward, autocast_forward, differentiate_pl
 __all__ = ['depthwise_conv2d']
 
 
+# Above this many pixels a map, the weight gradient runs one image at a time (its map and gradient stay in cache); at
+# or below it, one call for the whole batch (a call per image would cost more than the image's arithmetic).
+_PER_IMAGE_MIN_PIXELS = 256
+
+
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], kernel: tuple[int, int]
                  ) -> torch.Tensor:
-    """dL/dW (C, 1, kh, kw) from NHWC input and output gradient, one image at a time."""
-    channels = x.shape[-1]
+    """dL/dW (C, 1, kh, kw) from NHWC input and output gradient: one image at a time for large maps, the images side
+    by side as channels of one convolution for small ones."""
+    batch, height, width, channels = x.shape
+    if batch and height * width <= _PER_IMAGE_MIN_PIXELS:  # (a batch of 0 sums nothing: zeros, below)
+        # (1, B*C, H, W) channels-last input and (B*C, 1, H, W) kernels: every image's channels are groups of one
+        # convolution, whose (kh, kw) outputs are summed over the images.
+        images = x.permute(1, 2, 0, 3).reshape(1, height, width, batch * channels).permute(0, 3, 1, 2)
+        kernels = grad.permute(0, 3, 1, 2).reshape(batch * channels, 1, height, width)
+        per_image = F.conv2d(images, kernels, padding=padding, groups=batch * channels)
+        return per_image.view(batch, channels, kernel[0], kernel[1]).sum(0).unsqueeze(1)
     weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
     for image, image_grad in zip(x.unbind(0), grad.unbind(0)):
         # (1, C, H, W) and (C, 1, H, W) views of NHWC memory, channels-last as oneDNN takes them; with the forward's
