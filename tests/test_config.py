@@ -10,6 +10,7 @@ import timm
 
 import lipsformer  # noqa: F401  (registers the models)
 from lipsformer.training import ConfigError, load_config, reference_yaml
+from lipsformer.training.config import check_config
 from lipsformer.training.config_io import config_from_dict, config_to_yaml, parse_override
 from lipsformer.training.session import check_config_callables
 
@@ -174,6 +175,30 @@ def test_every_float_must_be_finite(override, message):
     non-finite."""
     with pytest.raises(ConfigError, match=message):
         _config('lipsformer_swin_tiny.yaml', override)
+
+
+def test_a_number_that_is_not_finite_is_refused_with_what_the_key_allows():
+    with pytest.raises(ConfigError, match=r'^optimizer.lr: got inf; expected a finite number \(allowed: a number > 0\)'
+                                          r': .inf, .nan and numbers beyond 1.8e308 are not$'):
+        load_config(None, ['optimizer.lr=.inf'])
+    with pytest.raises(ConfigError, match=r'model.kwargs \(a key\): got inf; expected a finite number'):
+        load_config(None, ['model.kwargs={.inf: 1}'])
+
+
+@pytest.mark.parametrize('section, key, value, message', [
+    ('optimizer', 'lr', float('inf'), r'optimizer.lr: got inf; expected a finite number \(allowed: a number > 0\)'),
+    ('scheduler', 'min_lr', float('-inf'), r'scheduler.min_lr: got -inf; expected a finite number'),
+    ('ema', 'decay', float('nan'), r'ema.decay: got nan; expected a finite number'),
+    ('optimizer', 'clip_grad', float('inf'), r'optimizer.clip_grad: got inf; expected a finite number'),
+    ('augment', 'ratio', [0.75, float('inf')], r'augment.ratio\[1\]: got inf; expected a finite number'),
+    ('model', 'kwargs', {'mlp_ratio': [4.0, float('nan')]}, r'model.kwargs.mlp_ratio\[1\]: got nan'),
+])
+def test_a_config_made_in_python_is_checked_for_finite_numbers_too(section, key, value, message):
+    """check_config passed an infinite lr set in Python (inf > 0): only the YAML reader looked for it."""
+    config = load_config(None)
+    setattr(getattr(config, section), key, value)
+    with pytest.raises(ConfigError, match=message):
+        check_config(config)
 
 
 def test_broken_files_are_reported(tmp_path):

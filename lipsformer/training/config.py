@@ -7,11 +7,13 @@ and the EMA decay are stated for a reference global batch (2048 in the paper) an
 (``batch_size x processes x grad_accum_steps``) when the run starts.
 """
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ['TRACKERS', 'Config', 'ConfigError', 'Rule', 'check_config']
+__all__ = ['TRACKERS', 'Config', 'ConfigError', 'NotFiniteError', 'Rule', 'check_config', 'check_finite',
+           'not_finite_message']
 
 SCHEDULERS = ('cosine', 'tanh', 'step', 'multistep', 'poly')
 TRACKERS = ('tensorboard', 'wandb', 'mlflow')
@@ -20,6 +22,30 @@ _AUTO_AUGMENT_POLICIES = ('rand', 'augmix', 'original', 'originalr', 'v0', 'v0r'
 
 class ConfigError(ValueError):
     """A config key, type or value that cannot be used; the message says which and what is allowed."""
+
+
+class NotFiniteError(ConfigError):
+    """A number where the key takes one, but infinite or NaN: nothing a run could train, schedule or bound with."""
+
+
+def not_finite_message(key: str, value: Any, allowed: str | None = None) -> str:
+    """What :class:`NotFiniteError` says: the dotted key, the value as given and what to write instead."""
+    where = f' ({allowed})' if allowed else ''
+    return f'{key}: got {value!r}; expected a finite number{where}: .inf, .nan and numbers beyond 1.8e308 are not'
+
+
+def check_finite(key: str, value: Any, allowed: str | None = None) -> None:
+    """Raise :class:`NotFiniteError` for an infinite or NaN float anywhere in ``value``: a number, or the lists and
+    mappings (keys included) of a key such as ``augment.scale`` or ``model.kwargs``, named by its dotted key."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise NotFiniteError(not_finite_message(key, value, allowed))
+    if isinstance(value, dict):
+        for name, item in value.items():
+            check_finite(f'{key} (a key)', name)
+            check_finite(f'{key}.{name}', item)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_finite(f'{key}[{index}]', item, allowed)
 
 
 @dataclass(frozen=True)
@@ -291,15 +317,17 @@ class Config:
 
 
 def check_config(config: Config) -> None:
-    """Raise :class:`ConfigError` for the first value its key's rule rejects, or an impossible combination.
+    """Raise :class:`ConfigError` for the first value that is not finite or that its key's rule rejects, or for an
+    impossible combination.
 
     Values must already have their annotated types (as :func:`~lipsformer.training.config_io.config_from_dict`
-    builds them).
+    builds them); a :class:`Config` made in Python is checked here too (``optimizer.lr=float('inf')`` passes lr > 0).
     """
     for section in dataclasses.fields(config):
         values = getattr(config, section.name)
         for key in dataclasses.fields(values):
             rule, value = key.metadata['rule'], getattr(values, key.name)
+            check_finite(f'{section.name}.{key.name}', value, None if rule is None else f'allowed: {rule.allowed}')
             if rule is not None and not rule.test(value):
                 raise ConfigError(f'{section.name}.{key.name}: got {value!r}; allowed: {rule.allowed}')
     _check_combinations(config)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from ..utils.io import write_text
-from .config import Config, ConfigError, Rule, check_config
+from .config import Config, ConfigError, NotFiniteError, Rule, check_config, check_finite, not_finite_message
 
 __all__ = ['PACKAGED_CONFIGS', 'coerce_key', 'config_from_dict', 'config_to_dict', 'config_to_yaml', 'dump_config',
            'flat_dict', 'load_config', 'packaged_config_names', 'parse_override', 'reference_yaml',
@@ -338,7 +338,9 @@ def _build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(annotation):
             values[name] = _build_dataclass(annotation, value, f'{prefix}{name}.')
         else:
-            values[name] = _coerce(f'{prefix}{name}', value, annotation)
+            rule = fields[name].metadata['rule']
+            values[name] = _coerce(f'{prefix}{name}', value, annotation,
+                                   None if rule is None else f'allowed: {rule.allowed}')
     return cls(**values)
 
 
@@ -349,12 +351,9 @@ def _unknown_key_message(prefix: str, key: str, valid: list[str]) -> str:
     return f"unknown config key '{prefix}{key}'{hint}; keys allowed in {where}: {', '.join(valid)}"
 
 
-class _NotFiniteError(ConfigError):
-    """A number where the key takes one, but infinite or NaN."""
-
-
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check ``value`` against ``annotation``, converting only lossless cases (int -> float, '1e-3' -> 0.001)."""
+def _coerce(key: str, value: Any, annotation: Any, allowed: str | None = None) -> Any:
+    """Check ``value`` against ``annotation``, converting only lossless cases (int -> float, '1e-3' -> 0.001);
+    ``allowed`` (the key's rule) completes the message for a number that is not finite."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -362,8 +361,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return None
         for option in (a for a in args if a is not type(None)):
             try:
-                return _coerce(key, value, option)
-            except _NotFiniteError:  # the type fits: say why the number is refused, not which types the key takes
+                return _coerce(key, value, option, allowed)
+            except NotFiniteError:  # the type fits: say why the number is refused, not which types the key takes
                 raise
             except ConfigError:
                 continue
@@ -377,11 +376,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f'{key}: got {value!r}; expected a list of {_describe(args[0])}')
-        return [_coerce(f'{key}[{i}]', item, args[0]) for i, item in enumerate(value)]
+        return [_coerce(f'{key}[{i}]', item, args[0], allowed) for i, item in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f'{key}: got {value!r}; expected a mapping')
-        _check_numbers_finite(key, value)
+        check_finite(key, value)
         return dict(value)
     if annotation is bool:
         if isinstance(value, bool):
@@ -394,7 +393,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if number is not None and math.isfinite(number):
             return number
         if number is not None:  # .inf, .nan, 1e400: nothing the run could train or schedule with
-            raise _NotFiniteError(f'{key}: got {value!r}; expected a finite number')
+            raise NotFiniteError(not_finite_message(key, value, allowed))
     elif annotation is str:
         if isinstance(value, str):
             return value
@@ -402,18 +401,6 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         empty = f': {key}="\'\'" gives an empty string' if annotation is str else ''
         raise ConfigError(f'{key}: got an empty value (YAML null); expected {_describe(annotation)}{empty}')
     raise ConfigError(f'{key}: got {value!r} ({type(value).__name__}); expected {_describe(annotation)}')
-
-
-def _check_numbers_finite(key: str, value: Any) -> None:
-    """Refuse an infinite or NaN number anywhere in a free-form value (``model.kwargs``, ``lipschitz.kwargs``)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _NotFiniteError(f'{key}: got {value!r}; expected a finite number')
-    if isinstance(value, dict):
-        for name, item in value.items():
-            _check_numbers_finite(f'{key}.{name}', item)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _check_numbers_finite(f'{key}[{index}]', item)
 
 
 def _as_float(value: Any) -> float | None:
