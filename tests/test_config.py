@@ -11,7 +11,13 @@ import timm
 import lipsformer  # noqa: F401  (registers the models)
 from lipsformer.training import ConfigError, load_config, reference_yaml
 from lipsformer.training.config import check_config
-from lipsformer.training.config_io import config_from_dict, config_to_yaml, parse_override
+from lipsformer.training.config_io import (
+    PACKAGED_CONFIGS,
+    config_from_dict,
+    config_to_yaml,
+    parse_override,
+    resolve_config_path,
+)
 from lipsformer.training.session import check_config_callables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,9 +122,47 @@ def test_base_takes_a_packaged_name_and_replace_drops_the_base_s_keys(tmp_path):
     assert load_config(None, ['model.kwargs=!replace {a: 1}']).model.kwargs == {'a': 1}  # overrides replace anyway
 
 
+def test_a_derived_config_switching_families_builds_a_cswin_without_the_swin_s_window_size(tmp_path):
+    """Built as a run builds it: merged, the base's window_size reached LipsFormer-CSwin and the run stopped."""
+    from lipsformer.models.lipsformer_cswin import CrossStripeAttention, LipsFormerCSwin
+    from lipsformer.training.data import resolve_input_spec
+    from lipsformer.training.session import create_model
+    cswin = 'model:\n  name: lipsformer_cswin_tiny\n  kwargs: {tag}{{embed_dim: 32, depths: [1, 1, 1, 1], ' \
+            'num_heads: [2, 2, 4, 8], split_size: [1, 2, 2, 1]}}\n'
+    (tmp_path / 'merged.yaml').write_text('base: quickstart\n' + cswin.format(tag=''))
+    merged = load_config(tmp_path / 'merged.yaml')
+    with pytest.raises(ConfigError, match=r"model.kwargs: lipsformer_cswin_tiny does not accept \['window_size'\]"):
+        create_model(merged, 10, resolve_input_spec(merged))
+    (tmp_path / 'replaced.yaml').write_text('base: quickstart\n' + cswin.format(tag='!replace '))
+    replaced = load_config(tmp_path / 'replaced.yaml')
+    model, kwargs = create_model(replaced, 10, resolve_input_spec(replaced))
+    assert type(model) is LipsFormerCSwin and 'window_size' not in kwargs
+    assert [stage.blocks[0].attn.split_size for stage in model.stages] == [1, 2, 2, 1]
+    assert all(isinstance(stage.blocks[0].attn, CrossStripeAttention) for stage in model.stages)
+    assert (kwargs['img_size'], kwargs['in_chans'], kwargs['embed_dim']) == (32, 1, 32)  # the rest from quickstart
+
+
+@pytest.mark.parametrize('name', ['quickstart', 'quickstart.yaml', 'ablations/alpha_0.1', 'PACKAGED'])
+def test_base_takes_every_name_config_takes_resolved_by_one_function(tmp_path, name):
+    """A packaged name, with or without .yaml, in a folder, or a path: base: and --config resolve it alike."""
+    if name == 'PACKAGED':
+        name = os.path.join(PACKAGED_CONFIGS, 'lipsformer_swin_tiny.yaml')
+    (tmp_path / 'child.yaml').write_text(f'base: {name}\n')
+    assert resolve_config_path(name, relative_to=tmp_path / 'child.yaml') == resolve_config_path(name)
+    assert load_config(tmp_path / 'child.yaml') == load_config(name)
+
+
+def test_a_base_file_beside_the_config_wins_over_a_packaged_name(tmp_path):
+    (tmp_path / 'quickstart.yaml').write_text('train: {epochs: 7}\n')
+    (tmp_path / 'child.yaml').write_text('base: quickstart.yaml\n')
+    assert resolve_config_path('quickstart.yaml', relative_to=tmp_path / 'child.yaml') == str(
+        tmp_path / 'quickstart.yaml')
+    assert load_config(tmp_path / 'child.yaml').train.epochs == 7
+
+
 @pytest.mark.parametrize('text, message', [
-    ('base: quickstrat\n', r"base: 'quickstrat' is no file .*quickstrat', nor a packaged config \(did you mean "
-                            r"quickstart\?\)"),
+    ('base: quickstrat\n', r"child.yaml': base: 'quickstrat': cannot read config file .*quickstrat': no such file, "
+                            r"nor a packaged config \(did you mean quickstart\?\)"),
     ('base: 3\n', r'base must name another YAML file .a path relative to this file, or a packaged config'),
     ('base: quickstart\nmodel: {img_size: !replace 64}\n', r'!replace marks a mapping'),
     ('model: {kwargs: !replace {depth: 2}}\n', r"marks model.kwargs !replace, which replaces a mapping of the base "

@@ -2,12 +2,12 @@
 
 A config is YAML with the sections of :class:`~lipsformer.training.config.Config`. A file may start from
 another with ``base: other.yaml``: a path relative to the file, else a packaged config's name (``base: quickstart``),
-as ``--config`` takes it. Its keys are merged over the base's, mapping by mapping; a mapping tagged ``!replace``
-(``kwargs: !replace {split_size: [1, 2, 7, 7]}``) replaces the base's instead, so that keys it leaves out are gone.
-Command-line overrides ``key.sub=value`` are parsed as YAML values and applied last, each replacing the value at its
-key. Every key, type and value is checked before
-anything is built, and a mistake raises :class:`ConfigError` naming the key, the value and what is allowed. A key
-given twice in one mapping is an error too (plain YAML keeps the last one and drops the other without a word).
+as ``--config`` takes it (:func:`resolve_config_path` resolves both). Its keys are merged over the base's, mapping by
+mapping; a mapping tagged ``!replace`` (``kwargs: !replace {split_size: [1, 2, 7, 7]}``) replaces the base's instead,
+so that keys it leaves out are gone. Command-line overrides ``key.sub=value`` are parsed as YAML values and applied
+last, each replacing the value at its key. Every key, type and value is checked before anything is built, and a
+mistake raises :class:`ConfigError` naming the key, the value and what is allowed. A key given twice in one mapping is
+an error too (plain YAML keeps the last one and drops the other without a word).
 The recipes ship inside the package (``lipsformer/configs``; a clone's top-level ``configs`` links there), so a bare
 name such as ``lipsformer_cswin_tiny`` works from an installed wheel (:func:`resolve_config_path`).
 """
@@ -93,19 +93,30 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     return config_from_dict(raw)
 
 
-def resolve_config_path(name: str | os.PathLike) -> str:
+def resolve_config_path(name: str | os.PathLike, relative_to: str | os.PathLike | None = None) -> str:
     """A config file: ``name`` itself when it exists, else the packaged config it names.
 
+    ``--config`` and a config's ``base:`` both resolve here, so that they take the same names:
     ``lipsformer_cswin_tiny``, ``lipsformer_cswin_tiny.yaml`` and ``ablations/alpha_0.1`` name files under
     :data:`PACKAGED_CONFIGS`; a path that exists always wins over a packaged name.
+
+    Args:
+        name: A path or a packaged config's name.
+        relative_to: The config file whose ``base:`` gives ``name``: a relative path is then read from its folder
+            (None: from the working directory, as ``--config``).
 
     Raises:
         ConfigError: Neither a file nor a packaged name; the message lists the packaged names.
     """
     path = os.fspath(name)
+    if relative_to is not None:
+        path = os.path.join(os.path.dirname(os.fspath(relative_to)), path)
     if os.path.isfile(path):
         return path
-    return _packaged_config(path, f'cannot read config file {path!r}: no such file')
+    missing = f'cannot read config file {path!r}: no such file'
+    if relative_to is not None:
+        missing = f'{os.fspath(relative_to)!r}: base: {os.fspath(name)!r}: {missing}'
+    return _packaged_config(os.fspath(name), missing)
 
 
 def _packaged_config(name: str, missing: str) -> str:
@@ -274,9 +285,7 @@ def _read_yaml_with_bases(path: str, chain: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(base, str) or not base:
         raise ConfigError(f'{path!r}: base must name another YAML file (a path relative to this file, or a packaged '
                           f'config such as quickstart), got {base!r}')
-    base_path = os.path.join(os.path.dirname(path), base)
-    if not os.path.isfile(base_path):  # as --config: a file that exists wins over a packaged name
-        base_path = _packaged_config(base, f'{path!r}: base: {base!r} is no file {base_path!r}')
+    base_path = resolve_config_path(base, relative_to=path)
     return _deep_merge(_read_yaml_with_bases(base_path, chain + (real_path,)), data)
 
 
