@@ -6,8 +6,10 @@ and eager from compiled.
 Compiling costs tens of seconds a graph on a small CPU, so the runs are shared between the tests (module fixtures).
 """
 import json
+import math
 import os
 import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -19,8 +21,8 @@ from training_support import tiny_overrides
 
 from lipsformer.training import load_config, train
 from lipsformer.training.compilation import compiles, dynamo_plugin, effective_mode, keep_own_gradients
-from lipsformer.training.session import Session
-from lipsformer.training.train_state import optimizer_state_dict, set_optimizer_state
+from lipsformer.training.loop import EpochResult, EpochTally, _record_compile_time
+from lipsformer.training.train_state import Progress, optimizer_state_dict, set_optimizer_state
 from lipsformer.weights.weight_files import strip_wrapper_prefixes
 
 # Two updates of two micro-batches an epoch (48 images, batch 8, 6 micro-batches: 3 updates), clipping and the
@@ -172,12 +174,15 @@ def test_an_optimizer_state_loads_into_a_model_that_keeps_its_own_gradients():
                for p, q in zip(model.parameters(), resumed_model.parameters()))
 
 
-def test_a_compile_mode_without_compilation_is_said_and_recorded_as_eager(caplog):
+def test_a_compile_mode_without_compilation_is_said_in_the_run_s_log_and_recorded_as_eager(data_dir, tmp_path):
     config = load_config(None, ['model.compile_mode=max-autotune'])  # model.compile auto: not on the CPU
-    with caplog.at_level('WARNING', logger='lipsformer'):
-        plugin = dynamo_plugin(config, cpu=True)
-    assert plugin.backend.name == 'NO'
-    assert 'model.compile_mode max-autotune is not used: model.compile=auto does not compile' in caplog.text
+    assert dynamo_plugin(config, cpu=True).backend.name == 'NO'
+    summary = _train(data_dir, str(tmp_path / 'run'), **{'model.compile_mode': 'max-autotune', 'train.epochs': 1,
+                                                         'train.device': 'cpu'})
+    assert summary['status'] == 'finished' and summary['compile'] is None
+    said = [line for line in open(tmp_path / 'run' / 'train.log') if 'model.compile_mode' in line]
+    assert len(said) == 1 and 'WARNING' in said[0]
+    assert 'model.compile_mode max-autotune is not used: model.compile=auto does not compile on cpu' in said[0]
     assert effective_mode('reduce-overhead', 'cpu') == 'default' and effective_mode('reduce-overhead', 'cuda') == \
         'reduce-overhead'
     assert effective_mode('max-autotune', 'cpu') == 'max-autotune-no-cudagraphs'
@@ -187,8 +192,24 @@ def test_a_compile_mode_without_compilation_is_said_and_recorded_as_eager(caplog
     assert whole.backend.name == 'INDUCTOR' and whole.mode == 'max-autotune-no-cudagraphs'
 
 
-def test_the_epoch_speed_leaves_out_the_step_that_compiled():
-    session = SimpleNamespace(first_step_s=30.0, first_step_images=8, first_step_epoch=0)
-    assert Session.images_per_s(session, images=48, seconds=32.0, epoch=0) == 20.0  # 40 images in 2 s
-    assert Session.images_per_s(session, images=48, seconds=2.0, epoch=1) == 24.0
-    assert Session.images_per_s(SimpleNamespace(first_step_s=None, first_step_epoch=None), 48, 2.0, 0) == 24.0
+def test_the_epoch_speed_leaves_out_the_micro_batch_that_compiled_in_every_start():
+    """A compiled epoch stopped and resumed compiles in both starts; its speed leaves out both micro-batches."""
+    accelerator = SimpleNamespace(num_processes=1, device=torch.device('cpu'))
+    # the first start compiled on its first micro-batch (8 images, 30 s) and stopped after 16 images and 31 s
+    first = EpochTally.start(torch.device('cpu'), Progress(), is_main=True)
+    session = SimpleNamespace(accelerator=accelerator, first_step_s=None,
+                              compile_record=lambda: dict(scope='regional', mode='default'))
+    _record_compile_time(session, first, time.perf_counter() - 30.0, images=8)
+    assert first.compile_images == 8 and first.compile_seconds == pytest.approx(30.0, abs=1.0)
+    assert math.isnan(first.images_per_s())  # nothing but the compiling micro-batch yet
+    totals = first.totals(accelerator)
+    totals[2:4] = [16, 31.0]  # what its checkpoint saved after the second micro-batch
+    totals[6] = 30.0
+    resumed = EpochTally.start(torch.device('cpu'), Progress(batch_in_epoch=2, epoch_totals=totals), is_main=True)
+    assert (resumed.images, resumed.compile_images, resumed.compile_seconds) == (16, 8, 30.0)
+    # the resumed start compiles on 8 images in 20 s; the epoch ends at 48 images, 54 s in all: 32 images in 4 s
+    result = EpochResult(loss=1.0, images=48, seconds=54.0, completed=True, compile_images=16, compile_seconds=50.0)
+    assert result.images_per_s() == 8.0
+    assert EpochResult(loss=1.0, images=48, seconds=2.0, completed=True).images_per_s() == 24.0  # eager
+    older = Progress(batch_in_epoch=2, epoch_totals=[3.0, 2.0, 16, 31.0, 0])  # a checkpoint before these were kept
+    assert EpochTally.start(torch.device('cpu'), older, is_main=True).compile_images == 0

@@ -19,8 +19,9 @@
   would be overwritten by the next micro-batch of an accumulation window.
   On a device without CUDA graphs these modes compile as their modes without graphs (:func:`effective_mode`, what
   the records give), still with static shapes.
-- The first training micro-batch of a compiled run (forward, backward and the compilation they trigger) is timed;
-  the log and ``summary.json`` (``compile``) give it, and the epoch's ``images_per_s`` leaves it out.
+- The first training micro-batch of each start of a compiled run (forward, backward and the compilation they
+  trigger) is timed; the log and ``summary.json`` (``compile``) give it, and the epoch's ``images_per_s`` leaves it
+  out (a resumed epoch's checkpoint carries the earlier start's).
 """
 import logging
 import os
@@ -75,10 +76,6 @@ def dynamo_plugin(config: Config, cpu: bool) -> TorchDynamoPlugin:
             _logger.warning('the launcher asks for dynamo backend %s; model.compile=%s (on %s) does not compile, set '
                             'model.compile=true to compile', launcher, config.model.compile, 'cpu' if cpu else 'the '
                             'device Accelerate picks')
-        if config.model.compile_mode != 'default':
-            _logger.warning('model.compile_mode %s is not used: model.compile=%s does not compile on %s (summary.json '
-                            'records compile null); set model.compile=true (--torchcompile) to compile',
-                            config.model.compile_mode, config.model.compile, 'the CPU' if cpu else 'this host')
         return TorchDynamoPlugin(backend='no')
     if config.model.compile_scope != 'whole':
         return TorchDynamoPlugin(backend='no')
@@ -96,9 +93,16 @@ def static_shapes(config: Config) -> bool:
     return config.model.compile_mode in CUDA_GRAPH_MODES
 
 
-def say_compilation(config: Config, device: torch.device, scope: str) -> None:
-    """Log how the model is compiled (once the run's log file is open)."""
+def say_compilation(config: Config, device: torch.device, scope: str | None) -> None:
+    """Log how the model is compiled, or that a ``model.compile_mode`` is not used by a run that does not compile
+    (``scope`` None), once the run's log file is open."""
     mode = config.model.compile_mode
+    if scope is None:
+        if mode != 'default':
+            _logger.warning('model.compile_mode %s is not used: model.compile=%s does not compile on %s (summary.json '
+                            'records compile null); set model.compile=true (--torchcompile) to compile', mode,
+                            config.model.compile, device.type)
+        return
     static = static_shapes(config)
     ran = effective_mode(mode, device.type)
     _logger.info('the model is compiled with inductor, scope %s, mode %s%s; its first step compiles', scope, ran,

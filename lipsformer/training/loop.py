@@ -8,6 +8,7 @@ decision (after an update, between epochs, between evaluation batches) is agreed
 waits in a collective operation that the others have left.
 """
 import logging
+import math
 import re
 import sys
 import time
@@ -38,13 +39,26 @@ class NonFiniteLossError(RuntimeError):
 @dataclass
 class EpochResult:
     """What one call of :func:`train_epoch` did: the epoch's mean loss (over its finite losses; NaN when none was),
-    images, seconds and unreadable images skipped (a resumed epoch's included), and whether it ran to its end (a stop
-    on its last update still completes it)."""
+    images, seconds and unreadable images skipped (a resumed epoch's included), whether it ran to its end (a stop
+    on its last update still completes it), and the images and seconds of the micro-batches that compiled the
+    model (one a start of a compiled run, left out of :meth:`images_per_s`)."""
     loss: float
     images: int
     seconds: float
     completed: bool
     skipped: int = 0
+    compile_images: int = 0
+    compile_seconds: float = 0.0
+
+    def images_per_s(self) -> float:
+        """The epoch's training speed, the micro-batches that compiled left out (NaN when they were all it had)."""
+        return _speed(self.images, self.seconds, self.compile_images, self.compile_seconds)
+
+
+def _speed(images: int, seconds: float, compile_images: int, compile_seconds: float) -> float:
+    """Images a second once the micro-batches that compiled are left out; NaN where nothing else was trained."""
+    timed = images - compile_images
+    return timed / max(seconds - compile_seconds, 1e-9) if timed > 0 else float('nan')
 
 
 @dataclass
@@ -63,6 +77,8 @@ class EpochTally:
     skipped_so_far: Callable[[], int] = lambda: 0  # this process's count of unreadable images skipped
     skipped_at_start: int = 0
     earlier_skipped: int = 0
+    compile_images: int = 0  # the micro-batches that compiled the model (one a start), earlier starts' included
+    compile_seconds: float = 0.0
 
     @classmethod
     def start(cls, device: torch.device, progress: Progress, is_main: bool,
@@ -71,32 +87,40 @@ class EpochTally:
         tally = cls(zero.clone(), zero.clone(), torch.zeros((), dtype=torch.bool, device=device), zero.clone(),
                     time.perf_counter(), skipped_so_far=skipped_so_far, skipped_at_start=skipped_so_far())
         if progress.batch_in_epoch and progress.epoch_totals:
-            loss_sum, loss_count, images, seconds, *skipped = progress.epoch_totals  # older checkpoints: 4 values
+            # older checkpoints hold 4 values (no skipped count) or 5 (no compiling micro-batches)
+            loss_sum, loss_count, images, seconds, *later = progress.epoch_totals
             if is_main:  # the saved sums are over all processes
                 tally.loss_sum += loss_sum
                 tally.loss_count += loss_count
-                tally.earlier_skipped = int(skipped[0]) if skipped else 0
+                tally.earlier_skipped = int(later[0]) if later else 0
             tally.images, tally.earlier_seconds = int(images), seconds
+            if len(later) >= 3:
+                tally.compile_images, tally.compile_seconds = int(later[1]), later[2]
         return tally
 
+    def seconds(self) -> float:
+        """The epoch's seconds so far, of the starts before a resume too."""
+        return self.earlier_seconds + time.perf_counter() - self.start_time
+
     def images_per_s(self) -> float:
-        """The epoch's speed so far: its images over its seconds, of the starts before a resume too."""
-        return self.images / max(self.earlier_seconds + time.perf_counter() - self.start_time, 1e-9)
+        """The epoch's speed so far: its images over its seconds, of the starts before a resume too, the micro-batches
+        that compiled the model left out (NaN while they are all it trained)."""
+        return _speed(self.images, self.seconds(), self.compile_images, self.compile_seconds)
 
     def mean_loss(self) -> torch.Tensor:
         """The mean of the epoch's finite losses so far; NaN while there is none (never a made-up 0)."""
         return torch.where(self.loss_count > 0, self.loss_sum / self.loss_count.clamp(min=1), float('nan'))
 
     def totals(self, accelerator) -> list[float]:
-        """Loss sum and count over all processes, images, seconds and unreadable images skipped (over all processes)
-        of the epoch so far (call on every process)."""
+        """Loss sum and count over all processes, images, seconds, unreadable images skipped (over all processes),
+        and the images and seconds of the micro-batches that compiled, of the epoch so far (call on every process)."""
         skipped = self.skipped_so_far() - self.skipped_at_start + self.earlier_skipped
         sums = torch.stack([self.loss_sum, self.loss_count, torch.tensor(float(skipped), device=self.loss_sum.device)])
         if accelerator.num_processes > 1:
             sums = accelerator.reduce(sums, reduction='sum')
         loss_sum, loss_count, skipped = sums.tolist()
-        return [loss_sum, loss_count, self.images, self.earlier_seconds + time.perf_counter() - self.start_time,
-                int(skipped)]
+        return [loss_sum, loss_count, self.images, self.seconds(), int(skipped), self.compile_images,
+                self.compile_seconds]
 
 
 def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool]) -> EpochResult:
@@ -122,10 +146,11 @@ def train_epoch(session: Session, stop: StopSignal, on_update: Callable[[], bool
         _train_batches(session, stop, on_update, tally, bar)
     if bar is not None:
         bar.close()
-    loss_sum, loss_count, images, seconds, skipped = tally.totals(accelerator)
+    loss_sum, loss_count, images, seconds, skipped, compile_images, compile_seconds = tally.totals(accelerator)
     completed = session.progress.batch_in_epoch == session.updates_per_epoch * session.config.train.grad_accum_steps
     return EpochResult(loss=loss_sum / loss_count if loss_count else float('nan'), images=int(images), seconds=seconds,
-                       completed=completed, skipped=skipped)
+                       completed=completed, skipped=skipped, compile_images=compile_images,
+                       compile_seconds=compile_seconds)
 
 
 def stop_agreed(accelerator, stop: StopSignal) -> bool:
@@ -147,7 +172,7 @@ def _train_batches(session: Session, stop: StopSignal, on_update: Callable[[], b
         started = time.perf_counter()
         loss = _forward_backward(session, images, targets, last_in_window=(batch_index + 1) % accum == 0)
         if timed:
-            _record_compile_time(session, started, images.shape[0] * session.accelerator.num_processes)
+            _record_compile_time(session, tally, started, images.shape[0] * session.accelerator.num_processes)
         finite = torch.isfinite(loss)
         tally.window_bad |= ~finite
         tally.loss_sum += torch.where(finite, loss, 0.0)
@@ -194,13 +219,14 @@ def _forward_backward(session: Session, images: torch.Tensor, targets: torch.Ten
     return loss.detach().float()
 
 
-def _record_compile_time(session: Session, started: float, images: int) -> None:
-    """Log the seconds since ``started`` of the first compiled micro-batch (its compilation included) and keep them
-    for summary.json, with the micro-batch's ``images`` and epoch, which the epoch's speed leaves out."""
+def _record_compile_time(session: Session, tally: EpochTally, started: float, images: int) -> None:
+    """Log the seconds since ``started`` of this start's first compiled micro-batch (its compilation included) and
+    keep them for summary.json, and with its ``images`` in the epoch's tally, whose speed leaves them out."""
     if session.accelerator.device.type != 'cpu':  # the time the device took too, not only the launches
         torch.accelerator.synchronize()
     seconds = session.first_step_s = time.perf_counter() - started
-    session.first_step_images, session.first_step_epoch = images, session.progress.epoch
+    tally.compile_images += images
+    tally.compile_seconds += seconds
     record = session.compile_record()
     _logger.info('compiled the training step (scope %s, mode %s): the first micro-batch took %.1f s, compilation '
                  'included; the epoch\'s images_per_s leaves it out', record['scope'], record['mode'], seconds)
@@ -290,15 +316,18 @@ def _report(session: Session, bar: tqdm | None, tally: EpochTally, lr: float, gr
     step_loss, loss = step_loss.item(), tally.mean_loss().item()
     speed = tally.images_per_s()
     if bar is not None:
-        bar.set_postfix(loss=f'{loss:.4f}', lr=f'{lr:.3g}', img_s=f'{speed:.0f}')
-    values = {'train/step_loss': step_loss, 'train/lr': lr, 'train/images_per_s': speed}
+        bar.set_postfix(loss=f'{loss:.4f}', lr=f'{lr:.3g}', img_s=f'{speed:.0f}' if math.isfinite(speed) else '-')
+    values = {'train/step_loss': step_loss, 'train/lr': lr}
+    if math.isfinite(speed):  # NaN while only the micro-batch that compiled has trained
+        values['train/images_per_s'] = speed
     if grad_norm is not None:
         values['train/grad_norm'] = grad_norm
     accelerator.log(values, step=step)
     if accelerator.is_main_process:
-        _logger.info('epoch %d step %d: loss %.4f (this update %.4f) lr %.4g grad norm %s %.0f img/s',
+        _logger.info('epoch %d step %d: loss %.4f (this update %.4f) lr %.4g grad norm %s %s',
                      session.progress.epoch + 1, step, loss, step_loss, lr,
-                     'skipped' if grad_norm is None else f'{grad_norm:.4g}', speed)
+                     'skipped' if grad_norm is None else f'{grad_norm:.4g}',
+                     f'{speed:.0f} img/s' if math.isfinite(speed) else 'img/s from the next update (this one compiled)')
 
 
 @torch.no_grad()

@@ -95,9 +95,7 @@ class Session:
     tally: Any = None  # the running totals of the epoch in training (loop.EpochTally)
     started_at: float = field(default_factory=time.perf_counter)  # this start's, on time.perf_counter's clock
     earlier_wall_time_s: float = 0.0  # what the earlier starts took, up to the checkpoint resumed from
-    first_step_s: float | None = None  # a compiled run's first micro-batch, compilation included
-    first_step_images: int = 0  # its images, over all processes
-    first_step_epoch: int | None = None  # the epoch (counted from 0) it was in
+    first_step_s: float | None = None  # this start's first compiled micro-batch, compilation included
     compile_scope: str | None = None  # what was compiled: regional, whole, or None (eager)
 
     def wall_time_s(self) -> float:
@@ -130,13 +128,6 @@ class Session:
         mode = self.config.model.compile_mode
         return dict(scope=self.compile_scope, mode=effective_mode(mode, self.accelerator.device.type),
                     requested_mode=mode, static_shapes=self.static_shapes, first_step_s=self.first_step_s)
-
-    def images_per_s(self, images: int, seconds: float, epoch: int) -> float:
-        """The training speed of epoch ``epoch`` (counted from 0) that took ``seconds`` for ``images``, leaving out the
-        micro-batch that compiled the model where it was in that epoch."""
-        if self.first_step_s is not None and self.first_step_epoch == epoch:
-            images, seconds = images - self.first_step_images, seconds - self.first_step_s
-        return images / max(seconds, 1e-9)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -257,8 +248,7 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
     if compile_scope == 'whole' and not is_compiled_module(model):
         raise ConfigError('model.compile_scope: whole, but Accelerate did not compile the model; check the launcher\'s '
                           'dynamo settings')
-    if session.compiled:
-        say_compilation(config, accelerator.device, compile_scope)
+    say_compilation(config, accelerator.device, compile_scope)
     if session.keeps_own_gradients:
         keep_own_gradients(session.unwrapped_model)
     return session

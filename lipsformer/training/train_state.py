@@ -72,8 +72,8 @@ class Progress:
         unscored: The training part of the metrics line of the last finished epoch while its evaluation is pending
             (between its checkpoint and its scores), else None.
         epoch_totals: In a mid-epoch checkpoint, the epoch's running loss sum and count over all processes, images,
-            seconds and unreadable images skipped so far (so that the resumed epoch reports what an uninterrupted one
-            would), else None.
+            seconds, unreadable images skipped, and the images and seconds of the micro-batches that compiled the
+            model so far (so that the resumed epoch reports what an uninterrupted one would), else None.
         wall_time_s: Seconds of wall time the run's starts took to reach this state (a start that ended without
             saving counts up to its last checkpoint).
     """

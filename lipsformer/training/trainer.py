@@ -205,7 +205,7 @@ def _close_epoch(session: Session, result: EpochResult) -> None:
     progress.epoch_totals = None
     progress.unscored = dict(epoch=progress.epoch, step=progress.step, train_loss=result.loss,
                              lr=scheduled_lr(session.optimizer),
-                             images_per_s=session.images_per_s(result.images, result.seconds, progress.epoch - 1),
+                             images_per_s=result.images_per_s(),
                              epoch_time_s=result.seconds,
                              skipped_images=result.skipped)
     _save(session, f'epoch_{progress.epoch:04d}')
