@@ -8,14 +8,16 @@ Debian package when it is installed, the transform is attached, and a map-style 
 :class:`~.datasets.RobustDataset`. Training (``lipsformer.training.data.create_split``, from a run's config) and the
 stability experiment open their splits here.
 """
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from timm.data import ImageDataset, create_dataset
 from timm.data.readers.class_map import load_class_map
+from timm.data.readers.img_extensions import get_img_extensions, set_img_extensions
 from torch.utils.data import Dataset, IterableDataset
 from torchvision import transforms
 
@@ -34,7 +36,7 @@ from .splits import (
     split_folder,
 )
 
-__all__ = ['DataSource', 'decode_here', 'is_image_folder', 'open_split', 'reader_options']
+__all__ = ['DataSource', 'decode_here', 'every_image_type', 'is_image_folder', 'open_split']
 
 _logger = logging.getLogger(__name__)
 
@@ -84,13 +86,18 @@ def is_image_folder(dataset: str) -> bool:
     return '/' not in dataset or dataset.lower() in ('torch/image_folder', 'torch/folder')
 
 
-def reader_options(dataset: str, root: str | None) -> dict[str, str]:
-    """What ``create_dataset`` passes on to timm's reader of ``dataset`` under ``root``: for a folder of class
-    folders, the file types to read (timm's folder reader takes them as its input key), every type the package's
-    reader decodes (:data:`~.images.IMAGE_EXTENSIONS`, TIFF among them) rather than timm's JPEG and PNG."""
-    if '/' in dataset or root is None or not os.path.isdir(root):
-        return {}
-    return {'input_key': ';'.join(sorted(IMAGE_EXTENSIONS))}
+@contextlib.contextmanager
+def every_image_type() -> Iterator[None]:
+    """Inside, timm's readers of class folders and of ``.tar`` files list every type the package's reader decodes
+    (:data:`~.images.IMAGE_EXTENSIONS`, TIFF among them), not timm's JPEG and PNG alone. The tar reader takes no list
+    of types of its own; both look timm's list up only while they list the files, which is when a data set is
+    opened (``create_dataset``), so it is timm's again afterwards."""
+    saved = get_img_extensions()
+    set_img_extensions(sorted(IMAGE_EXTENSIONS))
+    try:
+        yield
+    finally:
+        set_img_extensions(saved)
 
 
 def open_split(source: DataSource, split: str, option: str, is_training: bool, transform: Callable[[Any], Any],
@@ -142,10 +149,11 @@ def _create(source: DataSource, split: str, option: str, is_training: bool, root
             class_map: Mapping[str, int] | str, num_samples: int | None) -> Dataset:
     """``create_dataset`` for one split, its failures reported as a :class:`DatasetNotFoundError`."""
     try:
-        return create_dataset(
-            source.dataset, root=root, split=split, search_split=False, is_training=is_training, class_map=class_map,
-            download=source.download, batch_size=source.batch_size, num_samples=num_samples, seed=source.seed,
-            input_img_mode=source.image_mode, **reader_options(source.dataset, root))
+        with every_image_type():
+            return create_dataset(
+                source.dataset, root=root, split=split, search_split=False, is_training=is_training,
+                class_map=class_map, download=source.download, batch_size=source.batch_size, num_samples=num_samples,
+                seed=source.seed, input_img_mode=source.image_mode)
     except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
         raise DatasetNotFoundError(f'{option}: cannot open the {split!r} split of dataset '
                                    f'{source.dataset or "(image folder)"!r} under {source.data_dir!r}: '
@@ -162,7 +170,7 @@ def _open_folder_split(source: DataSource, split: str, option: str, is_training:
             f'{option}: {root!r} holds {len(loose)} image(s) outside any class folder ({listing(loose, 3)}); an '
             f'image-folder split is <split>/<class>/<image>, its classes being its sub-folders. Move each image into '
             f'the folder of its class')
-    left_out = non_image_files(root) if os.path.isdir(root) else []
+    left_out = non_image_files(root)
     if left_out:
         _logger.warning('%s: skipping %d file(s) under %r that are not images (read: %s): %s', option, len(left_out),
                         root, ' '.join(sorted(IMAGE_EXTENSIONS)), listing(left_out, 5))

@@ -15,6 +15,7 @@ numbered on its own (so a validation split without one class scores every later 
 """
 import logging
 import os
+import tarfile
 from collections.abc import Iterable, Mapping
 
 from timm.utils.misc import natural_key
@@ -96,16 +97,32 @@ def loose_images(folder: str) -> list[str]:
             and is_image_file(entry.name)]
 
 
-def non_image_files(folder: str) -> list[str]:
-    """The files at any depth under ``folder`` that an image folder's reader leaves out for their type (links that
-    point nowhere included), as paths relative to it in natural order; hidden files (``.DS_Store``) are not data
-    and are not listed."""
+def non_image_files(split: str) -> list[str]:
+    """The files of an image-folder split (a folder or a ``.tar``) that its reader leaves out, as paths relative to
+    it in natural order: files at any depth that are not of an image type, links that point nowhere (in a folder) and
+    links or other members that are not files (in a tar). Hidden files (``.DS_Store``) are not data and are not
+    listed; a tar inside a tar is read by timm as a folder of its own, and is not looked into here."""
+    if os.path.isfile(split) and split.lower().endswith('.tar'):
+        return _tar_non_image_members(split)
     left_out = []
-    for parent, folders, files in os.walk(folder, followlinks=True):
+    for parent, folders, files in os.walk(split, followlinks=True):
         folders[:] = [name for name in folders if not name.startswith('.')]
-        left_out.extend(os.path.relpath(os.path.join(parent, name), folder) for name in files
+        left_out.extend(os.path.relpath(os.path.join(parent, name), split) for name in files
                         if not name.startswith('.') and not is_image_file(name))
     return sorted(left_out, key=natural_key)
+
+
+def _tar_non_image_members(path: str) -> list[str]:
+    """The members of a tar that timm's tar reader leaves out (headers only are read: a tar is not decompressed)."""
+    try:
+        with tarfile.open(path) as tar:
+            members = tar.getmembers()
+    except (tarfile.TarError, OSError):
+        return []  # timm's reader says what is wrong with the file
+    return sorted((member.name for member in members if not member.isdir()
+                   and not os.path.basename(member.name).startswith('.')
+                   and not (member.isfile() and (is_image_file(member.name) or member.name.lower().endswith('.tar')))),
+                  key=natural_key)
 
 
 def check_torchvision_split(dataset: str, split: str, key: str) -> None:

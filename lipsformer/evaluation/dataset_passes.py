@@ -25,8 +25,9 @@ from ..data import (
     prepare_dataset,
     split_folder,
 )
-from ..data.sources import reader_options
-from ..data.splits import listing
+from ..data.images import IMAGE_EXTENSIONS
+from ..data.sources import every_image_type, is_image_folder
+from ..data.splits import listing, loose_images, non_image_files
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
@@ -159,8 +160,9 @@ def open_named_dataset(request: DataRequest) -> ImageList:
         if name.lower().startswith('torch/'):
             check_torchvision_split(name, split, 'data.split')
         prepare_dataset(name, request.data_dir, request.download, unpack=False, download_option='--dataset-download')
-        dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
-                                 download=request.download, **reader_options(name, request.data_dir))
+        with every_image_type():
+            dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
+                                     download=request.download)
     except DatasetError as e:
         raise EvaluationError(f'--dataset {name}: {e}') from e
     except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
@@ -179,7 +181,19 @@ def open_named_dataset(request: DataRequest) -> ImageList:
         _logger.info('--dataset %s: its classes are labelled by their names among the %d classes saved with the '
                      'model\'s weights (the two number them differently)', name, num_classes)
     return ImageList(root=root, paths=[f'{split}/{i}' for i in range(len(dataset))], targets=[], layout='dataset',
-                     num_classes=num_classes, source=source)
+                     num_classes=num_classes, source=source, left_out=_left_out_of_folder(name, request.data_dir))
+
+
+def _left_out_of_folder(dataset: str, root: str | None) -> tuple[str, ...]:
+    """The files a class-folder data set's reader leaves out (images outside a class folder, files of other types,
+    links that point nowhere), logged, for the pass to report as skipped; none for other data sets."""
+    if root is None or not is_image_folder(dataset) or not os.path.isdir(root):
+        return ()
+    left_out = sorted([*loose_images(root), *non_image_files(root)], key=natural_key)
+    if left_out:
+        _logger.warning('--dataset %s: skipping %d file(s) under %r that are not images in a class folder (read: %s): '
+                        '%s', dataset, len(left_out), root, ' '.join(sorted(IMAGE_EXTENSIONS)), listing(left_out, 5))
+    return tuple(os.path.join(root, name) for name in left_out)
 
 
 def _model_indices(dataset: str, names: list[str], model_names: list[str]) -> tuple[int, ...]:

@@ -1,0 +1,90 @@
+"""Every image type the docs name is read from an image-folder split, as a folder or as a ``.tar``, by training and by
+validate.py's ``--dataset``; every file that is not read is named as skipped."""
+import logging
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+from torchvision import transforms
+
+from lipsformer.data import DataSource, open_split
+from lipsformer.data.images import IMAGE_EXTENSIONS
+from lipsformer.evaluation.dataset_passes import DataRequest, plan_datasets
+
+# One file name per type docs/evaluation.md names, in mixed case (the reader ignores the case of an extension).
+_NAMES = ('0.png', '1.JPG', '2.jpeg', '3.tif', '4.TIFF', '5.bmp', '6.pgm', '7.ppm', '8.webp')
+
+
+def _write_split(folder, num_classes: int = 2) -> dict[tuple[int, bytes], int]:
+    """``folder/class_<k>/<name>`` for every name of :data:`_NAMES`, and each image's pixels (as ``L``, read back
+    from the file, so that JPEG's loss does not matter) with its class; plus a text file and a dangling link."""
+    rng = np.random.default_rng(0)
+    expected: dict[tuple[int, bytes], int] = {}
+    for label in range(num_classes):
+        os.makedirs(folder / f'class_{label}')
+        for name in _NAMES:
+            path = folder / f'class_{label}' / name
+            pixels = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+            Image.fromarray(pixels).save(path, **({'lossless': True} if name.endswith('webp') else {}))
+            with Image.open(path) as image:
+                key = (label, np.asarray(image.convert('L')).tobytes())
+            expected[key] = expected.get(key, 0) + 1
+    (folder / 'class_0' / 'notes.txt').write_text('not an image')
+    return expected
+
+
+def _read_all(dataset) -> dict[tuple[int, bytes], int]:
+    found: dict[tuple[int, bytes], int] = {}
+    for index in range(len(dataset)):
+        image, label = dataset[index]
+        key = (int(label), image[0].numpy().tobytes())
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_the_docs_name_every_type_the_reader_reads():
+    docs = open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'evaluation.md')).read()
+    assert {os.path.splitext(name)[1].lower() for name in _NAMES} == IMAGE_EXTENSIONS
+    named = docs.split('Image files are ')[1].split(' (any case)')[0]
+    assert {part.strip(' `,') for part in named.replace(' and ', ', ').split(', ')} == IMAGE_EXTENSIONS
+
+
+@pytest.mark.parametrize('container', ['folder', 'tar'])
+def test_a_training_split_reads_every_image_type_and_names_what_it_leaves_out(tmp_path, caplog, container):
+    expected = _write_split(tmp_path / 'images')
+    if container == 'folder':
+        os.rename(tmp_path / 'images', tmp_path / 'train')
+        os.symlink(tmp_path / 'nowhere.dat', tmp_path / 'train' / 'class_1' / 'gone.dat')
+    else:
+        with tarfile.open(tmp_path / 'train.tar', 'w') as tar:
+            for name in sorted(os.listdir(tmp_path / 'images')):
+                tar.add(tmp_path / 'images' / name, arcname=name)
+            link = tarfile.TarInfo('class_1/gone.png')
+            link.type, link.linkname = tarfile.SYMTYPE, '../nowhere.png'
+            tar.addfile(link)
+    with caplog.at_level(logging.WARNING, logger='lipsformer.data.sources'):
+        dataset = open_split(DataSource(data_dir=str(tmp_path), in_chans=1), 'train', 'data.train_split', True,
+                             transforms.PILToTensor())
+    assert len(dataset) == 2 * len(_NAMES)
+    assert _read_all(dataset) == expected
+    left_out = 'class_0/notes.txt, class_1/gone.dat' if container == 'folder' else 'class_0/notes.txt, class_1/gone.png'
+    assert 'skipping 2 file(s) under' in caplog.text and left_out in caplog.text
+
+
+def test_validate_dataset_of_class_folders_reads_every_type_and_names_what_it_leaves_out(tmp_path):
+    """--dataset torch/image_folder: every type is read, and the files it leaves out are the pass's skipped."""
+    expected = _write_split(tmp_path / 'data')
+    dangling = tmp_path / 'data' / 'class_1' / 'gone.dat'
+    os.symlink(tmp_path / 'nowhere.dat', dangling)
+    (planned,) = plan_datasets(DataRequest(str(tmp_path / 'data'), dataset='torch/image_folder', split='validation'))
+    assert len(planned.images.paths) == 2 * len(_NAMES)
+    assert planned.images.left_out == (str(tmp_path / 'data' / 'class_0' / 'notes.txt'), str(dangling))
+    source = planned.images.source
+    found = {}
+    for index in range(len(source)):
+        image, label = source[index]
+        key = (label, np.asarray(image.convert('L')).tobytes())
+        found[key] = found.get(key, 0) + 1
+    assert found == expected
