@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 from types import SimpleNamespace
 
@@ -19,7 +20,9 @@ from process_support import single_thread
 from safetensors.torch import load_file, save_file
 from training_support import tiny_overrides
 
-from lipsformer.training import load_config, train
+import lipsformer.training.session as session_module
+import lipsformer.training.trainer as trainer
+from lipsformer.training import compilation, load_config, train
 from lipsformer.training.compilation import compiles, dynamo_plugin, effective_mode, keep_own_gradients
 from lipsformer.training.loop import EpochResult, EpochTally, _record_compile_time
 from lipsformer.training.train_state import Progress, optimizer_state_dict, set_optimizer_state
@@ -155,6 +158,35 @@ def test_reduce_overhead_compiles_the_whole_model_for_static_shapes_and_pads_eva
         'model.compile': True, 'model.compile_mode': 'reduce-overhead', 'model.compile_scope': 'whole',
         'train.epochs': 2})
     assert extended['status'] == 'finished' and extended['step'] == 2 * UPDATES_PER_EPOCH
+
+
+@pytest.mark.parametrize('mode', ['reduce-overhead', 'max-autotune'])
+def test_a_cuda_graph_mode_run_stopped_by_ctrl_c_mid_epoch_resumes_auto(data_dir, tmp_path, monkeypatch, mode):
+    """The stop / resume cycle (SLURM's requeue too) of a run whose gradients live in buffers of their own; the
+    inductor backend is swapped for aot_eager (the same graphs, without inductor's code), since max-autotune's
+    kernel search takes minutes on a CPU."""
+    compile_regions_as_compiled = compilation.compile_regions
+    monkeypatch.setattr(session_module, 'compile_regions', lambda model, run_mode, dynamic: (
+        compile_regions_as_compiled(model, run_mode, dynamic, backend='aot_eager')))
+    periodic = trainer._periodic_checkpoint
+
+    def save_then_interrupt(session) -> bool:
+        saved = periodic(session)
+        if session.progress.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C just after the periodic checkpoint of step 2
+        return saved
+    settings = {'model.compile': True, 'model.compile_mode': mode, 'checkpoint.every_n_steps': 1, 'train.epochs': 1}
+    with monkeypatch.context() as interrupting:
+        interrupting.setattr(trainer, '_periodic_checkpoint', save_then_interrupt)
+        stopped = _train(data_dir, str(tmp_path / 'run'), **settings)
+    assert stopped['status'] == 'stopped' and stopped['step'] == 2
+    assert stopped['compile']['requested_mode'] == mode and stopped['compile']['static_shapes']
+    resumed = _train(data_dir, str(tmp_path / 'run'), resume='auto', **settings)
+    assert resumed['status'] == 'finished' and resumed['step'] == UPDATES_PER_EPOCH
+    assert 'resumed from ' + str(tmp_path / 'run' / 'checkpoints' / 'step_00000002') in open(
+        tmp_path / 'run' / 'train.log').read()
+    (line,) = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+    assert math.isfinite(line['train_loss']) and line['val_samples'] == 24
 
 
 def test_an_optimizer_state_loads_into_a_model_that_keeps_its_own_gradients():
