@@ -27,7 +27,7 @@ from ..data import (
 )
 from ..data.images import IMAGE_EXTENSIONS
 from ..data.sources import every_image_type, is_image_folder
-from ..data.splits import listing, loose_images, non_image_files
+from ..data.splits import TRAIN_NAMES, listing, loose_images, non_image_files
 from .errors import EvaluationError
 from .layouts import ImageList, check_imagenet_class_names, list_image_folder, list_imagenet_v2, list_imagenet_val
 from .metrics import Score, score_label_sets, score_labels
@@ -160,6 +160,7 @@ def open_named_dataset(request: DataRequest) -> ImageList:
         if name.lower().startswith('torch/'):
             check_torchvision_split(name, split, 'data.split')
         prepare_dataset(name, request.data_dir, request.download, unpack=False, download_option='--dataset-download')
+        _refuse_writes_unasked(name, split, request.data_dir, request.download)
         with every_image_type():
             dataset = create_dataset(name, root=request.data_dir, split=split, search_split=False,
                                      download=request.download)
@@ -182,6 +183,30 @@ def open_named_dataset(request: DataRequest) -> ImageList:
                      'model\'s weights (the two number them differently)', name, num_classes)
     return ImageList(root=root, paths=[f'{split}/{i}' for i in range(len(dataset))], targets=[], layout='dataset',
                      num_classes=num_classes, source=source, left_out=_left_out_of_folder(name, request.data_dir))
+
+
+def _refuse_writes_unasked(dataset: str, split: str, data_dir: str | None, download: bool) -> None:
+    """Refuse, before it is opened, a data set whose reader would write into ``--data-dir`` although
+    ``--dataset-download`` was not given (Fashion-MNIST is :func:`~lipsformer.data.prepare_dataset`'s to check).
+
+    Raises:
+        EvaluationError: Hugging Face's ``datasets`` would download and cache the data set there (it writes its cache
+            into the folder it is given), or torchvision would unpack ImageNet's archives there (its ``meta.bin`` and
+            the split's folder are not there yet).
+    """
+    if download or data_dir is None:
+        return
+    asked = 'nothing is written into a data folder unasked: give --dataset-download to let it'
+    if dataset.lower().startswith(('hfds/', 'hfids/')):
+        raise EvaluationError(f'--dataset {dataset}: Hugging Face\'s datasets downloads and caches it in --data-dir '
+                              f'{data_dir!r}, writing there even to read a copy it cached before; {asked}, or leave '
+                              f'--data-dir out to use Hugging Face\'s own cache')
+    folder = 'train' if split in TRAIN_NAMES else 'val'
+    unpacked = os.path.isfile(os.path.join(data_dir, 'meta.bin')) and os.path.isdir(os.path.join(data_dir, folder))
+    if dataset.lower() == 'torch/imagenet' and not unpacked:
+        raise EvaluationError(f'--dataset {dataset}: torchvision unpacks ImageNet\'s archives into --data-dir '
+                              f'{data_dir!r} (meta.bin and {folder}/, not there yet) when it first opens them; '
+                              f'{asked}, or give the folder where it has done so')
 
 
 def _left_out_of_folder(dataset: str, root: str | None) -> tuple[str, ...]:
