@@ -643,9 +643,12 @@ def test_an_input_size_the_model_cannot_take_is_refused_before_inference(vit, tm
     base = ['--model', SMALLEST_MODEL, '--checkpoint', checkpoint, '--data-dir', vit.val, '--model-kwargs', *kwargs]
     err = _fails([*base, '--img-size', '48'], capsys)
     assert err.endswith('error: input size 48x48 (--img-size / --input-size, else the pretrained cfg): the model '
-                        'takes heights and widths that are multiples of 32; did you mean 32 or 64?\n')
+                        'takes heights and widths that are multiples of 32, because its patch embedding and the '
+                        'downsampling between its stages shrink the image 32-fold and each must divide it evenly; did '
+                        'you mean 32 or 64?\n')
+    assert err.count('\n') == 1
     err = _fails([*base, '--input-size', '3', '64', '80'], capsys)
-    assert 'multiples of 32; did you mean 64 or 96?' in err and 'Traceback' not in err
+    assert 'evenly; did you mean 64 or 96?' in err and 'Traceback' not in err
     err = _fails([*base, 'img_size=50'], capsys)
     assert err.endswith(f'error: {SMALLEST_MODEL} cannot be built with these arguments: img_size must be a multiple '
                         f'of 32, got 50x50\n')

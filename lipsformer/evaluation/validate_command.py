@@ -255,8 +255,9 @@ def _check_input_size(model: torch.nn.Module, data_config: dict) -> None:
     nearest = sorted({max(divisor, size // divisor * divisor) for size in (height, width)}
                      | {-(-size // divisor) * divisor for size in (height, width)})
     raise EvaluationError(f'input size {height}x{width} (--img-size / --input-size, else the pretrained cfg): the '
-                          f'model takes heights and widths that are multiples of {divisor}; did you mean '
-                          f'{" or ".join(map(str, nearest))}?')
+                          f'model takes heights and widths that are multiples of {divisor}, because its patch '
+                          f'embedding and the downsampling between its stages shrink the image {divisor}-fold and '
+                          f'each must divide it evenly; did you mean {" or ".join(map(str, nearest))}?')
 
 
 def _compiled(model: torch.nn.Module, args: argparse.Namespace, device_type: str) -> tuple[torch.nn.Module, str]:
