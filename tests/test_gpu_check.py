@@ -191,6 +191,24 @@ def test_script_dry_run_prints_the_plan(tmp_path):
     assert 'tests/test_cuda.py' in completed.stdout
 
 
+@pytest.mark.parametrize('cpu_smoke', [False, True])
+def test_every_step_s_command_is_one_its_program_takes(tmp_path, cpu_smoke):
+    """The options the plan passes to the benchmark and to the driver's own entries parse as those programs read
+    them, so that no step fails on its command line on a GPU."""
+    from lipsformer.instruments import benchmark
+    parsers = {'lipsformer.instruments.benchmark': benchmark._parser(), 'lipsformer.instruments.gpu_check':
+               gpu_check._parser()}
+    checked = 0
+    for step in plan_steps(tmp_path, cpu_smoke):
+        if step.argv[1:2] == ['-m'] and step.argv[2] in parsers:
+            parsers[step.argv[2]].parse_args(step.argv[3:])
+            checked += 1
+        else:
+            tests = step.argv[step.argv.index('--durations=0') + 1]
+            assert step.argv[1:4] == ['-m', 'pytest', '-v'] and (REPO / tests).is_file()
+    assert checked == len(plan_steps(tmp_path, cpu_smoke)) - 2  # all but the two pytest steps
+
+
 def test_script_needs_an_out_dir():
     completed = subprocess.run([str(SCRIPT), '--dry-run'], capture_output=True, text=True)
     assert completed.returncode == 2 and 'usage' in completed.stderr
@@ -280,9 +298,56 @@ def test_script_a_driver_that_ends_before_its_report_leaves_its_error_in_the_rep
     assert 'gpu_check.log' not in report
 
 
-def test_script_header_states_the_drivers_default_budget():
-    (stated,) = re.findall(r'\((\d+) s by default\)', SCRIPT.read_text())
-    assert int(stated) == gpu_check.DEFAULT_BUDGET_S
+def test_script_header_states_the_drivers_time_limits():
+    """The header said 540 s where the driver's default was 570, and the script killed the driver at 590 s of its own
+    whatever --budget said: the numbers it states are the driver's, and it sets none."""
+    text = SCRIPT.read_text()
+    header = ''.join(line for line in text.splitlines(keepends=True) if line.startswith('#'))
+    (budget,) = re.findall(r'\((\d+) s by default\)', header)
+    (margin,) = re.findall(r'ends itself (\d+) s after its budget', header)
+    assert (int(budget), int(margin)) == (gpu_check.DEFAULT_BUDGET_S, gpu_check.HARD_LIMIT_MARGIN_S)
+    code = ''.join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith('#'))
+    assert 'timeout' not in code and not re.search(r'\b(5\d\d|6\d\d)\b', code)
+
+
+def test_the_driver_ends_itself_a_margin_after_the_budget_it_is_given(tmp_path, monkeypatch):
+    alarms = []
+    monkeypatch.setattr(gpu_check.signal, 'alarm', alarms.append)
+    monkeypatch.setattr(gpu_check, 'run_steps', lambda steps, budget_s, log, after_step: [])
+    assert gpu_check.main(['--out', str(tmp_path), '--budget', '1000.5', '--steps', 'environment']) == 0
+    assert alarms == [1001 + gpu_check.HARD_LIMIT_MARGIN_S, 0]  # armed for the steps, disarmed after the report
+    assert f'ends {gpu_check.HARD_LIMIT_MARGIN_S} s after it' in gpu_check._parser().format_help().replace('\n', ' ')
+
+
+def _fake_driver(tmp_path: Path, body: str) -> dict[str, str]:
+    """The environment that runs ``body`` (shell, $4 the report folder) as the script's Python."""
+    fake = tmp_path / 'fake_python'
+    fake.write_text(f'#!/usr/bin/env bash\n{body}\n')
+    fake.chmod(0o755)
+    return os.environ | {'PYTHON': str(fake)}
+
+
+def test_script_says_when_the_driver_ended_itself_at_its_limit(tmp_path):
+    out = tmp_path / 'out'
+    env = _fake_driver(tmp_path, 'echo "# GPU check" > "$4/gpu_check.md"; kill -ALRM $$')
+    completed = subprocess.run([str(SCRIPT), str(out)], capture_output=True, text=True, env=env)
+    assert completed.returncode == 142
+    report = (out / 'gpu_check.md').read_text().splitlines()
+    assert report[0] == '# GPU check' and report[1].startswith('gpu_check: the driver overran its budget and ended')
+    assert 'overran its budget' in completed.stderr
+
+
+def test_script_leaves_an_earlier_report_and_says_it_is_not_this_run_s(tmp_path):
+    """A bad option in a second run into the same folder: the first run's report is neither lost nor taken for this
+    run's."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'gpu_check.md').write_text('# GPU check\nthe earlier run\n')
+    completed = subprocess.run([str(SCRIPT), str(out), '--bogus'], capture_output=True, text=True,
+                               env=os.environ | {'PYTHON': sys.executable})
+    assert completed.returncode == 2
+    assert (out / 'gpu_check.md').read_text() == '# GPU check\nthe earlier run\n'
+    assert f"before writing its report; {out / 'gpu_check.md'} is an earlier run's, left as it was" in completed.stderr
 
 
 @pytest.mark.parametrize('name', gpu_check.CONV_MODELS)

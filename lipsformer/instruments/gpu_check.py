@@ -12,19 +12,20 @@ the budget (and says so in the report):
 3. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
    224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
    mode (``python -m lipsformer.instruments.benchmark --profile``);
-4. the compiled runs, one process each, in order of need (:data:`COMPILED`): both tiny models with
+4. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
+   the plain graph, the benchmark's CUDA path);
+5. the compiled runs, one process each, in order of need (:data:`COMPILED`): both tiny models with
    ``mode='reduce-overhead'`` (CUDA graphs), timm's Swin-T and both tiny models in the default mode, then both with
    the Triton convolutions (``[fast_path=True]``): compile time (the first step), steady-state training and
    inference images/s, peak memory;
-5. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
-   the plain graph, the benchmark's CUDA path);
 6. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process;
 7. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs).
 
 It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
 still leaves its report. ``--cpu-smoke`` runs the same steps with tiny models on the CPU; ``--dry-run`` prints the
-plan.
+plan. The budget (``--budget``, :data:`DEFAULT_BUDGET_S` by default) bounds the steps; the driver itself ends
+:data:`HARD_LIMIT_MARGIN_S` after it whatever it is doing (``SIGALRM``), should it ever hang.
 """
 
 import argparse
@@ -70,6 +71,9 @@ CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
 KINDS = ('environment', 'conv', 'eager', 'pytest', 'compiled', 'memory')
 DEFAULT_BUDGET_S = 570  # a check under 10 minutes, with room for the report
 RESERVE_S = 15  # kept for writing the report
+# The driver ends this long after its budget whatever it is doing: its steps end by then (each under the time left,
+# plus timeout's 10 s to kill), so only a hang of the driver itself meets it. The default check ends within 10 minutes.
+HARD_LIMIT_MARGIN_S = 30
 # Tiny shapes for --cpu-smoke: every step's code path in seconds on a CPU.
 SMOKE_SWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[1,1,1,1],window_size=4,img_size=32'
 SMOKE_CSWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[2,2,4,4],split_size=[1,2,2,2],img_size=32'
@@ -86,7 +90,7 @@ class Step:
     argv: list[str]
     estimate_s: float
     timeout_s: float
-    kind: str  # environment, eager, pytest, compiled, memory: how the report reads its output
+    kind: str  # one of KINDS: how the report reads its output
     json_path: str | None = None  # the JSON file the command writes, merged into the report
     compile_mode: str | None = None
 
@@ -118,8 +122,8 @@ def _python() -> str:
 
 
 def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None = None) -> list[Step]:
-    """The check's steps (those of ``kinds``, default all: environment, eager, pytest, compiled, memory), their
-    benchmark reports written into ``work_dir``."""
+    """The check's steps (those of ``kinds``, default all of :data:`KINDS`), their benchmark reports written into
+    ``work_dir``."""
     python = _python()
     if cpu_smoke:
         common = ['--batch-size', '2', '--img-size', '32', '--precision', 'fp32', '--device', 'cpu', '--threads', '1']
@@ -575,11 +579,13 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='scripts/gpu_check.sh OUT_DIR',
-        description='The GPU check: environment, eager benchmark with profiles, tests/test_cuda.py, compiled runs, '
-                    'peak memory, under a time guard; writes gpu_check.md, gpu_check.json and gpu_check.log.')
+        description='The GPU check: environment, depthwise convolutions, eager benchmark with profiles, '
+                    'tests/test_cuda.py, compiled runs, peak memory, under a time guard; writes gpu_check.md, '
+                    'gpu_check.json and gpu_check.log.')
     parser.add_argument('--out', type=Path, help='the folder for the report (created)')
     parser.add_argument('--budget', type=float, default=DEFAULT_BUDGET_S,
-                        help='seconds for the whole check; a step that would not fit is skipped (default: %(default)s)')
+                        help=f'seconds for the steps; a step that would not fit is skipped, and the driver ends '
+                             f'{HARD_LIMIT_MARGIN_S} s after it whatever it is doing (default: %(default)s)')
     parser.add_argument('--cpu-smoke', action='store_true', help='tiny models on the CPU: every step, in little time')
     parser.add_argument('--dry-run', action='store_true', help='print the steps and their commands, run nothing')
     parser.add_argument('--steps', default=','.join(KINDS),
@@ -633,8 +639,13 @@ def main(argv: list[str] | None = None) -> int:
         def report(results: list[StepResult]) -> None:
             write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
 
-        results = run_steps(steps, args.budget, log, after_step=report)
-        md_path, _ = write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
+        # SIGALRM's default action ends the process even while it is stuck outside Python; children do not inherit it
+        signal.alarm(math.ceil(args.budget) + HARD_LIMIT_MARGIN_S)
+        try:
+            results = run_steps(steps, args.budget, log, after_step=report)
+            md_path, _ = write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
+        finally:
+            signal.alarm(0)
     print(md_path.read_text())
     return 0 if all(result.status in ('ok', 'skipped') for result in results) else 1
 
