@@ -264,3 +264,18 @@ def test_results_file_replaced_atomically(tmp_path):
     write_results(path, [record, record])
     assert json.loads(path.read_text()) == [record, record]
     assert os.listdir(path.parent) == ['results.json']  # no temporary file left behind
+
+
+def test_files_beside_the_class_folders_are_named_as_skipped(tmp_path, photos):
+    """A file next to the class folders (a README, a label file, a link that points nowhere) is not read: it is one
+    of the layout's files left out, as a file of another type inside a class folder is."""
+    for name, photo in zip(['class1', 'class2'], photos):
+        os.makedirs(tmp_path / name)
+        os.link(photo, tmp_path / name / os.path.basename(photo))
+    (tmp_path / 'README.txt').write_text('labels come from the folder names')
+    (tmp_path / 'class2' / 'notes.txt').write_text('not an image')
+    os.symlink(tmp_path / 'nowhere.csv', tmp_path / 'labels.csv')
+    (tmp_path / '.DS_Store').write_bytes(b'')
+    images = list_image_folder(tmp_path)
+    assert len(images.paths) == 2
+    assert images.left_out == tuple(str(tmp_path / name) for name in ('class2/notes.txt', 'labels.csv', 'README.txt'))

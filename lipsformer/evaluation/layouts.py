@@ -98,9 +98,12 @@ def _collect(root: str, class_to_idx: dict[str, int], layout: str, num_classes: 
     """List the image files of every class folder, naturally sorted by relative path, and the files left out.
 
     A class folder's image files are read, links that point nowhere too (each is then skipped as unreadable, with
-    the reason); its other files, and the files of any folder inside it, are left out and reported as skipped.
+    the reason); its other files, the files of any folder inside it and the files beside the class folders (a
+    README, a label file) are left out and reported as skipped.
     """
-    samples, left_out = [], []
+    samples = []
+    with os.scandir(root) as entries:
+        left_out = [e.name for e in entries if not e.name.startswith('.') and not e.is_dir()]
     for folder, target in class_to_idx.items():
         with os.scandir(os.path.join(root, folder)) as entries:
             entries = [e for e in entries if not e.name.startswith('.')]
