@@ -62,3 +62,16 @@ def test_imagenet_archives_are_unpacked_into_the_data_folder_only_when_asked(tmp
     with pytest.raises(_Opened):  # unpacked already: read as it is
         plan_datasets(DataRequest(str(data_dir), dataset='torch/imagenet', split='validation'))
     assert len(opened) == 1
+
+
+def test_a_missing_torchvision_data_set_names_the_option_that_downloads_it(tmp_path, capsys):
+    """torchvision's advice ('use download=True') is a Python argument: the error names --dataset-download, and the
+    folder that does not exist is not created."""
+    data_dir = tmp_path / 'cifar'
+    assert main(['--model', 'test_vit', '--num-classes', '10', '--dataset', 'torch/cifar10', '--split', 'test',
+                 '--data-dir', str(data_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'error: --dataset torch/cifar10: cannot open its' in err
+    assert err.endswith('; --dataset-download lets torchvision download it there (nothing is written into a data '
+                        'folder unasked)\n')
+    assert not data_dir.exists()

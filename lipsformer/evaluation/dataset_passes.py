@@ -167,8 +167,11 @@ def open_named_dataset(request: DataRequest) -> ImageList:
     except DatasetError as e:
         raise EvaluationError(f'--dataset {name}: {e}') from e
     except (FileNotFoundError, RuntimeError, AssertionError, KeyError, ValueError) as e:
+        # torchvision's own advice (download=True) is a Python argument; say the option that sets it.
+        ask = ('; --dataset-download lets torchvision download it there (nothing is written into a data folder '
+               'unasked)' if name.lower().startswith('torch/') and not request.download else '')
         raise EvaluationError(f'--dataset {name}: cannot open its {split!r} split under {request.data_dir!r}: '
-                              f'{e or type(e).__name__}') from e
+                              f'{e or type(e).__name__}{ask}') from e
     if isinstance(dataset, IterableDataset) or len(dataset) == 0:
         raise EvaluationError(f'--dataset {name}: the {split!r} split is empty or streamed; give a map-style dataset '
                               f'(torch/<name>, hfds/<name>)')
