@@ -1,10 +1,14 @@
 """Processes in the tests: torch on one thread, the environment of a subprocess, a run folder's lock held by another
-process, a free port for a launcher, a script run under Triton's interpreter."""
+process, a free port for a launcher, a script run under Triton's interpreter, a command stopped by Ctrl-C."""
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -68,3 +72,45 @@ def assert_runs_under_triton_interpreter(script: str, timeout_s: float) -> None:
                             env={**os.environ, 'TRITON_INTERPRET': '1'})
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'triton ok' in result.stdout
+
+
+
+def group_processes(group: int) -> dict[int, str]:
+    """The processes of a process group, by pid, with their command lines (Linux's /proc)."""
+    found = {}
+    for entry in os.listdir('/proc'):
+        try:
+            if entry.isdigit() and os.getpgid(int(entry)) == group:
+                with open(f'/proc/{entry}/cmdline', 'rb') as f:
+                    found[int(entry)] = f.read().replace(b'\0', b' ').decode(errors='replace')
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def ctrl_c_when(command: list[str], ready: str | os.PathLike | Callable[[int], bool],
+                timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """Run ``command`` as a terminal runs a foreground job (a process group of its own), and once ``ready`` (a file
+    exists, or a function of the group's id says so) press Ctrl-C: SIGINT to every process of the group, children
+    included. Returns how the command ended (its output as text); fails if it ends before it is ready."""
+    is_ready = ready if callable(ready) else lambda group: os.path.exists(ready)
+    with tempfile.TemporaryFile('w+') as stdout, tempfile.TemporaryFile('w+') as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=subprocess_env(),
+                                   start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not is_ready(process.pid):
+                if process.poll() is not None:  # the files' offset is the command's own until it ends
+                    stderr.seek(0)
+                    raise AssertionError(f'ended (exit {process.returncode}) before it was ready:\n{stderr.read()}')
+                assert time.monotonic() < deadline, f'not ready after {timeout_s} s'
+                time.sleep(0.02)
+            os.killpg(process.pid, signal.SIGINT)
+            process.wait(timeout=timeout_s)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())

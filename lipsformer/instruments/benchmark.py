@@ -22,20 +22,24 @@ written after each mode, ``complete`` false until the end, so that a run cut sho
 """
 
 import argparse
-import concurrent.futures
+import contextlib
 import ctypes
 import datetime
 import functools
 import multiprocessing
 import os
+import pickle
 import platform
 import re
+import signal
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import timm
 import torch
@@ -279,14 +283,68 @@ def measure_peak_memory(spec_text: str, mode: str, config: dict) -> float:
 
 
 def _peak_memories(specs: list[ModelSpec], modes: list[str], config: BenchmarkConfig) -> dict[tuple[str, str], float]:
-    context = multiprocessing.get_context('spawn')
     memories = {}
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=1) as pool:
-        for mode in modes:
-            for spec in specs:
-                _log(f'peak memory: {spec.text} {mode} (fresh process)')
-                memories[spec.text, mode] = pool.submit(measure_peak_memory, spec.text, mode, asdict(config)).result()
+    for mode in modes:
+        for spec in specs:
+            _log(f'peak memory: {spec.text} {mode} (fresh process)')
+            memories[spec.text, mode] = _call_in_fresh_process(measure_peak_memory, spec.text, mode, asdict(config))
     return memories
+
+
+def _call_in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in a fresh (spawned) process that Ctrl-C does not reach; its exception is raised here.
+
+    A terminal's Ctrl-C sends SIGINT to the whole process group: a child that took it would print a traceback of its
+    own beside the benchmark's one line. So the child starts with SIGINT ignored (a new interpreter keeps an ignored
+    SIGINT), and the interrupted benchmark ends the child itself.
+    """
+    context = multiprocessing.get_context('spawn')
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_send_result, args=(sender, function, args), daemon=True)
+    with _sigint_ignored():
+        process.start()
+    sender.close()
+    try:
+        succeeded, value = receiver.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f'the fresh process running {function.__name__} ended without a result (exit code '
+                           f'{process.exitcode})') from None
+    except BaseException:  # Ctrl-C: the child is ended, not waited for
+        process.terminate()
+        raise
+    finally:
+        process.join()
+        receiver.close()
+    if not succeeded:
+        raise value
+    return value
+
+
+def _send_result(sender: Any, function: Callable[..., Any], args: tuple) -> None:
+    """The child's side of :func:`_call_in_fresh_process`: ``(True, result)`` or ``(False, exception)``."""
+    try:
+        outcome = (True, function(*args))
+    except Exception as error:
+        outcome = (False, error)
+    try:
+        sender.send(outcome)
+    except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle: its text
+        sender.send((False, RuntimeError(f'{type(outcome[1]).__name__}: {outcome[1]}')))
+    sender.close()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process while the block runs (only the main thread can set handlers; elsewhere, as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
