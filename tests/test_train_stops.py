@@ -98,6 +98,29 @@ def test_sigterm_on_a_periodic_step_saves_that_step_once(data_dir, tmp_path, mon
     assert_same_run(str(tmp_path / 'run'), uninterrupted, 'epoch_0002')
 
 
+def test_the_stop_line_names_the_checkpoint_saved_or_says_none_was(data_dir, tmp_path, monkeypatch, caplog):
+    class StoppedAtOnce(trainer.StopSignal):
+        def __enter__(self) -> 'StoppedAtOnce':
+            super().__enter__()
+            os.kill(os.getpid(), signal.SIGTERM)  # before the first update: nothing to save
+            return self
+
+    def stop_line() -> str:
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith('stopped by SIGTERM')]
+        caplog.clear()
+        return line
+    with caplog.at_level(logging.INFO, logger='lipsformer'):
+        with monkeypatch.context() as patch:
+            patch.setattr(trainer, 'StopSignal', StoppedAtOnce)
+            summary = _run(data_dir, tmp_path / 'run')
+        assert summary['status'] == 'stopped' and summary['step'] == 0 and _names(tmp_path / 'run') == []
+        assert 'before epoch 1; no checkpoint was saved, since nothing has trained yet' in stop_line()
+        summary = _run(data_dir, tmp_path / 'run', resume='auto', signals={('train', 3): signal.SIGTERM})
+        assert summary['status'] == 'stopped' and _names(tmp_path / 'run') == ['step_00000003']
+        checkpoint = os.path.join(tmp_path / 'run', 'checkpoints', 'step_00000003')
+        assert f'at step 3; the checkpoint is {checkpoint}, continue with --resume auto' in stop_line()
+
+
 def test_sigterm_during_a_save_finishes_it_and_stops_without_another_update(data_dir, tmp_path, monkeypatch, caplog,
                                                                            uninterrupted):
     """The second SIGTERM (a cluster that repeats itself) changes nothing either."""

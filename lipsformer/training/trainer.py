@@ -177,23 +177,26 @@ def _clear_interrupted_writes(run_dir: str) -> None:
 def _run_epochs(session: Session, stop: StopSignal, metrics: MetricsFile) -> str:
     config, progress, accelerator = session.config, session.progress, session.accelerator
     if progress.unscored is not None and not _score_epoch(session, stop, metrics):
-        return _stopped(stop, f'during the evaluation of epoch {progress.epoch}')
+        return _stopped(session, stop, f'during the evaluation of epoch {progress.epoch}')
     while progress.epoch < total_epochs(config):
         if stop_agreed(accelerator, stop):
-            return _stopped(stop, f'before epoch {progress.epoch + 1}')
+            return _stopped(session, stop, f'before epoch {progress.epoch + 1}')
         result = train_epoch(session, stop, on_update=lambda: _periodic_checkpoint(session))
         if not result.completed:
             _save(session, f'step_{progress.step:08d}')
-            return _stopped(stop, f'at step {progress.step}')
+            return _stopped(session, stop, f'at step {progress.step}')
         _close_epoch(session, result)
         if stop_agreed(accelerator, stop) or not _score_epoch(session, stop, metrics):
-            return _stopped(stop, f'after epoch {progress.epoch}, before its evaluation finished')
+            return _stopped(session, stop, f'after epoch {progress.epoch}, before its evaluation finished')
     return 'finished'
 
 
-def _stopped(stop: StopSignal, when: str) -> str:
-    _logger.info('stopped by %s %s; the checkpoint is saved, continue with --resume auto',
-                 stop.received or 'a signal to another process', when)
+def _stopped(session: Session, stop: StopSignal, when: str) -> str:
+    """Log a stop, naming the checkpoint the run continues from (none where a stop came before the first save)."""
+    saved = (f'the checkpoint is {session.last_checkpoint}' if session.last_checkpoint is not None else
+             'no checkpoint was saved, since nothing has trained yet')
+    _logger.info('stopped by %s %s; %s, continue with --resume auto', stop.received or 'a signal to another process',
+                 when, saved)
     return 'stopped'
 
 
