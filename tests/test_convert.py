@@ -148,7 +148,7 @@ def test_an_unusable_output_or_a_misspelt_argument_is_a_one_line_error(tiny_file
                          'img_size=32']) == 2
     err = capsys.readouterr().err
     assert err == f"error: {str(tmp_path / 'file' / 'sub' / 'out')!r} cannot be written: " \
-                  f"{str(tmp_path / 'file')!r} is a file, not a folder; give a folder that can be\n"
+                  f"{str(tmp_path / 'file')!r} is a file, not a folder; give another folder\n"
     assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'imgsize=32']) == 2
     assert capsys.readouterr().err == 'error: --model-kwargs: the model takes no imgsize; did you mean img_size?\n'
     assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'img_size=50']) == 2

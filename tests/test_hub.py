@@ -275,6 +275,20 @@ def test_results_are_bound_to_the_weights_by_content(run_dir, data_dir, tmp_path
     assert f'validate.py on {result["count"]} images of {result["path"]}' in card
     shutil.rmtree(run)  # the scored folder moved away: the copy still makes its card
     assert hub_main(['card', copy, '--results', str(results), '--no-lipschitz']) == 0
+    # A results file of an older validate.py (no hash) binds by path: it joins the card of the folder it scored, and
+    # for any other the refusal says that only the path could be compared.
+    older = tmp_path / 'older.json'
+    unhashed = {key: value for key, value in record.items() if key != 'checkpoint_sha256'}
+    older.write_text(json.dumps(unhashed))
+    capsys.readouterr()
+    assert hub_main(['card', copy, '--results', str(older), '--no-lipschitz']) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"scores {weights}, not this export's model.safetensors "
+        f"({os.path.realpath(os.path.join(copy, 'export', 'best', 'model.safetensors'))}) as far as its path tells: it "
+        f"records no sha256 of the weights it scored (an older validate.py); score it with validate.py --checkpoint "
+        f"{os.path.join(copy, 'export', 'best')} --results-file FILE")
+    older.write_text(json.dumps(unhashed | {'checkpoint': os.path.join(copy, 'export', 'best', 'model.safetensors')}))
+    assert hub_main(['card', copy, '--results', str(older), '--no-lipschitz']) == 0
     last = os.path.join(copy, 'export', 'last', 'model.safetensors')
     state = load_file(last)
     state = {name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in state.items()}

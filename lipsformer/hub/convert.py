@@ -145,7 +145,7 @@ def load_source(src: str, model_name: str | None = None, model_kwargs: dict[str,
 def _check_output(out_dir: str, src: str, force: bool) -> None:
     reason = unwritable_file_reason(os.path.join(out_dir, 'config.json'))  # the folder's parents, and permissions
     if reason and not (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
-        raise ConversionError(f'{out_dir!r} cannot be written: {reason}; give a folder that can be')
+        raise ConversionError(f'{out_dir!r} cannot be written: {reason}; give another folder')
     if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
         return
     if not os.path.isdir(out_dir):

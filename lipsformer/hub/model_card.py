@@ -290,9 +290,11 @@ def _validate_scores(path: str, export: ExportFolder, label_names: list[str] | N
             same_weights = checkpoint is not None and os.path.realpath(checkpoint) == weights
         if not same_weights or ema:
             scored = f'{checkpoint or record.get("model")}' + (f' (sha256 {scored_sha256})' if scored_sha256 else '')
+            unhashed = '' if scored_sha256 or ema else (' as far as its path tells: it records no sha256 of the '
+                                                        'weights it scored (an older validate.py)')
             raise CardError(f'{path!r} scores {scored}' + (' (EMA)' if ema else '')
                             + f', not this export\'s model.safetensors ({weights}'
-                            + (f', sha256 {weights_sha256}' if weights_sha256 else '') + '); score it with '
+                            + (f', sha256 {weights_sha256}' if weights_sha256 else '') + f'){unhashed}; score it with '
                               f'validate.py --checkpoint {export.path} --results-file FILE')
         for result in record['results']:
             name = result['dataset'] if result['dataset'] != 'imagefolder' else ''
