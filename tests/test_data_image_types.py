@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 from torchvision import transforms
 
-from lipsformer.data import DataSource, open_split
+from lipsformer.data import DataSource, open_split, read_image
 from lipsformer.data.images import IMAGE_EXTENSIONS
 from lipsformer.evaluation.dataset_passes import DataRequest, plan_datasets
 
@@ -29,7 +29,7 @@ def _write_split(folder, num_classes: int = 2) -> dict[tuple[int, bytes], int]:
             pixels = rng.integers(0, 256, (8, 8), dtype=np.uint8)
             Image.fromarray(pixels).save(path, **({'lossless': True} if name.endswith('webp') else {}))
             with Image.open(path) as image:
-                key = (label, np.asarray(image.convert('L')).tobytes())
+                key = (label, np.asarray(read_image(image, 'L')).tobytes())
             expected[key] = expected.get(key, 0) + 1
     (folder / 'class_0' / 'notes.txt').write_text('not an image')
     return expected
@@ -85,6 +85,40 @@ def test_validate_dataset_of_class_folders_reads_every_type_and_names_what_it_le
     found = {}
     for index in range(len(source)):
         image, label = source[index]
-        key = (label, np.asarray(image.convert('L')).tobytes())
+        key = (label, np.asarray(read_image(image, 'L')).tobytes())
         found[key] = found.get(key, 0) + 1
     assert found == expected
+
+
+def test_torchvisions_image_folder_scales_sixteen_bit_images_as_the_packages_reader_does(tmp_path):
+    """data.dataset / --dataset torch/image_folder: a 16-bit TIFF reads as its 8-bit copy (each value v stored as
+    v * 257), not clipped to white by torchvision's own loader, in training and in validate.py alike."""
+    rng = np.random.default_rng(1)
+    expected = {}
+    for label in range(2):
+        os.makedirs(tmp_path / 'train' / f'class_{label}')
+        pixels = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+        Image.fromarray(pixels.astype(np.uint16) * 257).save(tmp_path / 'train' / f'class_{label}' / 'wide.tif')
+        expected[label] = pixels
+    dataset = open_split(DataSource(dataset='torch/image_folder', data_dir=str(tmp_path), in_chans=1), 'train',
+                         'data.train_split', True, transforms.PILToTensor())
+    assert len(dataset) == 2
+    for index in range(2):
+        image, label = dataset[index]
+        assert np.array_equal(image[0].numpy(), expected[label])
+    (planned,) = plan_datasets(DataRequest(str(tmp_path / 'train'), dataset='torch/image_folder', split='validation'))
+    for index in range(2):
+        image, label = planned.images.source[index]
+        assert np.array_equal(np.asarray(read_image(image, 'L')), expected[label])
+
+
+def test_an_unreadable_file_of_torchvisions_image_folder_is_named_when_skipped(tmp_path, caplog):
+    os.makedirs(tmp_path / 'train' / 'class_0')
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(tmp_path / 'train' / 'class_0' / 'black.png')
+    os.symlink(tmp_path / 'nowhere.png', tmp_path / 'train' / 'class_0' / 'gone.png')
+    dataset = open_split(DataSource(dataset='torch/image_folder', data_dir=str(tmp_path), in_chans=1), 'train',
+                         'data.train_split', True, transforms.PILToTensor())
+    with caplog.at_level(logging.WARNING, logger='lipsformer.data.datasets'):
+        image, label = dataset[1]
+    assert label == 0 and dataset.skipped_images() == 1
+    assert f"skipping unreadable image {str(tmp_path / 'train' / 'class_0' / 'gone.png')!r} (index 1)" in caplog.text

@@ -134,7 +134,11 @@ class RobustDataset(Dataset):
 
     def _describe(self, index: int) -> str:
         try:
-            return repr(self.dataset.filename(index))
+            return repr(self.dataset.filename(index))  # timm's datasets
+        except Exception:
+            pass
+        try:
+            return repr(self.dataset.samples[index][0])  # torchvision's folder datasets: (path, class index)
         except Exception:
             return '(file name unknown)'
 

@@ -20,6 +20,8 @@ from timm.data.readers.class_map import load_class_map
 from timm.data.readers.img_extensions import get_img_extensions, set_img_extensions
 from torch.utils.data import Dataset, IterableDataset
 from torchvision import transforms
+from torchvision.datasets import DatasetFolder
+from torchvision.datasets.folder import default_loader
 
 from .datasets import RobustDataset, class_map_of
 from .fashion_mnist import prepare_dataset
@@ -72,13 +74,23 @@ class DataSource:
 
 
 def decode_here(dataset: Dataset) -> bool:
-    """Make timm's map-style ``ImageDataset`` (folders, tars, Hugging Face data sets) hand over each file's bytes, for
-    the package's reader (:class:`~.images.ImageMode`) to decode: high-bit-depth images are scaled, not clipped, and a
+    """Make timm's map-style ``ImageDataset`` (folders, tars, Hugging Face data sets) and torchvision's ``ImageFolder``
+    hand over each file's bytes, for the package's reader (:class:`~.images.ImageMode`) to decode: high-bit-depth
+    images are scaled, not clipped (torchvision's own loader converts a 16-bit image to RGB by clipping), and a
     decoding error reaches :class:`~.datasets.RobustDataset`'s log with its reason. Returns whether it did."""
-    if not isinstance(dataset, ImageDataset):
-        return False
-    dataset.load_bytes, dataset.input_img_mode = True, None
-    return True
+    if isinstance(dataset, ImageDataset):
+        dataset.load_bytes, dataset.input_img_mode = True, None
+        return True
+    if isinstance(dataset, DatasetFolder) and dataset.loader is default_loader:  # a loader of the user's stays
+        dataset.loader = _file_bytes
+        return True
+    return False
+
+
+def _file_bytes(path: str) -> bytes:
+    """A file's bytes, read whole (a module's function, so that spawned loader workers can unpickle it)."""
+    with open(path, 'rb') as f:
+        return f.read()
 
 
 def is_image_folder(dataset: str) -> bool:
