@@ -10,11 +10,13 @@ import contextlib
 import pytest
 import timm
 import torch
-from tiny_models import TINY_CSWIN, TINY_SWIN
+from tiny_models import EXPORT_MODELS, TINY_CSWIN, TINY_SWIN
 
 import lipsformer.fastpath
 from lipsformer.fastpath import l2_normalize_op, lean_autograd, set_fast_path
-from lipsformer.layers import ATTENTION_TYPES, ScaledCosineAttention, create_attention_kernel
+from lipsformer.layers import ATTENTION_TYPES, ScaledCosineAttention, create_attention_kernel, pad_to_multiple
+from lipsformer.models import lipsformer_cswin, lipsformer_swin
+from lipsformer.models.lipsformer_cswin import StripeAttention
 from lipsformer.models.lipsformer_swin import WindowAttention
 
 # The tiny shapes at a size whose windows (Swin: 4x4 windows over 16x24, 8x12 and 4x6 maps) or stripes (CSwin: stripes
@@ -76,6 +78,72 @@ def test_padded_sizes_give_finite_half_precision_logits_and_gradients(family, dt
         assert torch.isfinite(logits).all()
         _gradient_norm(model.train(), PADDED)  # asserts the gradients finite
     assert bool(fast_path_calls) == fast and all(d == dtype for d in fast_path_calls)
+
+
+# The real windows (7) and stripes (1, 2, 7, 7) at narrow widths, at padded sizes: windows and stripes cut in every
+# stage (256x320), a model built for 96 (windows 7, 7, 6, 3: the 24x24 and 12x12 stages pad), and a 64x64 input into
+# a 224 model (every stage padded, the last 2x2 map inside one 7x7 window).
+SIZES = {'256x320': (224, (256, 320)), '96': (96, (96, 96)), '64': (224, (64, 64))}
+
+
+@pytest.mark.parametrize('fast', [False, True], ids=['plain', 'fast'])
+@pytest.mark.parametrize('size', SIZES)
+@pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
+def test_half_precision_logits_are_finite_at_every_size(name, size, fast):
+    img_size, input_size = SIZES[size]
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=img_size, **EXPORT_MODELS[name]).eval()
+    x = torch.randn(1, 3, *input_size)
+    with set_fast_path(fast), torch.no_grad():
+        reference = model(x)
+        for dtype in (torch.float16, torch.bfloat16):
+            logits = model.to(dtype)(x.to(dtype)).float()
+            assert torch.isfinite(logits).all(), dtype
+            # Not just finite: the float32 logits to half precision's rounding through the blocks.
+            torch.testing.assert_close(logits, reference, rtol=0, atol=0.1 * reference.abs().max().item())
+        model.float()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            assert torch.isfinite(model(x)).all()
+
+
+@pytest.fixture
+def padded_tensors(monkeypatch) -> list[tuple[torch.Tensor, int, int]]:
+    """Each tensor the models padded (Swin's projection, CSwin's q, k and v), with the height and width of its
+    unpadded part, its gradient retained."""
+    padded_tensors = []
+
+    def recording_pad(x: torch.Tensor, window_h: int, window_w: int) -> torch.Tensor:
+        padded = pad_to_multiple(x, window_h, window_w)
+        if padded is not x and padded.requires_grad:
+            padded.retain_grad()
+            padded_tensors.append((padded, x.shape[1], x.shape[2]))
+        return padded
+
+    monkeypatch.setattr(lipsformer_swin, 'pad_to_multiple', recording_pad)
+    monkeypatch.setattr(lipsformer_cswin, 'pad_to_multiple', recording_pad)
+    return padded_tensors
+
+
+@pytest.mark.parametrize('fast', [False, True], ids=['plain', 'fast'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16], ids=['fp32', 'fp16'])
+@pytest.mark.parametrize('family', MODELS)
+def test_no_gradient_reaches_the_padded_tokens(family, dtype, fast, padded_tensors):
+    """The gradient at every padded q, k and v is exactly zero: padded keys take no attention weight from any query,
+    and a padded query's output is cut off. (CSwin's LePE is zeroed: its conv reads padded v as the zero padding at
+    a stripe's edge, and so has a gradient there, as a convolution has at its own zero padding; that is tested
+    against a narrower stripe below.)"""
+    model = _model(family).to(dtype).train()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, StripeAttention):
+                module.lepe.weight.zero_()
+    with set_fast_path(fast):
+        model(torch.randn(2, 3, *PADDED, dtype=dtype)).float().logsumexp(-1).mean().backward()
+    assert padded_tensors
+    for padded, height, width in padded_tensors:
+        assert padded.grad is not None and torch.isfinite(padded.grad).all()
+        assert not padded.grad[:, height:].any() and not padded.grad[:, :, width:].any()
+        assert padded.grad[:, :height, :width].any()
 
 
 def _reference_window_attention(attn: WindowAttention, x: torch.Tensor) -> torch.Tensor:
@@ -190,3 +258,38 @@ def test_shift_mask_without_padding_is_swins():
     swin = region.unsqueeze(1) - region.unsqueeze(2)
     swin = swin.masked_fill(swin != 0, -100.0).unsqueeze(1)
     torch.testing.assert_close(attn.shift_mask(height, width, torch.device('cpu')), swin)
+
+
+@pytest.mark.parametrize('vertical', [True, False], ids=['vertical', 'horizontal'])
+@pytest.mark.parametrize('attn_type', ATTENTION_TYPES)
+def test_a_stripe_cut_by_the_border_is_a_narrower_stripe(attn_type, vertical):
+    """CSwin's branch over a map its stripes do not divide equals, in value and gradient (q, k, v, LePE, kernel), the
+    branch over each stripe alone, the last one as narrow as the map leaves it: padded keys are masked, and LePE reads
+    the padded zeros as the zero padding at a narrower stripe's edge."""
+    torch.manual_seed(0)
+    dim, heads, width = 8, 2, 3
+    kernel = create_attention_kernel(attn_type, dim // heads, tau=12.0, tau_learnable=True, num_heads=heads)
+    branch = StripeAttention(dim, heads, kernel).double()
+    projections = 1 if branch.tied_qkv else 3
+    size = (5, 8) if vertical else (8, 5)  # stripes 3 wide: two whole ones and one of 2
+    qkv = torch.randn(2, *size, projections, dim, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, *size, dim, dtype=torch.float64)
+    dimension = 2 if vertical else 1
+
+    def stripe_by_stripe(qkv: torch.Tensor) -> torch.Tensor:
+        stripes = qkv.split(width, dim=dimension)
+        return torch.cat([branch(s, *((s.shape[1], s.shape[2]))) for s in stripes], dim=dimension)
+
+    results = []
+    for attend in (lambda qkv: branch(qkv, *((size[0], width) if vertical else (width, size[1]))), stripe_by_stripe):
+        branch.zero_grad(set_to_none=True)
+        qkv.grad = None
+        out = attend(qkv)
+        (out * weights).sum().backward()
+        results.append((out.detach(), qkv.grad, {n: p.grad for n, p in branch.named_parameters()}))
+    (out, grad_qkv, grads), (expected, expected_grad_qkv, expected_grads) = results
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grad_qkv, expected_grad_qkv)
+    assert grads.keys() == expected_grads.keys() and all(g is not None for g in grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=lambda message, name=name: f'{name}: {message}')
