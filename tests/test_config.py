@@ -245,6 +245,16 @@ def test_a_config_made_in_python_is_checked_for_finite_numbers_too(section, key,
         check_config(config)
 
 
+def test_train_refuses_a_config_changed_in_python_to_an_infinite_lr_before_it_writes_anything(tmp_path):
+    """train() takes Config objects as well as files: an infinite lr set in Python must not start a run."""
+    from lipsformer.training import train
+    config = load_config(None)
+    config.optimizer.lr = float('inf')
+    with pytest.raises(ConfigError, match='optimizer.lr: got inf'):
+        train(config, str(tmp_path / 'run'))
+    assert not (tmp_path / 'run').exists()
+
+
 def test_broken_files_are_reported(tmp_path):
     (tmp_path / 'bad.yaml').write_text('optimizer: {lr: [1, 2\n')
     with pytest.raises(ConfigError, match='is not valid YAML'):

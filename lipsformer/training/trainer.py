@@ -24,7 +24,7 @@ from accelerate.utils import broadcast_object_list
 from ..utils.env import peak_memory_mb
 from ..utils.io import remove_stale_temporaries
 from ..utils.processes import distributed_summary, end_processes, release_accelerator
-from .config import Config
+from .config import Config, check_config
 from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
 from .loop import EpochResult, NonFiniteLossError, alpha_statistics, stop_agreed, train_epoch, validate, weights_finite
@@ -79,6 +79,7 @@ def train(config: Config, run_dir: str, resume: str | None = None, *, wait_for_l
         NonFiniteLossError: Training diverged: ``train.max_nonfinite_steps`` updates in a row had a non-finite loss
             (across epochs), or the weights or an evaluation's loss became non-finite.
     """
+    check_config(config)  # a Config built or changed in Python skips the checks of reading a file
     check_config_callables(config, trusted_callables)
     try:
         accelerator = create_accelerator(config, run_dir)
