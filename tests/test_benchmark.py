@@ -398,7 +398,8 @@ def test_cli_an_input_size_a_model_cannot_take_is_a_one_line_error(capsys):
 ])
 def test_cli_a_misspelt_key_or_a_size_a_model_cannot_take_is_a_one_line_error(command, spec, message, capsys):
     """A misspelt spec key or constructor argument is named with the one it most likely meant, and an input size
-    the model refuses is named: exit 2 and one line, in both commands that take model specs."""
+    the model refuses is named: exit 2 and one line (no usage block above it), in both commands that take model
+    specs."""
     if command == 'kernel_count':
         from lipsformer.instruments.kernel_count import main as command_main
         from lipsformer.instruments.kernel_count import unsupported_reason
@@ -411,7 +412,9 @@ def test_cli_a_misspelt_key_or_a_size_a_model_cannot_take_is_a_one_line_error(co
                       *(['--steps', '1', '--repeats', '1', '--warmup', '0', '--no-memory'] if command == 'benchmark'
                         else [])])
     err = capsys.readouterr().err
-    assert f'error: {message}' in err and 'Traceback' not in err and len(err.strip().splitlines()[-1]) > 20
+    prog = f'python -m lipsformer.instruments.{command}'
+    assert err.splitlines()[-1].startswith(f'{prog}: error: {message}') and 'Traceback' not in err
+    assert not [line for line in err.splitlines() if not line.startswith(('[benchmark]', f'{prog}: error: '))], err
 
 
 @pytest.mark.parametrize('command', ['benchmark', 'kernel_count'])

@@ -147,10 +147,12 @@ def test_an_unusable_output_or_a_misspelt_argument_is_a_one_line_error(tiny_file
     assert convert_main([path, str(tmp_path / 'file' / 'sub' / 'out'), '--model', SMALLEST_MODEL, *kwargs,
                          'img_size=32']) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {str(tmp_path / 'file' / 'sub' / 'out')!r} cannot be written: " \
+    prog = 'python -m lipsformer.hub.convert'
+    assert err == f"{prog}: error: {str(tmp_path / 'file' / 'sub' / 'out')!r} cannot be written: " \
                   f"{str(tmp_path / 'file')!r} is a file, not a folder; give another folder\n"
     assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'imgsize=32']) == 2
-    assert capsys.readouterr().err == 'error: --model-kwargs: the model takes no imgsize; did you mean img_size?\n'
+    assert capsys.readouterr().err == f'{prog}: error: --model-kwargs: the model takes no imgsize; did you mean ' \
+                                      f'img_size?\n'
     assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'img_size=50']) == 2
     assert 'img_size must be a multiple of 32, got 50x50' in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ['file', 'weights.safetensors']

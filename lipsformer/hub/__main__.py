@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
     logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(name)s: %(message)s')
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     lipschitz = not args.no_lipschitz
     try:
         if args.command == 'card':
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                           results=tuple(args.results))
             print(f'uploaded to {getattr(commit, "commit_url", args.repo_id)}')
     except (CardError, CheckpointError, FileNotFoundError) as e:
-        print(f'error: {e}', file=sys.stderr)
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
         return 2
     return 0
 

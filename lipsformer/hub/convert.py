@@ -223,11 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         result = convert(args.src, args.out_dir, args.model, args.model_kwargs, args.use_ema, args.force)
     except (ConversionError, CheckpointError) as e:
-        print(f'error: {e}', file=sys.stderr)
+        print(f'{parser.prog}: error: {e}', file=sys.stderr)
         return 2
     print(f'wrote {result["out_dir"]}: {result["architecture"]}, {result["num_classes"]} classes, '
           f'{result["params"]:,} parameters; timm.create_model(\'local-dir:{result["out_dir"]}\', pretrained=True) '

@@ -64,7 +64,7 @@ from lipsformer.instruments.model_specs import (
 from lipsformer.models._base import LipsFormerBlock
 from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
-from lipsformer.utils.cli import command_name
+from lipsformer.utils.cli import command_name, usage_error
 from lipsformer.utils.cpu_memory import retain_freed_memory
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
@@ -659,19 +659,19 @@ def _parser() -> argparse.ArgumentParser:
 def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchmarkConfig:
     for flag in ('compile_mode', 'compile_scope'):
         if getattr(args, flag) is not None and not args.compile:
-            parser.error(f'--{flag.replace("_", "-")} needs --compile')
+            usage_error(parser, f'--{flag.replace("_", "-")} needs --compile')
     if args.profile < 0:
-        parser.error(f'--profile must be 0 or more, got {args.profile}')
+        usage_error(parser, f'--profile must be 0 or more, got {args.profile}')
     for name in ('repeats', 'steps', 'threads'):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
+            usage_error(parser, f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
     if args.warmup < 0:
-        parser.error(f'--warmup must be 0 or more, got {args.warmup}')
+        usage_error(parser, f'--warmup must be 0 or more, got {args.warmup}')
     if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device):
-        parser.error(f'--device must be cpu, cuda or cuda:N, got {args.device}')
+        usage_error(parser, f'--device must be cpu, cuda or cuda:N, got {args.device}')
     if args.device.startswith('cuda') and not torch.cuda.is_available():
-        parser.error(f'--device {args.device}: CUDA is not available (torch.cuda.is_available() is False); use '
-                     f'--device cpu')
+        usage_error(parser, f'--device {args.device}: CUDA is not available (torch.cuda.is_available() is False); '
+                            f'use --device cpu')
     return BenchmarkConfig(batch_size=args.batch_size, img_size=args.img_size, precision=args.precision,
                            compile=args.compile, compile_mode=args.compile_mode,
                            compile_scope=args.compile_scope or BenchmarkConfig.compile_scope,
@@ -690,16 +690,16 @@ def main(argv: list[str] | None = None) -> dict:
         from lipsformer.instruments.kernel_count import unsupported_reason
         reason = unsupported_reason()
         if reason:
-            parser.error(f'--count-kernels: {reason}')
+            usage_error(parser, f'--count-kernels: {reason}')
     modes = step_modes(parser, args)
     try:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
-        parser.error(str(error))
+        usage_error(parser, str(error))
     compiled = [spec for spec in specs if compile_mode(spec, config)]
     if config.count_kernels and compiled:
-        parser.error(f'--count-kernels counts one eager step of each model, and {compiled[0].text!r} runs compiled '
-                     f'({compile_mode(compiled[0], config)}): count it in a run without compile')
+        usage_error(parser, f'--count-kernels counts one eager step of each model, and {compiled[0].text!r} runs '
+                            f'compiled ({compile_mode(compiled[0], config)}): count it in a run without compile')
     command = ' '.join(['python -m lipsformer.instruments.benchmark'] + (sys.argv[1:] if argv is None else argv))
 
     kept = []  # the modes whose rows a report holds, for the line a Ctrl-C ends with
@@ -719,12 +719,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f'{parser.prog}: interrupted by Ctrl-C: {held}', file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
     except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
-        parser.error(f'--img-size {config.img_size}: {error}')
+        usage_error(parser, f'--img-size {config.img_size}: {error}')
     except TypeError as error:  # a constructor's refusal of a spec's argument
         message = rejected_argument_message(error, specs)
         if message is None:
             raise
-        parser.error(f'--models: {message}')
+        usage_error(parser, f'--models: {message}')
     report['command'] = command
     print(format_table(report, markdown=args.markdown))
     if config.profile_steps:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..utils.cli import command_name
+from ..utils.cli import command_name, usage_error
 from ..weights.model_names import create_model, expand_model_names
 
 __all__ = ['SDPA_FLOP_FORMULAS', 'build_model', 'complexity_table', 'count_macs', 'model_complexity']
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         names = expand_model_names(args.models)
     except ValueError as error:
-        parser.error(str(error))
+        usage_error(parser, str(error))
     create_kwargs = {} if args.num_classes is None else {'num_classes': args.num_classes}
     rows = [model_complexity(name, img_size=args.img_size, **create_kwargs) for name in names]
     print(complexity_table(rows, markdown=args.markdown))

@@ -75,7 +75,7 @@ from lipsformer.instruments.model_specs import (
     step_modes,
     write_report,
 )
-from lipsformer.utils.cli import command_name
+from lipsformer.utils.cli import command_name, usage_error
 
 __all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'compiled_spec_reason', 'count_models', 'count_step',
            'cuda_sdp_choice',
@@ -816,23 +816,23 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
     check_report_path(parser, args.json)
     reason = unsupported_reason()
     if reason:
-        parser.error(reason)
+        usage_error(parser, reason)
     try:
         specs = parse_model_specs(args.models)
     except (TypeError, ValueError) as error:
-        parser.error(str(error))
+        usage_error(parser, str(error))
     compiled = [spec for spec in specs if spec.compile]
     if compiled:
-        parser.error(compiled_spec_reason(compiled[0]))
+        usage_error(parser, compiled_spec_reason(compiled[0]))
     try:
         counts = count_models(specs, modes, args.batch_size, args.img_size, args.precision)
     except ValueError as error:  # a model's own refusal of the input (LipsFormer: a multiple of 32)
-        parser.error(f'--img-size {args.img_size}: {error}')
+        usage_error(parser, f'--img-size {args.img_size}: {error}')
     except TypeError as error:  # a constructor's refusal of a spec's argument
         message = rejected_argument_message(error, specs)
         if message is None:
             raise
-        parser.error(f'--models: {message}')
+        usage_error(parser, f'--models: {message}')
     print(format_count_table(counts, markdown=args.markdown))
     if args.parts:
         for count in counts:

@@ -25,6 +25,7 @@ from torch import nn
 from lipsformer.fastpath import set_fast_path
 from lipsformer.training.compilation import COMPILE_SCOPES  # a compile key may name a scope instead of a mode
 from lipsformer.utils import write_json
+from lipsformer.utils.cli import usage_error
 from lipsformer.utils.io import unwritable_file_reason
 from lipsformer.weights.model_names import check_model_source, expand_model_names, meant_argument, model_source
 
@@ -248,10 +249,10 @@ def step_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> lis
     size under 1 is a usage error (exit 2) that says what was wrong."""
     for name in ('batch_size', 'img_size'):
         if getattr(args, name) < 1:
-            parser.error(f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
+            usage_error(parser, f'--{name.replace("_", "-")} must be at least 1, got {getattr(args, name)}')
     modes = [mode.strip() for mode in args.mode.split(',') if mode.strip()]
     if not modes or set(modes) - set(MODES):
-        parser.error(f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
+        usage_error(parser, f'--mode must be a comma list of {", ".join(MODES)}, got {args.mode!r}')
     return modes
 
 
@@ -259,7 +260,7 @@ def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike |
     """Refuse a ``--json`` file that cannot be written before any model runs (a usage error, exit 2)."""
     reason = unwritable_file_reason(path) if path is not None else None
     if reason:
-        parser.error(f'--json {str(path)!r} cannot be written: {reason}')
+        usage_error(parser, f'--json {str(path)!r} cannot be written: {reason}')
 
 
 def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any, partial: bool = False) -> bool:

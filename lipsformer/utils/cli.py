@@ -1,13 +1,13 @@
-"""What the package's command lines share: the command's name as the user ran it, help with real defaults, and
-``--model-kwargs`` read one way everywhere."""
+"""What the package's command lines share: the command's name as the user ran it, help with real defaults,
+``--model-kwargs`` read one way everywhere, and one-line errors."""
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from timm.utils import ParseKwargs
 
-__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name']
+__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name', 'usage_error']
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,6 +24,18 @@ def command_name(module: str) -> str:
     if not program or program == '-c' or inside_package or os.path.basename(program) == '__main__.py':
         return f'python -m {module}'
     return os.path.basename(program)
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """End a command on bad input found after its arguments were parsed (a value out of range, a model spec or size a
+    model refuses): one line, ``PROG: error: MESSAGE``, and exit 2, as validate.py and lipsformer-lipschitz end;
+    argparse's ``parser.error`` would print the whole usage above it.
+
+    Args:
+        parser: The command's parser (its ``prog`` begins the line).
+        message: What was wrong and how to fix it, with a did-you-mean where a name was mistyped.
+    """
+    parser.exit(2, f'{parser.prog}: error: {message}\n')
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
