@@ -1,4 +1,5 @@
 """lipsformer.utils: writes that leave the old file or the new one whatever happens, JSON lines, machine facts."""
+import argparse
 import errno
 import logging
 import os
@@ -227,3 +228,21 @@ def test_cpu_details_tell_generations_apart(tmp_path, monkeypatch):
     monkeypatch.setattr(env, 'Path', lambda path: cpuinfo if path == '/proc/cpuinfo' else real_path(path))
     assert env.cpu_details() == {'name': 'AMD EPYC', 'vendor': 'AuthenticAMD', 'family': '26', 'model': '2',
                                  'stepping': '1', 'isa': torch.backends.cpu.get_cpu_capability()}
+
+
+def test_usage_error_is_one_line_naming_the_command(capsys):
+    """An error found after parsing is one line, PROG: error: MESSAGE, with exit 2 (argparse's own errors print the
+    usage block above theirs); the stability experiment's conflicting options end that way."""
+    from lipsformer.instruments.stability import experiment_command
+    from lipsformer.utils.cli import usage_error
+    parser = argparse.ArgumentParser(prog='lipsformer-tool')
+    parser.add_argument('--size', type=int)
+    with pytest.raises(SystemExit) as stopped:
+        usage_error(parser, '--size must be a multiple of 32, got 50')
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == 'lipsformer-tool: error: --size must be a multiple of 32, got 50\n'
+    with pytest.raises(SystemExit) as stopped:
+        experiment_command.main(['--out', 'runs', '--data-dir', 'images', '--synthetic'])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        'python -m lipsformer.instruments.stability: error: --data-dir and --synthetic exclude each other']

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...utils.cli import HelpFormatter, command_name
+from ...utils.cli import HelpFormatter, command_name, usage_error
 from .arms import ARMS, ModelShape
 from .grid import run_grid
 from .report import write_report
@@ -99,9 +99,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--threads', type=int, default=1, help='torch CPU threads')
     args = parser.parse_args(argv)
     if args.data_dir is not None and args.synthetic:
-        parser.error('--data-dir and --synthetic exclude each other')
+        usage_error(parser, '--data-dir and --synthetic exclude each other')
     if args.out is None and args.report is None:
-        parser.error('--out is needed to train and to --collect')
+        usage_error(parser, '--out is needed to train and to --collect')
     if args.dataset_name is None:
         args.dataset_name = FASHION_MNIST if args.data_dir is None else args.data_dir.resolve().name
         args.dataset_name += '_synthetic' if args.synthetic else ''
