@@ -5,7 +5,8 @@ CUDA with ``set_fast_path(True)``: off there by default), in float32 and under b
 path (``lipsformer.layers.set_fast_path(False)``), the Triton normalisation kernels against PyTorch's,
 ``torch.compile`` equal to eager, a 20-step training run through ``lipsformer.training`` whose loss falls (compiled:
 ``model.compile=auto``), a run with CUDA graphs (``reduce-overhead``) and gradient accumulation that ends with
-eager's weights, and the benchmark's CUDA path.
+eager's weights, the benchmark's CUDA path, and at 256x320 (padded windows and stripes) the gradient norm at its
+224 scale, finite float16 and bfloat16 logits and no gradient at the padded tokens through the fused attention.
 """
 import contextlib
 import json
@@ -19,6 +20,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from image_data import make_image_folder
+from padding_support import assert_no_gradient_at_the_padding, recording_padding, zero_lepe
 from tool_support import FAMILIES, plain_path
 from training_support import tiny_overrides
 
@@ -199,6 +201,20 @@ def test_padded_size_keeps_the_gradient_norm_and_finite_half_precision_logits(na
         model.float()
         with torch.autocast(DEVICE, dtype=torch.float16), torch.no_grad():
             assert torch.isfinite(model.eval()(x)).all()
+
+
+@pytest.mark.parametrize('fast', [False, True], ids=['plain', 'fast'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.bfloat16], ids=['fp32', 'fp16', 'bf16'])
+@pytest.mark.parametrize('name', FAMILIES)
+def test_no_gradient_reaches_the_padded_tokens_through_cuda_attention(name, dtype, fast):
+    """PyTorch's fused CUDA attention kernels give padded (-inf masked) keys, and the cut-off padded queries, exactly
+    zero gradient at 256x320, as the CPU's do (tests/test_padding.py); CSwin's LePE is zeroed (see zero_lepe)."""
+    model = _default_model(name).to(dtype).train()
+    zero_lepe(model)
+    torch.manual_seed(0)
+    with set_fast_path(fast), recording_padding() as padded_tensors:
+        model(torch.randn(2, 3, 256, 320, device=DEVICE, dtype=dtype)).float().logsumexp(-1).mean().backward()
+    assert_no_gradient_at_the_padding(padded_tensors)
 
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.float32])

@@ -10,12 +10,12 @@ import contextlib
 import pytest
 import timm
 import torch
+from padding_support import assert_no_gradient_at_the_padding, recording_padding, zero_lepe
 from tiny_models import EXPORT_MODELS, TINY_CSWIN, TINY_SWIN
 
 import lipsformer.fastpath
 from lipsformer.fastpath import l2_normalize_op, lean_autograd, set_fast_path
-from lipsformer.layers import ATTENTION_TYPES, ScaledCosineAttention, create_attention_kernel, pad_to_multiple
-from lipsformer.models import lipsformer_cswin, lipsformer_swin
+from lipsformer.layers import ATTENTION_TYPES, ScaledCosineAttention, create_attention_kernel
 from lipsformer.models.lipsformer_cswin import StripeAttention
 from lipsformer.models.lipsformer_swin import WindowAttention
 
@@ -106,44 +106,17 @@ def test_half_precision_logits_are_finite_at_every_size(name, size, fast):
             assert torch.isfinite(model(x)).all()
 
 
-@pytest.fixture
-def padded_tensors(monkeypatch) -> list[tuple[torch.Tensor, int, int]]:
-    """Each tensor the models padded (Swin's projection, CSwin's q, k and v), with the height and width of its
-    unpadded part, its gradient retained."""
-    padded_tensors = []
-
-    def recording_pad(x: torch.Tensor, window_h: int, window_w: int) -> torch.Tensor:
-        padded = pad_to_multiple(x, window_h, window_w)
-        if padded is not x and padded.requires_grad:
-            padded.retain_grad()
-            padded_tensors.append((padded, x.shape[1], x.shape[2]))
-        return padded
-
-    monkeypatch.setattr(lipsformer_swin, 'pad_to_multiple', recording_pad)
-    monkeypatch.setattr(lipsformer_cswin, 'pad_to_multiple', recording_pad)
-    return padded_tensors
-
-
 @pytest.mark.parametrize('fast', [False, True], ids=['plain', 'fast'])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16], ids=['fp32', 'fp16'])
 @pytest.mark.parametrize('family', MODELS)
-def test_no_gradient_reaches_the_padded_tokens(family, dtype, fast, padded_tensors):
+def test_no_gradient_reaches_the_padded_tokens(family, dtype, fast):
     """The gradient at every padded q, k and v is exactly zero: padded keys take no attention weight from any query,
-    and a padded query's output is cut off. (CSwin's LePE is zeroed: its conv reads padded v as the zero padding at
-    a stripe's edge, and so has a gradient there, as a convolution has at its own zero padding; that is tested
-    against a narrower stripe below.)"""
+    and a padded query's output is cut off. (CSwin's LePE, zeroed here, is tested against a narrower stripe below.)"""
     model = _model(family).to(dtype).train()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, StripeAttention):
-                module.lepe.weight.zero_()
-    with set_fast_path(fast):
+    zero_lepe(model)
+    with set_fast_path(fast), recording_padding() as padded_tensors:
         model(torch.randn(2, 3, *PADDED, dtype=dtype)).float().logsumexp(-1).mean().backward()
-    assert padded_tensors
-    for padded, height, width in padded_tensors:
-        assert padded.grad is not None and torch.isfinite(padded.grad).all()
-        assert not padded.grad[:, height:].any() and not padded.grad[:, :, width:].any()
-        assert padded.grad[:, :height, :width].any()
+    assert_no_gradient_at_the_padding(padded_tensors)
 
 
 def _reference_window_attention(attn: WindowAttention, x: torch.Tensor) -> torch.Tensor:
