@@ -1,12 +1,13 @@
 """The GPU checks in one command, ``python -m pytest tests/test_cuda.py`` (every test skips without CUDA).
 
-Both families at their default size (224): forward and backward through the blocks' fast form (switched on for
-CUDA with ``set_fast_path(True)``: off there by default), in float32 and under bf16 autocast, equal to the plain
-path (``lipsformer.layers.set_fast_path(False)``), the Triton normalisation kernels against PyTorch's,
-``torch.compile`` equal to eager, a 20-step training run through ``lipsformer.training`` whose loss falls (compiled:
-``model.compile=auto``), a run with CUDA graphs (``reduce-overhead``) and gradient accumulation that ends with
-eager's weights, the benchmark's CUDA path, and at 256x320 (padded windows and stripes) the gradient norm at its
-224 scale, finite float16 and bfloat16 logits and no gradient at the padded tokens through the fused attention.
+Both families at their default size (224): forward and backward through the blocks' fast form (on for CUDA by default,
+:data:`lipsformer.fastpath.switch.DEFAULT_DEVICES`), in float32 and under bf16 autocast, equal to the plain path
+(``lipsformer.layers.set_fast_path(False)``), the Triton normalisation kernels against PyTorch's, ``torch.compile``
+equal to eager, a 20-step training run through ``lipsformer.training`` whose loss falls (compiled:
+``model.compile=auto``), a run with CUDA graphs (``reduce-overhead``) and gradient accumulation that ends with eager's
+weights, such a run stopped by Ctrl-C mid-epoch and resumed, the benchmark's CUDA path, and at 256x320 (padded windows
+and stripes) the gradient norm at its 224 scale, finite float16 and bfloat16 logits and no gradient at the padded tokens
+through the fused attention.
 """
 import contextlib
 import json
@@ -295,3 +296,35 @@ def test_cuda_graphs_runs_stop_and_resume_in_either_compile_scope(tmp_path, scop
     assert extended['status'] == 'finished' and extended['step'] == 2 * first['step']
     lines = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
     assert [line['epoch'] for line in lines] == [1, 2] and all(math.isfinite(line['train_loss']) for line in lines)
+
+
+def test_cuda_graphs_run_stopped_by_ctrl_c_mid_epoch_resumes_auto(tmp_path, monkeypatch):
+    """A run compiled with CUDA graphs (reduce-overhead) stopped by Ctrl-C just after a periodic checkpoint in the
+    middle of its epoch, then continued with resume='auto' as a SLURM requeue does: the optimizer state loads although
+    the run keeps gradient buffers of its own, and the continued run finishes the epoch."""
+    import signal
+
+    import lipsformer.training.trainer as trainer
+    data_dir = make_image_folder(str(tmp_path / 'images'))  # 48 training images, batch 8: 6 updates
+    overrides = tiny_overrides(data_dir, **{
+        'train.mixed_precision': 'bf16', 'model.drop_path_rate': 0.0, 'train.epochs': 1,
+        'checkpoint.every_n_steps': 1, 'model.compile': 'true', 'model.compile_mode': 'reduce-overhead'})
+    periodic = trainer._periodic_checkpoint
+
+    def save_then_interrupt(session) -> bool:
+        saved = periodic(session)
+        if session.progress.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C just after the checkpoint of step 2
+        return saved
+    run_dir = str(tmp_path / 'run')
+    with monkeypatch.context() as interrupting:
+        interrupting.setattr(trainer, '_periodic_checkpoint', save_then_interrupt)
+        stopped = train(load_config(None, overrides), run_dir)
+    assert stopped['status'] == 'stopped' and stopped['step'] == 2
+    assert stopped['compile']['mode'] == stopped['compile']['requested_mode'] == 'reduce-overhead'
+    resumed = train(load_config(None, overrides), run_dir, resume='auto')
+    assert resumed['status'] == 'finished' and resumed['step'] == 6
+    log = (tmp_path / 'run' / 'train.log').read_text()
+    assert 'resumed from ' + os.path.join(run_dir, 'checkpoints', 'step_00000002') in log
+    (line,) = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    assert math.isfinite(line['train_loss']) and math.isfinite(line['val_loss'])
