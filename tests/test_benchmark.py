@@ -1,7 +1,9 @@
 """The benchmark harness (lipsformer.instruments.benchmark) on tiny timm models: report schema, ratios, counts, memory,
 CLI."""
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -299,6 +301,25 @@ def test_the_benchmark_and_the_kernel_counter_share_one_definition_of_the_step_f
                 command(['--models', 'resnet10t', *argv])
             assert stopped.value.code == 2 and message in capsys.readouterr().err, (command, argv)
 
+
+def test_a_ctrl_c_while_the_report_so_far_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C that lands while a finished mode is written (a real SIGINT to this process, from inside the write)
+    lets the write end, so that the last line names the report that holds the mode."""
+    real_write_report = benchmark.write_report
+
+    def write_while_ctrl_c(parser, path, report, partial=False):
+        if partial:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_write_report(parser, path, report, partial=partial)
+    monkeypatch.setattr(benchmark, 'write_report', write_while_ctrl_c)
+    out = tmp_path / 'report.json'
+    with pytest.raises(SystemExit, match='130'):
+        main(['--models', 'test_vit', '--img-size', '32', '--batch-size', '2', '--warmup', '0', '--repeats', '1',
+              '--no-memory', '--no-retain-cpu-memory', '--mode', 'infer,train', '--json', str(out)])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m lipsformer.instruments.benchmark: interrupted by Ctrl-C: the report so far (infer; complete false) "
+        f"is in --json {str(out)!r}")
+    assert [row['mode'] for row in json.loads(out.read_text())['results']] == ['infer']
 
 def test_cli_end_to_end_with_a_model_outside_timm(tmp_path):
     # A factory that calls .item() while building cannot run on the meta device: its counts come from the built model.

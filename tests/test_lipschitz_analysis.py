@@ -2,6 +2,8 @@
 network bounds on real models (LipsFormer section 4.1.4 and Theorem 2), and the command line with its JSON."""
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 
@@ -376,6 +378,24 @@ def test_cli_ctrl_c_keeps_the_bounds_and_exits_130(tmp_path, capsys, monkeypatch
                  '0', '--branch-iterations', '1']) == 0
     assert json.loads(out.read_text())['complete'] is True
 
+
+
+def test_cli_ctrl_c_while_the_bounds_are_written_names_the_file_that_holds_them(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C that lands while the bounds are written waits for the write, so that the last line names the file
+    that holds them (a real SIGINT to this process, from inside the write)."""
+    from lipsformer.lipschitz import report_command
+    real_write_json = report_command.write_json
+
+    def write_while_ctrl_c(path, data):
+        os.kill(os.getpid(), signal.SIGINT)
+        real_write_json(path, data)
+    monkeypatch.setattr(report_command, 'write_json', write_while_ctrl_c)
+    out = tmp_path / 'report.json'
+    assert main([*_tiny_cli_args(attn_type='lipnorm'), '--json', str(out)]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f'python -m lipsformer.lipschitz: interrupted by Ctrl-C during the empirical estimates: the bounds are printed '
+        f'above and in --json {str(out)!r} (complete false)')
+    assert json.loads(out.read_text())['complete'] is False
 
 def test_module_entry_point_help():
     result = subprocess.run([sys.executable, '-m', 'lipsformer.lipschitz', '--help'], capture_output=True, text=True)

@@ -3,6 +3,7 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import stat
 
 import pytest
@@ -246,3 +247,16 @@ def test_usage_error_is_one_line_naming_the_command(capsys):
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         'python -m lipsformer.instruments.stability: error: --data-dir and --synthetic exclude each other']
+
+
+def test_ctrl_c_deferred_delivers_a_ctrl_c_after_the_block():
+    """A SIGINT inside the block lets the block finish, then raises KeyboardInterrupt; the handler is restored."""
+    from lipsformer.utils.cli import ctrl_c_deferred
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            finished.append(True)
+    assert finished == [True] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with ctrl_c_deferred():  # nothing held back: nothing raised
+        finished.append(True)

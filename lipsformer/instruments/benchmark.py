@@ -64,7 +64,7 @@ from lipsformer.instruments.model_specs import (
 from lipsformer.models._base import LipsFormerBlock
 from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
-from lipsformer.utils.cli import command_name, usage_error
+from lipsformer.utils.cli import command_name, ctrl_c_deferred, usage_error
 from lipsformer.utils.cpu_memory import retain_freed_memory
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
@@ -705,8 +705,11 @@ def main(argv: list[str] | None = None) -> dict:
     kept = []  # the modes whose rows a report holds, for the line a Ctrl-C ends with
 
     def write_so_far(report: dict) -> None:
-        if write_report(parser, args.json, report | {'command': command}, partial=True):
-            kept[:] = report['config']['modes'][:len(report['results']) // len(specs)]
+        with ctrl_c_deferred():  # the file and the line that names it agree
+            wrote = write_report(parser, args.json, report | {'command': command}, partial=True)
+            if wrote:
+                kept[:] = report['config']['modes'][:len(report['results']) // len(specs)]
+        if wrote:
             _log(f'wrote the report so far to {args.json}')
     try:
         report = run_benchmark(specs, modes, config, write_so_far if args.json is not None else None)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
-from ..utils.cli import HelpFormatter, ModelKwargs, command_name
+from ..utils.cli import HelpFormatter, ModelKwargs, command_name, ctrl_c_deferred
 from ..utils.io import unwritable_file_reason, write_json
 from ..weights.model_names import create_model, expand_model_names, model_source
 from ..weights.weight_files import CheckpointError
@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                       complete=False)
         if args.json:
             try:
-                _write_report(args.json, bounds)
-                written.append(args.json)
+                with ctrl_c_deferred():  # the file and the line that names it agree
+                    _write_report(args.json, bounds)
+                    written.append(args.json)
             except OSError:  # the final write reports it
                 pass
     try:

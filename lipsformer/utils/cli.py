@@ -1,13 +1,17 @@
 """What the package's command lines share: the command's name as the user ran it, help with real defaults,
-``--model-kwargs`` read one way everywhere, and one-line errors."""
+``--model-kwargs`` read one way everywhere, one-line errors, and a Ctrl-C held back while partial results are kept."""
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from timm.utils import ParseKwargs
 
-__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name', 'usage_error']
+__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name', 'ctrl_c_deferred', 'usage_error']
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +40,25 @@ def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
         message: What was wrong and how to fix it, with a did-you-mean where a name was mistyped.
     """
     parser.exit(2, f'{parser.prog}: error: {message}\n')
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) back until the block ends, then deliver it: a command that writes its results so far and
+    notes that it did (to say on Ctrl-C what was kept) does both or neither. Only the main thread can set handlers;
+    elsewhere the block runs as is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)  # to the handler the command had: KeyboardInterrupt as a rule
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
