@@ -5,7 +5,8 @@
 #
 # Runs lipsformer.instruments.gpu_check (docs/performance.md, "The GPU check"): the environment, the depthwise
 # convolutions of both tiny LipsFormer models, the eager benchmark of timm's Swin-T and both tiny models with a profile
-# of each, tests/test_cuda.py, the compiled runs and the peak memory, each step under its own time limit, skipping what
+# of each, tests/test_cuda.py, the compiled runs, the peak memory and (where time is left, or with --steps conv_sweep)
+# the depthwise convolutions' tilings swept, each step under its own time limit, skipping what
 # would not fit in the budget (570 s by default); the driver ends itself 30 s after its budget should it hang. Both
 # numbers are the driver's (DEFAULT_BUDGET_S, HARD_LIMIT_MARGIN_S; --help prints them). Writes OUT_DIR/gpu_check.md,
 # gpu_check.json and gpu_check.log; a driver that ends before its first report (a bad option) leaves gpu_check.md with

@@ -199,14 +199,40 @@ _TRITON_CHECKS = textwrap.dedent('''
     check(torch.randn(2, 8, 6, 5).permute(0, 2, 3, 1), 3)
     check(torch.randn(2, 7, 9, 24)[:, :, 1:8, 4:20], 5)
     # the weight gradient over several programs of several tiles each, the last program's chunk partial
-    depthwise_conv_op._WEIGHT_GRAD_PROGRAMS = 3
-    check(torch.randn(3, 17, 9, 8), 7)
-    depthwise_conv_op._WEIGHT_GRAD_PROGRAMS = 1024
+    with depthwise_conv_op.using_tiling(depthwise_conv_op.DepthwiseTiling(weight_grad_programs=3)):
+        check(torch.randn(3, 17, 9, 8), 7)
+    # other tilings (the GPU check's sweep times them): tiles wider and narrower than the default's, more and fewer
+    # channels a program than the map has, edges that cut a tile in both directions
+    for tiling in (depthwise_conv_op.DepthwiseTiling(pixels=32, max_width=16, channels=64, warps=8,
+                                                     weight_grad_pixels=8, weight_grad_channels=64,
+                                                     weight_grad_warps=4, weight_grad_programs=5),
+                   depthwise_conv_op.DepthwiseTiling(pixels=128, max_width=4, channels=16, warps=2,
+                                                     weight_grad_pixels=2, weight_grad_channels=16)):
+        with depthwise_conv_op.using_tiling(tiling):
+            check(torch.randn(2, 19, 23, 70), 7)
+            check(torch.randn(1, 5, 37, 20), 3, dtype=torch.bfloat16)
     # bf16 and fp16 inputs, summed in float32
     check(torch.randn(2, 14, 14, 40), 7, dtype=torch.bfloat16)
     check(torch.randn(2, 9, 3, 8), 3, dtype=torch.float16)
     print('triton ok')
 ''')
+
+
+def test_a_tiling_is_checked_and_used_only_inside_its_block():
+    from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling, using_tiling
+    for wrong in ({'pixels': 48}, {'channels': 0}, {'warps': 64}, {'max_width': 128}, {'weight_grad_programs': 0},
+                  {'weight_grad_pixels': 3}):
+        with pytest.raises(ValueError, match='DepthwiseTiling'):
+            DepthwiseTiling(**wrong)
+    with pytest.raises(TypeError, match='takes a DepthwiseTiling'):
+        with using_tiling({'pixels': 32}):
+            pass
+    wide = DepthwiseTiling(pixels=128, max_width=16)
+    with pytest.raises(RuntimeError):
+        with using_tiling(wide):
+            assert depthwise_conv_op._tiling_in_use is wide
+            raise RuntimeError('a failure inside the block')
+    assert depthwise_conv_op._tiling_in_use == DepthwiseTiling()
 
 
 def test_the_triton_kernels_under_the_interpreter():

@@ -1,5 +1,6 @@
 """The GPU check's parts that run on a CPU: the profile summary (lipsformer.instruments.step_profile), the time guard
 and the step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
+import dataclasses
 import json
 import os
 import re
@@ -258,10 +259,11 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
     assert {'test_torch_compile_equals_eager', 'test_torch_compile_with_the_depthwise_op_equals_eager',
             'test_twenty_training_steps_lower_the_loss',
             'test_cuda_graphs_runs_stop_and_resume_in_either_compile_scope',
+            'test_cuda_graphs_run_stopped_by_ctrl_c_mid_epoch_resumes_auto',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
     assert order == ['environment', 'conv', 'eager', 'pytest', *['compiled'] * len(gpu_check.COMPILED), 'memory',
-                     'pytest']
+                     'pytest', 'conv_sweep']
 
 
 def test_the_default_budget_keeps_the_conv_and_eager_rows_and_the_plain_cuda_tests(tmp_path):
@@ -360,3 +362,24 @@ def test_the_conv_step_times_every_depthwise_convolution_of_the_model_once_a_sha
     assert len({(tuple(entry['shape']), entry['kernel']) for entry in shapes}) == len(shapes)
     if name == 'lipsformer_cswin_tiny':  # stage 1: 1-wide stripes of the 56x56 map, half of the 64 channels each
         assert {'stage': 1, 'what': 'LePE, vertical', 'shape': [4 * 56, 56, 1, 32], 'kernel': 3, 'calls': 1} in shapes
+
+
+def test_the_conv_sweep_times_every_tiling_of_each_pass_against_the_default_and_aten():
+    """On the CPU the op is PyTorch's convolution whatever the tiling: the sweep's bookkeeping, not its times. A budget
+    spent before the second shape stops it there and says so."""
+    from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling
+    for settings in gpu_check.CONVOLVE_TILINGS + gpu_check.WEIGHT_GRAD_TILINGS:
+        DepthwiseTiling(**settings)  # each a tiling the op takes
+    report = gpu_check.depthwise_conv_sweep(batch=1, device='cpu', precision='fp32', repeats=1,
+                                            models=('lipsformer_swin_tiny',), budget_s=0.0)
+    assert report['complete'] is False and report['default_tiling'] == dataclasses.asdict(DepthwiseTiling())
+    assert {(tuple(row['shape']), row['kernel']) for row in report['rows']} == {((1, 56, 56, 96), 7)}
+    by_pass = {}
+    for row in report['rows']:
+        by_pass.setdefault(row['pass'], []).append(row['tiling'])
+        assert row['relative_error'] < 1e-5 and row['speedup'] == row['aten_ms'] / row['op_ms']
+    assert by_pass == {'forward': ['default', *gpu_check.CONVOLVE_TILINGS],
+                       'input gradient': ['default', *gpu_check.CONVOLVE_TILINGS],
+                       'weight gradient': ['default', *gpu_check.WEIGHT_GRAD_TILINGS]}
+    table = gpu_check._sweep_table(report)
+    assert table.startswith('Not every shape (the budget ran out)') and table.count('| 1 | conv shortcut |') == 3

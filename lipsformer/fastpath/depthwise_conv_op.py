@@ -25,9 +25,12 @@ tensor outside Triton's interpreter) each op is PyTorch's convolution on the cha
 
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """
+import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
@@ -38,15 +41,72 @@ from .lean_autograd import differentiate_plain
 from .switch import kernel_enabled, plain, traced
 from .triton_device import TRITON_DTYPES, triton_device
 
-__all__ = ['KERNEL_SIZES', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 'triton_available']
+__all__ = ['KERNEL_SIZES', 'DepthwiseTiling', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 'triton_available',
+           'using_tiling']
 
 KERNEL_SIZES = (3, 5, 7)
-_BLOCK_C = 32  # channels a program computes: 64 bytes of a bf16 pixel, one coalesced load per tap
-_TILE = 64  # pixels a program of the forward computes
-# pixels a loop step of the weight gradient sums over, for all taps at once: (taps, pixels, channels) values a step
-_WEIGHT_GRAD_TILE = 4
-_WEIGHT_GRAD_WARPS = 8
-_WEIGHT_GRAD_PROGRAMS = 1024  # programs of the weight gradient across channel blocks: enough to fill a large GPU
+
+
+def _power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthwiseTiling:
+    """How the Triton kernels divide their work among programs. The defaults are the kernels' own; the GPU check
+    times other tilings against them and cuDNN (``python -m lipsformer.instruments.gpu_check --conv-sweep``), and
+    :func:`using_tiling` runs the op with one.
+
+    Attributes:
+        pixels: Pixels a program of the forward and of the input gradient computes.
+        max_width: The widest such tile, in pixels (a narrower map gets a narrower, taller tile).
+        channels: Channels such a program computes (32: 64 bytes of a bf16 pixel, one coalesced load per tap).
+        warps: Warps of such a program.
+        weight_grad_pixels: Pixels a loop step of the weight gradient sums over, for all taps at once: a
+            (taps, pixels, channels) product a step.
+        weight_grad_channels: Channels a program of the weight gradient sums.
+        weight_grad_warps: Warps of such a program.
+        weight_grad_programs: Programs of the weight gradient across channel blocks (enough to fill a large GPU);
+            each sums a chunk of tiles into one row of partial sums.
+    """
+
+    pixels: int = 64
+    max_width: int = 8
+    channels: int = 32
+    warps: int = 4
+    weight_grad_pixels: int = 4
+    weight_grad_channels: int = 32
+    weight_grad_warps: int = 8
+    weight_grad_programs: int = 1024
+
+    def __post_init__(self) -> None:
+        powers = [field.name for field in dataclasses.fields(self) if field.name != 'weight_grad_programs']
+        wrong = {name: getattr(self, name) for name in powers
+                 if not isinstance(getattr(self, name), int) or not _power_of_two(getattr(self, name))}
+        if wrong:
+            raise ValueError(f'DepthwiseTiling takes powers of two (Triton\'s blocks are), got {wrong}')
+        if self.max_width > self.pixels or self.warps > 32 or self.weight_grad_warps > 32:
+            raise ValueError(f'DepthwiseTiling needs max_width <= pixels and at most 32 warps, got {self}')
+        if not isinstance(self.weight_grad_programs, int) or self.weight_grad_programs < 1:
+            raise ValueError(f'DepthwiseTiling.weight_grad_programs must be a positive int, got '
+                             f'{self.weight_grad_programs!r}')
+
+
+_tiling_in_use = DepthwiseTiling()
+
+
+@contextlib.contextmanager
+def using_tiling(tiling: DepthwiseTiling) -> Iterator[DepthwiseTiling]:
+    """Run the op's kernels with ``tiling`` inside the block (the defaults again after it): for measuring and
+    testing other tilings. It changes how the work is divided, not what is computed."""
+    global _tiling_in_use
+    if not isinstance(tiling, DepthwiseTiling):
+        raise TypeError(f'using_tiling takes a DepthwiseTiling, got {type(tiling).__name__}')
+    previous, _tiling_in_use = _tiling_in_use, tiling
+    try:
+        yield tiling
+    finally:
+        _tiling_in_use = previous
 
 
 # Read once, outside any compiled region: dynamo reads these flags instead of importing Triton in a traced call.
@@ -187,13 +247,13 @@ def _kernels() -> SimpleNamespace | None:
                            cdiv=triton.cdiv)
 
 
-def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace, pixels: int = _TILE
-            ) -> tuple[int, int, int, int, int]:
-    """(TILE_H, TILE_W, BLOCK_C, tiles across, tiles per image): tiles of about ``pixels`` pixels, at most 8 wide
-    and no larger than the map (a 1-pixel-wide stripe is computed ``pixels`` rows at a time)."""
-    tile_w = min(8, pixels, kernels.next_power_of_2(width))
+def _tiling(height: int, width: int, channels: int, kernels: SimpleNamespace, pixels: int, max_width: int,
+            block_channels: int) -> tuple[int, int, int, int, int]:
+    """(TILE_H, TILE_W, BLOCK_C, tiles across, tiles per image): tiles of about ``pixels`` pixels, at most
+    ``max_width`` wide and no larger than the map (a 1-pixel-wide stripe is computed ``pixels`` rows at a time)."""
+    tile_w = min(max_width, pixels, kernels.next_power_of_2(width))
     tile_h = min(pixels // tile_w, kernels.next_power_of_2(height))
-    block_c = min(_BLOCK_C, kernels.next_power_of_2(channels))
+    block_c = min(block_channels, kernels.next_power_of_2(channels))
     tiles_w = kernels.cdiv(width, tile_w)
     return tile_h, tile_w, block_c, tiles_w, kernels.cdiv(height, tile_h) * tiles_w
 
@@ -214,13 +274,14 @@ def _convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     y = torch.empty((batch, height, width, channels), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    kernels = _kernels()
-    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels)
+    kernels, tiling = _kernels(), _tiling_in_use
+    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels, tiling.pixels,
+                                                                tiling.max_width, tiling.channels)
     weight = weight.contiguous()
     kernels.convolve[(batch * tiles_per_image, kernels.cdiv(channels, block_c))](
         x, weight, weight if bias is None else bias.contiguous(), y, height, width, channels, tiles_w,
         tiles_per_image, *x.stride(), K=weight.shape[-1], FLIP=int(flip), HAS_BIAS=bias is not None, TILE_H=tile_h,
-        TILE_W=tile_w, BLOCK_C=block_c)
+        TILE_W=tile_w, BLOCK_C=block_c, num_warps=tiling.warps)
     return y
 
 
@@ -254,18 +315,19 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple
             x.permute(0, 3, 1, 2).float(), (channels, 1, kernel_size, kernel_size), grad.permute(0, 3, 1, 2).float(),
             padding=kernel_size // 2, groups=channels)
         return weight_grad.to(x.dtype), grad.sum((0, 1, 2), dtype=torch.float32).to(x.dtype)
-    kernels = _kernels()
-    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(height, width, channels, kernels, _WEIGHT_GRAD_TILE)
+    kernels, tiling = _kernels(), _tiling_in_use
+    tile_h, tile_w, block_c, tiles_w, tiles_per_image = _tiling(
+        height, width, channels, kernels, tiling.weight_grad_pixels, tiling.max_width, tiling.weight_grad_channels)
     tiles = batch * tiles_per_image
     channel_blocks = kernels.cdiv(channels, block_c)
-    tiles_per_program = kernels.cdiv(tiles, max(_WEIGHT_GRAD_PROGRAMS // channel_blocks, 1))
+    tiles_per_program = kernels.cdiv(tiles, max(tiling.weight_grad_programs // channel_blocks, 1))
     chunks = kernels.cdiv(tiles, tiles_per_program)
     rows = kernels.next_power_of_2(taps + 1)
     partial = torch.empty((chunks, rows, channels), dtype=torch.float32, device=x.device)
     kernels.weight_grad[(chunks, channel_blocks)](
         x, grad, partial, height, width, channels, tiles_w, tiles_per_image, tiles, tiles_per_program, *x.stride(),
         *grad.stride(), K=kernel_size, ROWS=rows, TILE_H=tile_h, TILE_W=tile_w, BLOCK_C=block_c,
-        num_warps=_WEIGHT_GRAD_WARPS)
+        num_warps=tiling.weight_grad_warps)
     weight_grad = torch.empty((channels, 1, kernel_size, kernel_size), dtype=x.dtype, device=x.device)
     bias_grad = torch.empty((channels,), dtype=x.dtype, device=x.device)
     kernels.weight_grad_sum[(channel_blocks,)](partial, weight_grad, bias_grad, chunks, channels, TAPS=taps, ROWS=rows,

@@ -19,7 +19,10 @@ the budget (and says so in the report):
    the Triton convolutions (``[fast_path=True]``): compile time (the first step), steady-state training and
    inference images/s, peak memory;
 6. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process;
-7. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs).
+7. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs);
+8. the conv sweep, where time is left or asked for (``--steps conv_sweep``): each pass of the op under other
+   tilings of its Triton kernels (:data:`CONVOLVE_TILINGS`, :data:`WEIGHT_GRAD_TILINGS`) against its default tiling
+   and cuDNN, shape by shape within its own budget (:func:`depthwise_conv_sweep`).
 
 It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
@@ -45,7 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'environment_facts', 'guard', 'main',
+__all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'depthwise_conv_sweep',
+           'environment_facts', 'guard', 'main',
            'plan_steps', 'run_steps', 'write_report']
 
 TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
@@ -66,9 +70,18 @@ COMPILED = [('lipsformer_cswin_tiny', 'reduce-overhead', 200), ('lipsformer_swin
             ('lipsformer_cswin_tiny[fast_path=True]', 'default', 150),
             ('lipsformer_swin_tiny[fast_path=True]', 'default', 140)]
 MEMORY_MODELS = EAGER_MODELS[:3]
+# The tilings the conv sweep times against the op's default (DepthwiseTiling()): the forward's and input gradient's
+# kernel (pixels and channels a program, at most 8192 values a tile; warps) and the weight gradient's (pixels a loop
+# step and channels: at most 256 of the (taps, pixels, channels) values a step per tap row; warps).
+CONVOLVE_TILINGS = [{'pixels': pixels, 'channels': channels, 'warps': warps}
+                    for pixels in (32, 64, 128) for channels in (32, 64, 128) for warps in (4, 8)
+                    if pixels * channels <= 8192] + [{'pixels': 128, 'max_width': 16, 'warps': 4},
+                                                     {'pixels': 64, 'max_width': 16, 'channels': 64, 'warps': 4}]
+WEIGHT_GRAD_TILINGS = [{'weight_grad_pixels': pixels, 'weight_grad_channels': channels, 'weight_grad_warps': warps}
+                       for pixels in (2, 4, 8) for channels in (32, 64) for warps in (4, 8) if pixels * channels <= 256]
 # tests/test_cuda.py's tests that compile (pytest -k): they come last, after the compiled benchmarks.
 CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
-KINDS = ('environment', 'conv', 'eager', 'pytest', 'compiled', 'memory')
+KINDS = ('environment', 'conv', 'eager', 'pytest', 'compiled', 'memory', 'conv_sweep')
 DEFAULT_BUDGET_S = 570  # a check under 10 minutes, with room for the report
 RESERVE_S = 15  # kept for writing the report
 # The driver ends this long after its budget whatever it is doing: its steps end by then (each under the time left,
@@ -131,9 +144,11 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                  'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
         # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
         eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default', 900)], SMOKE_MODELS[:1]
-        estimates = {'environment': 20, 'conv': 60, 'eager': 60, 'pytest': 30, 'pytest_compiled': 900, 'memory': 60}
+        estimates = {'environment': 20, 'conv': 60, 'eager': 60, 'pytest': 30, 'pytest_compiled': 900, 'memory': 60,
+                     'conv_sweep': 60}
         profile = '1'
         conv = ['--batch-size', '1', '--device', 'cpu', '--precision', 'fp32', '--repeats', '1']
+        sweep = [*conv, '--sweep-budget', '20']
     else:
         common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
         timed = {'eager': ['--warmup', '5', '--repeats', '5', '--steps', '5'],
@@ -141,9 +156,13 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
         eager_models, compiled, memory_models = EAGER_MODELS, COMPILED, MEMORY_MODELS
         # Seconds on an H200, with margin (docs/performance.md gives the durations measured): the eager step is
         # 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each.
-        estimates = {'environment': 20, 'conv': 120, 'eager': 150, 'pytest': 240, 'pytest_compiled': 240, 'memory': 90}
+        estimates = {'environment': 20, 'conv': 120, 'eager': 150, 'pytest': 240, 'pytest_compiled': 240, 'memory': 90,
+                     'conv_sweep': 180}
         profile = '3'
         conv = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '20']
+        # the sweep stops taking new shapes after its budget; the shape it is on (under a minute) ends before its limit
+        sweep = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '10',
+                 '--sweep-budget', '150']
     benchmark = [python, '-m', 'lipsformer.instruments.benchmark']
     # -v names each test as it ends, so that the log of a step cut at its limit says which test was running
     pytest = [python, '-m', 'pytest', '-v', '-p', 'no:cacheprovider', '--durations=0', 'tests/test_cuda.py']
@@ -178,6 +197,11 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                       estimates['memory'], 180, 'memory', str(work_dir / 'memory.json')))
     steps.append(Step('tests/test_cuda.py, compiled', [*pytest, '-k', CUDA_TESTS_THAT_COMPILE],
                       estimates['pytest_compiled'], 300, 'pytest'))
+    steps.append(Step('depthwise convolutions, tilings swept',
+                      [python, '-m', 'lipsformer.instruments.gpu_check', '--conv-sweep',
+                       str(work_dir / 'conv_sweep.json'), *sweep],
+                      estimates['conv_sweep'], estimates['conv_sweep'] + 60, 'conv_sweep',
+                      str(work_dir / 'conv_sweep.json')))
     return [step for step in steps if kinds is None or step.kind in kinds]
 
 
@@ -330,6 +354,64 @@ def _median_ms(call: Callable[[], Any], device: str, repeats: int, warmup: int =
     return sorted(times)[len(times) // 2]
 
 
+def _conv_case(shape: list[int], kernel: int, device: str, dtype: Any
+               ) -> tuple[dict[str, tuple[Callable[[], Any], Callable[[], Any]]], dict[str, Callable[[], Any]],
+                          dict[str, Any]]:
+    """One depthwise convolution shape's three passes: (the op's call and ATen's a pass, on inputs that rotate among
+    copies; the op's call a pass on the first copy, for its error; ATen's float32 result of that call)."""
+    import torch
+    import torch.nn.functional as F
+
+    ops = torch.ops.lipsformer
+    channels, padding = shape[-1], kernel // 2
+    map_bytes = math.prod(shape) * dtype.itemsize
+    # inputs smaller than a few hundred MB rotate among copies, so a pass reads memory, not the cache its last run left
+    copies = max(1, min(8, -(-2 ** 28 // map_bytes)))
+    xs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
+    gs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
+    weight = torch.randn(channels, 1, kernel, kernel, device=device, dtype=dtype) / kernel
+    bias = torch.randn(channels, device=device, dtype=dtype)
+    turn = iter(range(10 ** 9))
+
+    def pick(tensors: list) -> Any:
+        return tensors[next(turn) % copies]
+
+    def aten_backward(mask: tuple[bool, bool, bool]) -> Callable[[], Any]:
+        def call() -> Any:
+            index = next(turn) % copies
+            return torch.ops.aten.convolution_backward(
+                gs[index].permute(0, 3, 1, 2), xs[index].permute(0, 3, 1, 2), weight, [channels], (1, 1),
+                (padding, padding), (1, 1), False, (0, 0), channels, mask)
+        return call
+
+    passes = {
+        'forward': (lambda: ops.depthwise_conv2d(pick(xs), weight, bias),
+                    lambda: F.conv2d(pick(xs).permute(0, 3, 1, 2), weight, bias, padding=padding, groups=channels)),
+        'input gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, True, False),
+                           aten_backward((True, False, False))),
+        'weight gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, False, True),
+                            aten_backward((False, True, True))),
+    }
+    x, g = xs[0], gs[0]
+    first = {'forward': lambda: ops.depthwise_conv2d(x, weight, bias),
+             'input gradient': lambda: ops.depthwise_conv2d_backward(g, x, weight, True, False)[0],
+             'weight gradient': lambda: ops.depthwise_conv2d_backward(g, x, weight, False, True)[1]}
+    expected = {
+        'forward': F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=channels).permute(0, 2, 3, 1),
+        'input gradient': torch.ops.aten.convolution_backward(
+            g.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), weight, [channels], (1, 1), (padding, padding), (1, 1),
+            False, (0, 0), channels, (True, False, False))[0].permute(0, 2, 3, 1),
+        'weight gradient': torch.ops.aten.convolution_backward(
+            g.float().permute(0, 3, 1, 2), x.float().permute(0, 3, 1, 2), weight.float(), [channels], (1, 1),
+            (padding, padding), (1, 1), False, (0, 0), channels, (False, True, False))[1],
+    }
+    return passes, first, {name: result.float() for name, result in expected.items()}
+
+
+def _relative_error(ours: Any, reference: Any) -> float:
+    return ((ours.float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
 def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: str = 'bf16',
                              repeats: int = 20, models: tuple[str, ...] = CONV_MODELS) -> dict[str, Any]:
     """Each pass of ``lipsformer::depthwise_conv2d`` against ATen's convolution (cuDNN on a GPU) on every depthwise
@@ -341,11 +423,9 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
     than from the cache its previous run left.
     """
     import torch
-    import torch.nn.functional as F
 
     from lipsformer.fastpath import depthwise_conv_op
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
-    ops = torch.ops.lipsformer
     copy_bytes, copy_ms = _copy_time(device, repeats)
     gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
     nominal = _nominal_bandwidth(gpu)
@@ -353,64 +433,76 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
     rows = []
     for name in models:
         for entry in conv_shapes(name, batch):
-            shape, kernel = entry['shape'], entry['kernel']
-            channels, padding = shape[-1], kernel // 2
-            map_bytes = math.prod(shape) * dtype.itemsize
-            copies = max(1, min(8, -(-2 ** 28 // map_bytes)))
-            xs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
-            gs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
-            weight = torch.randn(channels, 1, kernel, kernel, device=device, dtype=dtype) / kernel
-            bias = torch.randn(channels, device=device, dtype=dtype)
-            turn = iter(range(10 ** 9))
-
-            def pick(tensors: list) -> Any:
-                return tensors[next(turn) % copies]
-
-            def aten_backward(mask: tuple[bool, bool, bool]) -> Callable[[], Any]:
-                def call() -> Any:
-                    index = next(turn) % copies
-                    return torch.ops.aten.convolution_backward(
-                        gs[index].permute(0, 3, 1, 2), xs[index].permute(0, 3, 1, 2), weight, [channels], (1, 1),
-                        (padding, padding), (1, 1), False, (0, 0), channels, mask)
-                return call
-
-            passes = {
-                'forward': (lambda: ops.depthwise_conv2d(pick(xs), weight, bias),
-                            lambda: F.conv2d(pick(xs).permute(0, 3, 1, 2), weight, bias, padding=padding,
-                                             groups=channels)),
-                'input gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, True, False),
-                                   aten_backward((True, False, False))),
-                'weight gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, False, True),
-                                    aten_backward((False, True, True))),
-            }
-            # the op's results against ATen's on the first copy, in float32
-            x, g = xs[0], gs[0]
-            expected = {
-                'forward': F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding,
-                                    groups=channels).permute(0, 2, 3, 1),
-                'input gradient': torch.ops.aten.convolution_backward(
-                    g.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), weight, [channels], (1, 1), (padding, padding),
-                    (1, 1), False, (0, 0), channels, (True, False, False))[0].permute(0, 2, 3, 1),
-                'weight gradient': torch.ops.aten.convolution_backward(
-                    g.float().permute(0, 3, 1, 2), x.float().permute(0, 3, 1, 2), weight.float(), [channels], (1, 1),
-                    (padding, padding), (1, 1), False, (0, 0), channels, (False, True, False))[1],
-            }
-            ours = {'forward': ops.depthwise_conv2d(x, weight, bias),
-                    'input gradient': ops.depthwise_conv2d_backward(g, x, weight, True, False)[0],
-                    'weight gradient': ops.depthwise_conv2d_backward(g, x, weight, False, True)[1]}
+            passes, first, expected = _conv_case(entry['shape'], entry['kernel'], device, dtype)
+            moved = 2 * math.prod(entry['shape']) * dtype.itemsize
             for pass_name, (op_call, aten_call) in passes.items():
-                reference = expected[pass_name].float()
-                error = ((ours[pass_name].float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+                error = _relative_error(first[pass_name](), expected[pass_name])
                 op_ms = _median_ms(op_call, device, repeats)
                 aten_ms = _median_ms(aten_call, device, repeats)
-                moved = 2 * map_bytes
                 rows.append({**entry, 'pass': pass_name, 'op_ms': op_ms, 'aten_ms': aten_ms,
                              'speedup': aten_ms / op_ms, 'bytes': moved, 'op_gb_s': moved / op_ms / 1e6,
                              'fraction_of_nominal': moved / (op_ms / 1e3) / nominal if nominal else None,
                              'fraction_of_copy': moved / (op_ms / 1e3) / measured, 'relative_error': error,
-                             'triton': depthwise_conv_op.triton_available(x)})
+                             'triton': depthwise_conv_op.triton_available(first['forward']())})
     return {'batch': batch, 'device': device, 'precision': precision, 'gpu': gpu, 'nominal_bandwidth': nominal,
             'copy_bandwidth': measured, 'rows': rows}
+
+
+def depthwise_conv_sweep(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 10,
+                         models: tuple[str, ...] = CONV_MODELS, budget_s: float = 150.0) -> dict[str, Any]:
+    """The op's passes under each tiling of :data:`CONVOLVE_TILINGS` (forward, input gradient) and
+    :data:`WEIGHT_GRAD_TILINGS` (weight gradient) against its default tiling and ATen (cuDNN) on every depthwise
+    convolution shape of ``models``, one shape after another until ``budget_s`` is spent (``complete`` says whether
+    every shape was timed). Each row holds a pass's time under one tiling, and the op's error there against ATen's
+    result, so that a tiling that computes wrongly shows."""
+    import torch
+
+    from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling, using_tiling
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
+    began = time.monotonic()
+    seen, rows, complete = set(), [], True
+    entries = [entry for name in models for entry in conv_shapes(name, batch)]
+    for entry in entries:
+        key = (tuple(entry['shape']), entry['kernel'])
+        if key in seen:
+            continue
+        if rows and time.monotonic() - began > budget_s:  # the first shape is timed whatever the budget
+            complete = False
+            break
+        seen.add(key)
+        passes, first, expected = _conv_case(entry['shape'], entry['kernel'], device, dtype)
+        for pass_name, (op_call, aten_call) in passes.items():
+            aten_ms = _median_ms(aten_call, device, repeats)
+            candidates = WEIGHT_GRAD_TILINGS if pass_name == 'weight gradient' else CONVOLVE_TILINGS
+            for settings in [{}, *candidates]:
+                with using_tiling(DepthwiseTiling(**settings)):
+                    error = _relative_error(first[pass_name](), expected[pass_name])
+                    op_ms = _median_ms(op_call, device, repeats)
+                rows.append({**entry, 'pass': pass_name, 'tiling': settings or 'default', 'op_ms': op_ms,
+                             'aten_ms': aten_ms, 'speedup': aten_ms / op_ms, 'relative_error': error})
+    return {'batch': batch, 'device': device, 'precision': precision, 'repeats': repeats,
+            'default_tiling': dataclasses.asdict(DepthwiseTiling()), 'complete': complete,
+            'seconds': round(time.monotonic() - began, 1), 'rows': rows}
+
+
+def _sweep_table(report: dict) -> str:
+    """A row a shape and pass: ATen's time, the op's under its default tiling and under the fastest one."""
+    lines = [f'{"Every shape" if report["complete"] else "Not every shape (the budget ran out)"} timed in '
+             f'{report["seconds"]:.0f} s; time per call (median of {report["repeats"]}), ms.', '',
+             '| stage | conv | NHWC shape, kernel | pass | ATen | op, default | op, fastest | fastest tiling | '
+             'ATen/fastest | worst rel. error |', '|---|---|---|---|---:|---:|---:|---|---:|---:|']
+    groups: dict[tuple, list[dict]] = {}
+    for row in report['rows']:
+        groups.setdefault((row['stage'], row['what'], tuple(row['shape']), row['kernel'], row['pass']), []).append(row)
+    for (stage, what, shape, kernel, pass_name), rows in groups.items():
+        default = next(row for row in rows if row['tiling'] == 'default')
+        fastest = min(rows, key=lambda row: row['op_ms'])
+        tiling = fastest['tiling'] if fastest['tiling'] == 'default' else ', '.join(
+            f'{key.removeprefix("weight_grad_")}={value}' for key, value in fastest['tiling'].items())
+        lines.append(f'| {stage} | {what} | {"x".join(map(str, shape))}, {kernel} | {pass_name} | '
+                     f'{default["aten_ms"]:.3f} | {default["op_ms"]:.3f} | {fastest["op_ms"]:.3f} | {tiling} | '
+                     f'{fastest["speedup"]:.2f}x | {max(row["relative_error"] for row in rows):.1e} |')
+    return '\n'.join(lines)
 
 
 def _conv_table(report: dict) -> str:
@@ -530,10 +622,11 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
     eager = (by_kind.get('eager') or [StepResult('', '', '')])[0].data
     memory = (by_kind.get('memory') or [StepResult('', '', '')])[0].data
     conv = (by_kind.get('conv') or [StepResult('', '', '')])[0].data
+    sweep = (by_kind.get('conv_sweep') or [StepResult('', '', '')])[0].data
     report = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'), 'cpu_smoke': cpu_smoke,
               'budget_s': budget_s, 'elapsed_s': round(elapsed_s, 1), 'environment': environment,
               'steps': [dataclasses.asdict(result) | {'data': None} for result in results],
-              'depthwise_conv': conv, 'eager': eager,
+              'depthwise_conv': conv, 'depthwise_conv_sweep': sweep, 'eager': eager,
               'compiled': [result.data for result in by_kind.get('compiled', [])], 'peak_memory': memory}
     json_path, md_path = out_dir / 'gpu_check.json', out_dir / 'gpu_check.md'
     json_path.write_text(json.dumps(report, indent=1) + '\n')
@@ -565,6 +658,8 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
                                                for result in by_kind.get('compiled', [])])
     if kinds:
         md += ['', '## Device time a step by kernel kind (ms, profiled steps)', '', kinds]
+    if sweep:
+        md += ['', '## Depthwise convolutions: the op\'s tilings swept', '', _sweep_table(sweep)]
     if memory:
         md += ['', '## Peak memory of an eager training step (fresh process each)', '',
                '| model | peak (MiB) | ratio |', '|---|---:|---:|']
@@ -580,7 +675,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='scripts/gpu_check.sh OUT_DIR',
         description='The GPU check: environment, depthwise convolutions, eager benchmark with profiles, '
-                    'tests/test_cuda.py, compiled runs, peak memory, under a time guard; writes gpu_check.md, '
+                    'tests/test_cuda.py, compiled runs, peak memory, the convolutions\' tilings swept, under a time '
+                    'guard; writes gpu_check.md, '
                     'gpu_check.json and gpu_check.log.')
     parser.add_argument('--out', type=Path, help='the folder for the report (created)')
     parser.add_argument('--budget', type=float, default=DEFAULT_BUDGET_S,
@@ -597,6 +693,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--device', default='cuda', help=argparse.SUPPRESS)
     parser.add_argument('--precision', default='bf16', choices=('bf16', 'fp16', 'fp32'), help=argparse.SUPPRESS)
     parser.add_argument('--repeats', type=int, default=20, help=argparse.SUPPRESS)
+    # the conv sweep's own entry (depthwise_conv_sweep): the settings above, and seconds before it takes no new shape
+    parser.add_argument('--conv-sweep', type=Path, help=argparse.SUPPRESS)
+    parser.add_argument('--sweep-budget', type=float, default=150.0, help=argparse.SUPPRESS)
     return parser
 
 
@@ -610,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         report = depthwise_conv_benchmark(args.batch_size, args.device, args.precision, args.repeats)
         args.conv_benchmark.write_text(json.dumps(report, indent=1) + '\n')
         print(_conv_table(report))
+        return 0
+    if args.conv_sweep is not None:
+        report = depthwise_conv_sweep(args.batch_size, args.device, args.precision, args.repeats,
+                                      budget_s=args.sweep_budget)
+        args.conv_sweep.write_text(json.dumps(report, indent=1) + '\n')
+        print(_sweep_table(report))
         return 0
     if args.out is None:
         parser.error('give the folder for the report: --out OUT_DIR')
