@@ -9,6 +9,8 @@ because pyproject sets pytest's pythonpath to tests/, each for one purpose:
 - ``process_support``: one torch thread, subprocess environments, a lock held by another process, a free port;
 - ``synthetic_weights`` / ``validate_reference``: weights and timm's own validation, for comparisons.
 """
+import signal
+
 import pytest
 import torch
 from image_data import make_image_folder
@@ -16,6 +18,13 @@ from probe_models import register_probe_model
 from process_support import single_thread
 
 import lipsformer  # noqa: F401  (registers the models with timm)
+
+# A suite started in the background by a shell without job control (`bash script &`, nohup) inherits SIGINT ignored,
+# which Python then keeps: a Ctrl-C raises nothing, and every child process inherits the ignoring. The Ctrl-C tests
+# test what a terminal's Ctrl-C does, so the suite starts as an interactive Python does (children exec'd from here
+# get SIGINT's default, Python's handler in theirs).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -74,16 +74,18 @@ def assert_runs_under_triton_interpreter(script: str, timeout_s: float) -> None:
     assert 'triton ok' in result.stdout
 
 
-
-def group_processes(group: int) -> dict[int, str]:
-    """The processes of a process group, by pid, with their command lines (Linux's /proc)."""
+def child_processes(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``, by pid, with their command lines (Linux's /proc)."""
     found = {}
     for entry in os.listdir('/proc'):
         try:
-            if entry.isdigit() and os.getpgid(int(entry)) == group:
-                with open(f'/proc/{entry}/cmdline', 'rb') as f:
-                    found[int(entry)] = f.read().replace(b'\0', b' ').decode(errors='replace')
-        except OSError:  # ended meanwhile
+            if entry.isdigit():
+                with open(f'/proc/{entry}/stat') as f:  # the command's name may hold spaces and ')': split after it
+                    parent = int(f.read().rpartition(')')[2].split()[1])
+                if parent == pid:
+                    with open(f'/proc/{entry}/cmdline', 'rb') as f:
+                        found[int(entry)] = f.read().replace(b'\0', b' ').decode(errors='replace')
+        except (OSError, ValueError, IndexError):  # ended meanwhile
             continue
     return found
 

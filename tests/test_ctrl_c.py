@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from process_support import ctrl_c_when, group_processes
+from process_support import child_processes, ctrl_c_when
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
 # A model outside timm whose steps wait where the test needs the run to stay: in the peak-memory process, and, once the
@@ -51,13 +51,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_benchmark_ctrl_c_while_the_peak_memory_process_starts(tmp_path):
-    """The peak-memory child gets the terminal's SIGINT too, here while it imports torch: it prints no traceback of
-    its own, and the benchmark ends it rather than wait for it."""
+    """The peak-memory child runs in a session of its own, out of the terminal's reach: a Ctrl-C while it imports
+    torch ends the benchmark with its one line, no traceback of the child's, and the benchmark ends the child rather
+    than wait for it."""
     command, report = _benchmark(tmp_path)
-    children = []
+    children, sessions = [], []
 
     def memory_process_started(group: int) -> bool:
-        children[:] = [pid for pid, line in group_processes(group).items() if '--multiprocessing-fork' in line]
+        children[:] = [pid for pid, line in child_processes(group).items() if '_fresh_process_main' in line]
+        sessions.extend(os.getsid(pid) for pid in children)
         return bool(children)
     ended = ctrl_c_when(command, memory_process_started)
     assert ended.returncode == 130, ended.stderr
@@ -65,6 +67,7 @@ def test_benchmark_ctrl_c_while_the_peak_memory_process_starts(tmp_path):
     assert ended.stderr.splitlines()[-1] == ('python -m lipsformer.instruments.benchmark: interrupted by Ctrl-C: no '
                                              'mode had finished; nothing was written')
     assert not report.exists() and not any(_alive(pid) for pid in children)
+    assert sessions == children  # each a session's leader: no terminal's Ctrl-C reaches it
 
 
 def test_benchmark_ctrl_c_keeps_the_finished_modes(tmp_path):

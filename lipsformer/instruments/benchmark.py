@@ -22,21 +22,18 @@ written after each mode, ``complete`` false until the end, so that a run cut sho
 """
 
 import argparse
-import contextlib
 import ctypes
 import datetime
 import functools
-import multiprocessing
 import os
 import pickle
 import platform
 import re
-import signal
 import statistics
+import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -292,61 +289,61 @@ def _peak_memories(specs: list[ModelSpec], modes: list[str], config: BenchmarkCo
 
 
 def _call_in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` in a fresh (spawned) process that Ctrl-C does not reach; its exception is raised here.
+    """``function(*args)`` in a fresh interpreter that Ctrl-C does not reach; its exception is raised here.
 
-    A terminal's Ctrl-C sends SIGINT to the whole process group: a child that took it would print a traceback of its
-    own beside the benchmark's one line. So the child starts with SIGINT ignored (a new interpreter keeps an ignored
-    SIGINT), and the interrupted benchmark ends the child itself.
+    A terminal's Ctrl-C sends SIGINT to its foreground process group: a child there would take it too and print a
+    traceback of its own beside the benchmark's one line. So the child runs in a session of its own, which no
+    terminal signals, and the interrupted benchmark ends it. (Ignoring SIGINT around the child's start, for the child
+    to inherit, would lose a Ctrl-C that lands meanwhile: the signal's action is the process's, not a thread's.)
+    ``function`` is one of this module's, named to the child; its arguments go pickled by value, and the result or
+    exception come back pickled through a pipe of their own, so the child's prints cannot mix with them.
     """
-    context = multiprocessing.get_context('spawn')
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_send_result, args=(sender, function, args), daemon=True)
-    with _sigint_ignored():
-        process.start()
-    sender.close()
+    if globals().get(function.__name__) is not function:
+        raise ValueError(f'_call_in_fresh_process runs functions of {_MODULE} only, got {function!r}')
+    read_end, write_end = os.pipe()
+    # this module by its name, also when it runs as __main__ (python -m), where __name__ would not find it
+    command = [sys.executable, '-c', f'from {_MODULE} import _fresh_process_main; _fresh_process_main({write_end})']
     try:
-        succeeded, value = receiver.recv()
-    except EOFError:
-        process.join()
-        raise RuntimeError(f'the fresh process running {function.__name__} ended without a result (exit code '
-                           f'{process.exitcode})') from None
-    except BaseException:  # Ctrl-C: the child is ended, not waited for
-        process.terminate()
-        raise
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(write_end,), start_new_session=True)
     finally:
-        process.join()
-        receiver.close()
+        os.close(write_end)
+    with os.fdopen(read_end, 'rb') as results:
+        try:
+            process.stdin.write(pickle.dumps((function.__name__, args)))
+            process.stdin.close()
+            outcome = results.read()
+            process.wait()
+        except BaseException:  # Ctrl-C: the child is ended, not waited for
+            process.kill()
+            process.wait()
+            raise
+    if not outcome:
+        raise RuntimeError(f'the fresh process running {function.__name__} ended without a result (exit code '
+                           f'{process.returncode})')
+    succeeded, value = pickle.loads(outcome)
     if not succeeded:
         raise value
     return value
 
 
-def _send_result(sender: Any, function: Callable[..., Any], args: tuple) -> None:
-    """The child's side of :func:`_call_in_fresh_process`: ``(True, result)`` or ``(False, exception)``."""
+def _fresh_process_main(result_fd: int) -> None:
+    """The child's side of :func:`_call_in_fresh_process`: reads ``(function name, args)`` from stdin, writes
+    ``(True, result)`` or ``(False, exception)`` to ``result_fd``."""
+    name, args = pickle.loads(sys.stdin.buffer.read())
+    function = globals()[name]
     try:
         outcome = (True, function(*args))
     except Exception as error:
         outcome = (False, error)
     try:
-        sender.send(outcome)
+        data = pickle.dumps(outcome)
     except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle: its text
-        sender.send((False, RuntimeError(f'{type(outcome[1]).__name__}: {outcome[1]}')))
-    sender.close()
+        data = pickle.dumps((False, RuntimeError(f'{type(outcome[1]).__name__}: {outcome[1]}')))
+    with os.fdopen(result_fd, 'wb') as results:
+        results.write(data)
 
 
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process while the block runs (only the main thread can set handlers; elsewhere, as is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
+_MODULE = 'lipsformer.instruments.benchmark'
 EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
 
 
