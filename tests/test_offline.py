@@ -115,7 +115,9 @@ def test_push_without_a_token_or_a_network_leaves_the_export_as_it_was(closed_po
                                capture_output=True, text=True, timeout=300)
     assert completed.returncode == 22, completed.stderr[-3000:]
     assert 'Traceback' not in completed.stderr
-    no_token, unreachable = [line for line in completed.stderr.splitlines() if line.startswith('error:')]
+    # one line each, naming the command (run by `python -c` here) as the other commands' errors do
+    no_token, unreachable = [line for line in completed.stderr.splitlines()
+                             if line.startswith('python -m lipsformer.hub: error:')]
     assert 'no Hugging Face token' in no_token and 'the export is unchanged' in no_token
     assert f'cannot reach the Hugging Face Hub at {closed_port}' in unreachable
     assert {name: (export / name).read_bytes() for name in os.listdir(export)} == before
