@@ -239,8 +239,12 @@ def test_script_cpu_smoke_every_step(tmp_path):
     assert completed.returncode == 0, completed.stdout[-3000:]
     report = json.loads((out / 'gpu_check.json').read_text())
     assert [(step['kind'], step['status']) for step in report['steps']] == [
-        ('environment', 'ok'), ('eager', 'ok'), ('pytest', 'ok'), ('compiled', 'skipped'), ('memory', 'ok')]
+        ('environment', 'ok'), ('conv', 'ok'), ('eager', 'ok'), ('pytest', 'ok'), ('compiled', 'skipped'),
+        ('memory', 'ok'), ('pytest', 'skipped'), ('conv_sweep', 'ok')]
     assert report['peak_memory']['results'][0]['peak_memory_mb'] > 0
+    assert report['depthwise_conv']['rows'] and report['depthwise_conv_sweep']['rows']
+    markdown = (out / 'gpu_check.md').read_text()
+    assert '## Depthwise convolutions: the op\'s tilings swept' in markdown
 
 
 def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
