@@ -430,6 +430,7 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
     gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
     nominal = _nominal_bandwidth(gpu)
     measured = 2 * copy_bytes / (copy_ms / 1e3)
+    triton = depthwise_conv_op.triton_available(torch.empty(0, device=device, dtype=dtype))  # by device and dtype
     rows = []
     for name in models:
         for entry in conv_shapes(name, batch):
@@ -443,7 +444,7 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
                              'speedup': aten_ms / op_ms, 'bytes': moved, 'op_gb_s': moved / op_ms / 1e6,
                              'fraction_of_nominal': moved / (op_ms / 1e3) / nominal if nominal else None,
                              'fraction_of_copy': moved / (op_ms / 1e3) / measured, 'relative_error': error,
-                             'triton': depthwise_conv_op.triton_available(first['forward']())})
+                             'triton': triton})
     return {'batch': batch, 'device': device, 'precision': precision, 'gpu': gpu, 'nominal_bandwidth': nominal,
             'copy_bandwidth': measured, 'rows': rows}
 
