@@ -21,11 +21,13 @@ def _assert_close_to(got: torch.Tensor, expected: torch.Tensor, name: str) -> No
                                msg=lambda text: f'{name}: {text}')
 
 
-# Maps narrower than the 7-column window (1-3 columns), a single row, odd sizes, one image, 16-64 channels and
-# channel counts that are no multiple of a vector's width; maps of at most 256 pixels take the weight gradient of all
-# images in one convolution, larger ones (17x16, 20x20) one image at a time.
-@pytest.mark.parametrize('shape', [(2, 5, 1, 16), (1, 1, 2, 32), (3, 4, 3, 16), (2, 9, 13, 48), (4, 14, 14, 64),
-                                   (1, 8, 30, 16), (2, 6, 6, 20), (2, 17, 16, 24), (3, 20, 20, 16)])
+# Maps narrower than the 7-column window (1-3 columns), a single row, a single pixel (only the centre tap sees data),
+# odd sizes, one image, 16-64 channels and channel counts that are no multiple of a vector's width; maps of at most 256
+# pixels take the weight gradient of all images in one convolution, larger ones (17x16, 20x20, 2x150) one image at a
+# time.
+@pytest.mark.parametrize('shape', [(2, 5, 1, 16), (1, 1, 2, 32), (3, 1, 1, 40), (3, 4, 3, 16), (2, 9, 13, 48),
+                                   (4, 14, 14, 64), (1, 8, 30, 16), (2, 6, 6, 20), (2, 17, 16, 24), (3, 20, 20, 16),
+                                   (2, 2, 150, 8)])
 @pytest.mark.parametrize('kernel', [7, 3])
 def test_the_depthwise_conv_gives_the_float64_gradients_of_the_plain_convolution(shape, kernel):
     x = torch.randn(shape, requires_grad=True)
@@ -42,9 +44,10 @@ def test_the_depthwise_conv_gives_the_float64_gradients_of_the_plain_convolution
         _assert_close_to(g, e, name)
 
 
-@pytest.mark.parametrize('height', [10, 20])  # all images in one convolution, one at a time
-def test_the_depthwise_weight_gradient_sums_the_images_and_takes_an_empty_batch(height):
-    x, grad = torch.randn(3, height, 12, 32), torch.randn(3, height, 12, 32)
+# all images in one convolution, one at a time, a single pixel
+@pytest.mark.parametrize('height, width', [(10, 12), (20, 12), (1, 1)])
+def test_the_depthwise_weight_gradient_sums_the_images_and_takes_an_empty_batch(height, width):
+    x, grad = torch.randn(3, height, width, 32), torch.randn(3, height, width, 32)
     with torch.no_grad():  # as in a backward
         whole = depthwise_conv._weight_grad(x, grad, (3, 3), (7, 7))
         per_image = sum(depthwise_conv._weight_grad(x[i:i + 1], grad[i:i + 1], (3, 3), (7, 7)) for i in range(3))

@@ -27,21 +27,38 @@ _PER_IMAGE_MIN_PIXELS = 256
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], kernel: tuple[int, int]
                  ) -> torch.Tensor:
     """dL/dW (C, 1, kh, kw) from NHWC input and output gradient: one image at a time for large maps, the images side
-    by side as channels of one convolution for small ones."""
+    by side as channels of one convolution for small ones.
+
+    Taps further from the centre than the map is wide see only the zero padding, so their gradient is zero: they are
+    left out of the convolution and padded back with zeros. A 1x1 map leaves only the centre tap, a product summed over
+    the images (a convolution by a 1x1 kernel of a single image would take PyTorch's slow unfolding path on one thread).
+    """
     batch, height, width, channels = x.shape
-    if batch and height * width <= _PER_IMAGE_MIN_PIXELS:  # (a batch of 0 sums nothing: zeros, below)
+    reach = (min(padding[0], height - 1), min(padding[1], width - 1))
+    border = (padding[0] - reach[0], padding[1] - reach[1])
+    if batch == 0 or height == 0 or width == 0:
+        return x.new_zeros(channels, 1, kernel[0], kernel[1])
+    if height == 1 and width == 1:
+        centre = (x * grad).sum((0, 1, 2))
+        weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
+        weight_grad[:, padding[0], padding[1]] = centre
+        return weight_grad.unsqueeze(1)
+    if height * width <= _PER_IMAGE_MIN_PIXELS:
         # (1, B*C, H, W) channels-last input and (B*C, 1, H, W) kernels: every image's channels are groups of one
-        # convolution, whose (kh, kw) outputs are summed over the images.
+        # convolution, whose outputs (a tap each) are summed over the images.
         images = x.permute(1, 2, 0, 3).reshape(1, height, width, batch * channels).permute(0, 3, 1, 2)
         kernels = grad.permute(0, 3, 1, 2).reshape(batch * channels, 1, height, width)
-        per_image = F.conv2d(images, kernels, padding=padding, groups=batch * channels)
-        return per_image.view(batch, channels, kernel[0], kernel[1]).sum(0).unsqueeze(1)
-    weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
-    for image, image_grad in zip(x.unbind(0), grad.unbind(0)):
-        # (1, C, H, W) and (C, 1, H, W) views of NHWC memory, channels-last as oneDNN takes them; with the forward's
-        # zero padding the output is (kh, kw).
-        weight_grad += F.conv2d(image.permute(2, 0, 1).unsqueeze(0), image_grad.permute(2, 0, 1).unsqueeze(1),
-                                padding=padding, groups=channels)[0]
+        per_image = F.conv2d(images, kernels, padding=reach, groups=batch * channels)
+        weight_grad = per_image.view(batch, channels, 2 * reach[0] + 1, 2 * reach[1] + 1).sum(0)
+    else:
+        weight_grad = x.new_zeros(channels, 2 * reach[0] + 1, 2 * reach[1] + 1)
+        for image, image_grad in zip(x.unbind(0), grad.unbind(0)):
+            # (1, C, H, W) and (C, 1, H, W) views of NHWC memory, channels-last as oneDNN takes them; with the
+            # forward's zero padding the output is a tap each.
+            weight_grad += F.conv2d(image.permute(2, 0, 1).unsqueeze(0), image_grad.permute(2, 0, 1).unsqueeze(1),
+                                    padding=reach, groups=channels)[0]
+    if border != (0, 0):
+        weight_grad = F.pad(weight_grad, (border[1], border[1], border[0], border[0]))
     return weight_grad.unsqueeze(1)
 
 
