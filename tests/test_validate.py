@@ -654,6 +654,21 @@ def test_an_input_size_the_model_cannot_take_is_refused_before_inference(vit, tm
                         f'of 32, got 50x50\n')
 
 
+def test_an_input_size_too_large_for_memory_is_a_one_line_error_naming_the_batch_and_size(vit, tmp_path, capsys):
+    """A mistyped --img-size (2**24: a multiple of 32, so the model takes it) asks for petabytes: exit 2 and one line
+    naming the batch, the size and the options to lower, not the allocator's traceback."""
+    model = timm.create_model(SMALLEST_MODEL, **SMALLEST_SWIN)
+    checkpoint = str(tmp_path / 'swin.safetensors')
+    safetensors.torch.save_file(model.state_dict(), checkpoint)
+    kwargs = [f'{key}={",".join(map(str, value)) if isinstance(value, list) else value}'
+              for key, value in SMALLEST_SWIN_KWARGS.items()]
+    err = _fails(['--model', SMALLEST_MODEL, '--checkpoint', checkpoint, '--data-dir', vit.val, '--model-kwargs',
+                  *kwargs, '--img-size', str(2 ** 24), '-b', '2'], capsys)
+    assert err.count('\n') == 1 and 'Traceback' not in err, err
+    assert f'error: a batch of 2 images of 3x{2 ** 24}x{2 ** 24} does not fit in the memory of cpu (' in err
+    assert err.endswith('); lower the batch size (-b) or the input size (--img-size / --input-size)\n')
+
+
 def test_a_datasets_classes_are_matched_by_name_with_those_saved_with_the_weights(vit, tmp_path, capsys):
     """--dataset labels its classes in its own order (torchvision's ImageFolder: sorted names, of the folders it
     has); a model whose saved classes are those names in another order is scored by name (100% for a model right on

@@ -15,6 +15,7 @@ from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset
 
 from ..data import read_image
+from .errors import EvaluationError
 
 __all__ = ['EvalImageDataset', 'InferenceSettings', 'Predictions', 'predict']
 
@@ -115,9 +116,19 @@ def predict(
     targets = torch.full((len(dataset),), -1, dtype=torch.long)
     filled = torch.zeros(len(dataset), dtype=torch.bool)
     with torch.inference_mode():
-        warmup = torch.zeros((min(settings.batch_size, len(dataset)), *dataset.input_size), device=accelerator.device)
-        with accelerator.autocast():
-            k = min(5, model(warmup.contiguous(memory_format=memory_format)).shape[1])
+        batch = min(settings.batch_size, len(dataset))
+        try:
+            warmup = torch.zeros((batch, *dataset.input_size), device=accelerator.device)
+            with accelerator.autocast():
+                k = min(5, model(warmup.contiguous(memory_format=memory_format)).shape[1])
+        except (RuntimeError, MemoryError) as error:
+            if not _out_of_memory(error):
+                raise
+            size = 'x'.join(map(str, dataset.input_size))
+            raise EvaluationError(
+                f'a batch of {batch} images of {size} does not fit in the memory of {accelerator.device} '
+                f'({str(error).strip().splitlines()[0][:200]}); lower the batch size (-b) or the input size '
+                f'(--img-size / --input-size)') from error
         topk = torch.full((len(dataset), k), -1, dtype=torch.long)
         start = time.perf_counter()
         for batch_index, (images, indices, ok, labels) in enumerate(loader):
@@ -139,3 +150,9 @@ def predict(
     if not filled.all():
         raise RuntimeError(f'{int((~filled).sum())} images got no prediction; the data loader lost samples')
     return Predictions(topk=topk, readable=readable, seconds=seconds, targets=targets)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether an allocation failed: CUDA's out-of-memory error, the CPU allocator's refusal or Python's."""
+    return (isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError))
+            or "can't allocate memory" in str(error) or 'out of memory' in str(error))
