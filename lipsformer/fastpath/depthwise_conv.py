@@ -38,12 +38,9 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: tuple[int, int], 
     border = (padding[0] - reach[0], padding[1] - reach[1])
     if batch == 0 or height == 0 or width == 0:
         return x.new_zeros(channels, 1, kernel[0], kernel[1])
-    if height == 1 and width == 1:
-        centre = (x * grad).sum((0, 1, 2))
-        weight_grad = x.new_zeros(channels, kernel[0], kernel[1])
-        weight_grad[:, padding[0], padding[1]] = centre
-        return weight_grad.unsqueeze(1)
-    if height * width <= _PER_IMAGE_MIN_PIXELS:
+    if reach == (0, 0):  # a 1x1 map (or a 1x1 kernel): the one tap left is a product summed over the images
+        weight_grad = (x * grad).sum((0, 1, 2)).view(channels, 1, 1)
+    elif height * width <= _PER_IMAGE_MIN_PIXELS:
         # (1, B*C, H, W) channels-last input and (B*C, 1, H, W) kernels: every image's channels are groups of one
         # convolution, whose outputs (a tap each) are summed over the images.
         images = x.permute(1, 2, 0, 3).reshape(1, height, width, batch * channels).permute(0, 3, 1, 2)
