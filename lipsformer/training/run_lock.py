@@ -11,6 +11,9 @@ holder that still runs on this host keeps the folder; a dead one's is taken over
 the file is removed.
 
 The file is never replaced or removed (a lock on a replaced file would lock nothing): a holder rewrites its contents.
+A holder checks now and then that its file is still the one at that path (:meth:`RunLock.lost`): a run folder removed
+(``rm -rf``) or replaced while its run trains is noticed, and the run stops (:class:`RunFolderGoneError`) rather than
+write into a folder nobody guards.
 """
 import contextlib
 import errno
@@ -22,7 +25,7 @@ import socket
 import time
 from typing import Any
 
-__all__ = ['LOCK_FILE', 'RunFolderInUseError', 'RunLock']
+__all__ = ['LOCK_FILE', 'RunFolderGoneError', 'RunFolderInUseError', 'RunLock']
 
 _logger = logging.getLogger(__name__)
 
@@ -52,6 +55,11 @@ class RunFolderInUseError(RuntimeError):
     def __init__(self, message: str, holder: str = 'another process') -> None:
         super().__init__(message)
         self.holder = holder
+
+
+class RunFolderGoneError(RuntimeError):
+    """The run folder, or its lock file, was removed or replaced while the run trained; the message says what was
+    found, where the state the run held was saved (if it could be) and how to continue."""
 
 
 class RunLock:
@@ -94,6 +102,26 @@ class RunLock:
         if previous and not _is_us(previous):
             _logger.info('%s: taking over the lock of %s, which has ended', self.path, _describe(previous))
         _write_holder(fd, _holder())
+
+    def lost(self) -> str | None:
+        """What became of the lock file since :meth:`acquire` (None while it is still there, the file this holder
+        locked): the run folder or the file was removed, or another file took its place. One ``stat`` and one
+        ``fstat``: cheap enough to call at every log line."""
+        if self._fd is None:
+            return None
+        held = os.fstat(self._fd)
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            if not os.path.isdir(self.run_dir):
+                return f'the run folder {os.path.abspath(self.run_dir)!r} was removed'
+            return f'its lock file {os.path.abspath(self.path)!r} was removed'
+        except OSError as e:
+            return f'its lock file {os.path.abspath(self.path)!r} cannot be read ({e.strerror})'
+        if (there.st_dev, there.st_ino) != (held.st_dev, held.st_ino) or held.st_nlink == 0:
+            return (f'the run folder {os.path.abspath(self.run_dir)!r} was removed or replaced (its lock file is '
+                    f'another file now)')
+        return None
 
     def release(self) -> None:
         """Clear the holder's details and let the lock go (the file stays)."""

@@ -26,16 +26,19 @@ from ..weights.weight_files import CheckpointError
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
-from .run_lock import RunFolderInUseError
+from .run_files import CONFIG_FILE
+from .run_lock import RunFolderGoneError, RunFolderInUseError
 from .signals import SecondInterrupt
 from .trackers import chosen_trackers
-from .trainer import train
+from .train_state import list_checkpoints
+from .trainer import PeerProcessDiedError, report_end, train
 
 __all__ = ['TIMM_ALIASES', 'Alias', 'main', 'parse_args', 'resolve_overrides']
 
 _logger = logging.getLogger('lipsformer.train')
 
 EXIT_UNEXPECTED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OS_ERROR, EXIT_ABORTED = 1, 2, 3, 4, 130
+EXIT_RUN_FOLDER_GONE, EXIT_PROCESS_DIED = 5, 6
 
 _DESCRIPTION = """Train a LipsFormer (or any timm model) with the paper's no-warmup recipe.
 
@@ -59,6 +62,10 @@ Exit status (the last log line gives the reason):
        message names the last good checkpoint
   4    the operating system refused a read or write (disk full, permissions, I/O error), wherever the error came
        from (torch, safetensors): the last line gives the system's words; saved checkpoints are whole
+  5    the run folder (or its .lock) was removed or replaced while the run trained: the run stops, and saves what
+       it held as a checkpoint in the folder made again (the message names it) unless another run holds it now
+  6    another process of a multi-process run died (killed, crashed): the message names it where it can; the
+       checkpoints saved are whole
   130  Ctrl-C aborted without saving (a second one during training, or one during set-up or the final export);
        the checkpoints saved before are whole
 """
@@ -167,6 +174,8 @@ TIMM_ALIASES: tuple[Alias, ...] = (
     Alias(('-b', '--batch-size'), 'train.batch_size'),
     Alias(('--grad-accum-steps',), 'train.grad_accum_steps'),
     Alias(('--seed',), 'train.seed'),
+    Alias(('--cudnn-benchmark',), 'train.cudnn_benchmark', switch=True,
+          note='cuDNN autotuning, on by default as timm\'s train.py sets it'),
     Alias(('--device',), 'train.device'),
     Alias(('--log-interval',), 'train.log_interval'),
     Alias(('--checkpoint-hist',), 'checkpoint.keep_last'),
@@ -352,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_main = int(os.environ.get('RANK', '0')) == 0  # before Accelerate starts: launchers set RANK per process
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format='%(asctime)s %(levelname)s %(name)s: %(message)s', datefmt='%H:%M:%S')
+    _use_the_run_s_config(args)
     try:
         config = load_config(args.config, _overrides(args))
     except ConfigError as e:
@@ -367,6 +377,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _train(config, output, args.resume, is_main, args)
 
 
+def _use_the_run_s_config(args: argparse.Namespace) -> None:
+    """``--resume auto`` without ``--config`` into a run folder that has its ``config.yaml``: continue that run as it
+    was configured (the overrides still apply), not the default recipe."""
+    if args.config is not None or args.resume != 'auto':
+        return
+    run_config = os.path.join(run_folder(args), CONFIG_FILE)
+    if os.path.isfile(run_config):
+        args.config = run_config
+        _logger.info('no --config given: continuing the run with its own %s', run_config)
+
+
 def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
     try:
         summary = train(config, output, resume=resume, wait_for_lock=args.wait_for_lock,
@@ -375,6 +396,10 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
         return _fail(EXIT_BAD_INPUT, f'{type(e).__name__}: {e}')
     except NonFiniteLossError as e:
         return _fail(EXIT_DIVERGED, f'training diverged: {e}')
+    except RunFolderGoneError as e:
+        return _fail(EXIT_RUN_FOLDER_GONE, f'RunFolderGoneError: {e}')
+    except PeerProcessDiedError as e:
+        return _fail(EXIT_PROCESS_DIED, f'PeerProcessDiedError: {e}')
     except SecondInterrupt:
         return _fail(EXIT_ABORTED, 'aborted by a second Ctrl-C without saving; --resume auto continues from the last '
                                    'checkpoint saved')
@@ -384,7 +409,7 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
     except Exception as e:
         system_error = os_error_in_chain(e)
         if system_error is not None:
-            return _fail(EXIT_OS_ERROR, _os_error_reason(e, system_error))
+            return _fail(EXIT_OS_ERROR, _os_error_reason(e, system_error, output))
         traceback.print_exc()  # a bug: the traceback first, for a report, then the one-line reason
         return _fail(EXIT_UNEXPECTED, f'unexpected error (please report it with the traceback above): '
                                       f'{type(e).__name__}: {e}')
@@ -396,19 +421,27 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
     return 0
 
 
-def _os_error_reason(error: Exception, system_error: OSError) -> str:
+def _os_error_reason(error: Exception, system_error: OSError, output: str) -> str:
     """The reason of exit status 4: the operating system's words (and the file, when known), the library error that
-    carried them when there is one, and what to do."""
+    carried them when there is one, and what to do: continue the run from its checkpoints, or start it again when it
+    has none."""
     carried = ''
     if error is not system_error:
         lines = str(error).strip().splitlines()
         carried = f' (reported as {type(error).__name__}: {lines[0][:200] if lines else ""})'
+    try:
+        has_checkpoints = bool(list_checkpoints(output))
+    except OSError:
+        has_checkpoints = False
+    then = ('continue with --resume auto' if has_checkpoints else
+            'start the run again (it saved no checkpoint to continue from)')
     return (f'the operating system refused a read or write: {system_error}{carried}; free space or fix the '
-            f'permissions, then continue with --resume auto')
+            f'permissions, then {then}')
 
 
 def _fail(code: int, reason: str) -> int:
-    _logger.error('%s (exit %d)', reason.rstrip(), code)  # a loader worker's error text ends in a newline
+    # a loader worker's error text ends in a newline; the error handled, if any, says where the line goes
+    report_end(_logger, logging.ERROR, f'{reason.rstrip()} (exit {code})', sys.exc_info()[1])
     return code
 
 
