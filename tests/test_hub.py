@@ -15,6 +15,7 @@ import torch
 from accelerate.state import AcceleratorState
 from huggingface_hub.utils import LocalEntryNotFoundError
 from image_data import make_image_folder
+from storage_faults import read_only
 from training_support import tiny_overrides
 
 from lipsformer.evaluation.checkpoints import create_eval_model
@@ -119,6 +120,46 @@ def test_card_of_a_converted_folder_and_bad_targets(run_dir, tmp_path, capsys):
     assert 'neither a training run' in capsys.readouterr().err
     with pytest.raises(CardError):
         write_card(str(tmp_path))
+
+
+def _damage(weights: str, how: str) -> None:
+    """Cut ``weights`` in half, or give its classifier a shape the architecture does not have."""
+    if how == 'truncated':
+        with open(weights, 'r+b') as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    else:
+        tensors = safetensors.torch.load_file(weights)
+        tensors['head.fc.weight'] = torch.zeros(3, 3)
+        safetensors.torch.save_file(tensors, weights)
+
+
+@pytest.mark.parametrize('file', ['model.safetensors', 'model_ema.safetensors'])
+@pytest.mark.parametrize('how', ['truncated', 'mis-shaped'])
+@pytest.mark.parametrize('bounds', [[], ['--no-lipschitz']], ids=['bounds', 'no-lipschitz'])
+def test_no_card_for_weights_that_cannot_be_read(run_dir, tmp_path, capsys, file, how, bounds):
+    run = _copy(run_dir, tmp_path)
+    export = os.path.join(run, 'export', 'best')
+    _damage(os.path.join(export, file), how)
+    assert hub_main(['card', run, *bounds]) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'Traceback' not in err
+    assert err.startswith('python -m lipsformer.hub: error: the export\'s weights cannot be read, so no card was '
+                          'written: ') and os.path.join(export, file) in err
+    assert ('truncated' if how == 'truncated' else 'shape mismatch: head.fc.weight') in err
+    assert not os.path.exists(os.path.join(export, 'README.md'))
+
+
+def test_a_card_into_a_read_only_export_is_one_line_and_status_4(run_dir, tmp_path, capsys):
+    run = _copy(run_dir, tmp_path)
+    export = os.path.join(run, 'export', 'best')
+    with read_only(export):
+        assert hub_main(['card', run, '--no-lipschitz']) == 4
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'Traceback' not in err
+    assert re.fullmatch(rf'python -m lipsformer\.hub: error: {re.escape(export)}/(README\.md|plots/\w+\.png) could '
+                        r'not be written: (Read-only file system|Permission denied); make the export writable, or copy '
+                        r'it to a writable folder and write its card there\n', err), err
+    assert not os.path.exists(os.path.join(export, 'README.md'))
 
 
 class _FakeHub:

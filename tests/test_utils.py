@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from storage_faults import read_only
 
 import lipsformer.utils.env as env
 import lipsformer.utils.io as io_module
@@ -27,6 +28,7 @@ from lipsformer.utils import (
     save_torch,
     write_json,
 )
+from lipsformer.utils.io import write_text
 
 
 def test_write_json_replaces_the_file_with_open_permissions_and_no_leftovers(tmp_path):
@@ -62,6 +64,16 @@ def test_torch_and_safetensors_files_round_trip(tmp_path):
     os.umask(umask)
     for name in ('model.safetensors', 'state.pt'):  # what open() gives (safetensors from 0.5 makes its files 0600)
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o666 & ~umask == io_module.default_file_mode()
+
+
+def test_a_write_into_a_read_only_folder_raises_its_own_error_not_the_clean_up_s(tmp_path):
+    """The temporary file was never made, and removing it fails as well on a read-only file system; the error
+    raised is the write's, with nothing chained to it."""
+    with read_only(str(tmp_path)), pytest.raises(OSError) as caught:
+        write_text(tmp_path / 'notes.txt', 'text')
+    assert caught.value.errno in (errno.EROFS, errno.EACCES)
+    assert os.path.basename(caught.value.filename).startswith('.notes.txt.tmp-')
+    assert caught.value.__context__ is None and os.listdir(tmp_path) == []
 
 
 # What safetensors says when the disk is full (measured on a full tmpfs): 0.4.x, and 0.5 on.

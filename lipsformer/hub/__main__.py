@@ -5,6 +5,7 @@ such a card (naming the repository) to the Hugging Face Hub, and writes the card
 succeeded (without a token or a connection it stops first, the export unchanged).
 """
 import argparse
+import errno
 import logging
 import sys
 
@@ -12,6 +13,8 @@ from ..utils.cli import command_name
 from ..weights.weight_files import CheckpointError
 from .model_card import CardError, write_card
 from .upload import push
+
+EXIT_BAD_INPUT, EXIT_OS_ERROR = 2, 4  # train.py's and validate.py's statuses for the same problems
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
+    """Entry point; returns the exit status (2 for bad input, 4 when the card cannot be written into the export, with
+    the reason on stderr)."""
     logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(name)s: %(message)s')
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -53,8 +57,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f'uploaded to {getattr(commit, "commit_url", args.repo_id)}')
     except (CardError, CheckpointError, FileNotFoundError) as e:
         print(f'{parser.prog}: error: {e}', file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except OSError as e:  # writing the card into the export (the upload's own failures are HubAccessErrors)
+        print(f'{parser.prog}: error: {e.filename or "the card"!s} could not be written: {e.strerror or e}; '
+              f'{_remedy(e)}', file=sys.stderr)
+        return EXIT_OS_ERROR
     return 0
+
+
+def _remedy(error: OSError) -> str:
+    """What to do about a card that could not be written, by the cause."""
+    if error.errno == errno.ENOSPC:
+        return 'free space on that disk, or copy the export to another folder and write its card there'
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return 'make the export writable, or copy it to a writable folder and write its card there'
+    return 'copy the export to another folder and write its card there'
 
 
 if __name__ == '__main__':

@@ -27,11 +27,13 @@ from ..lipschitz.analysis import analyze
 from ..training import Config, ConfigError, load_config
 from ..training.run_files import METRICS_FILE
 from ..utils.io import JsonLines, atomic_path, read_json, write_text
+from ..weights.weight_files import CheckpointError, check_state_dict, load_file, load_model_weights
 
 __all__ = ['CITATION', 'Card', 'CardError', 'ExportFolder', 'build_card', 'find_export', 'hub_dataset', 'render_card',
            'save_card', 'write_card']
 
 CARD_FILE = 'README.md'
+WEIGHTS_FILE, EMA_WEIGHTS_FILE = 'model.safetensors', 'model_ema.safetensors'
 PLOTS_DIR = 'plots'
 CITATION = '''@inproceedings{qi2023lipsformer,
   title     = {LipsFormer: Introducing Lipschitz Continuity to Vision Transformers},
@@ -120,9 +122,36 @@ def _run_facts(run_dir: str) -> tuple[Config, dict[str, Any]]:
     return config, read_json(summary_path) if os.path.isfile(summary_path) else {}
 
 
-def _lipschitz_summary(folder: str) -> dict[str, Any] | None:
+def _exported_model(folder: str) -> torch.nn.Module:
+    """The export's network with its weights, every weight file of the folder checked against it: a card describes
+    weights that load, so one that cannot be read (truncated, mis-shaped) is refused before anything is written.
+
+    Raises:
+        CardError: ``model.safetensors`` (or ``model_ema.safetensors``) cannot be read or does not fit the
+            architecture ``config.json`` names.
+    """
+    try:
+        model = timm.create_model(f'local-dir:{folder}', pretrained=False)
+    except (RuntimeError, TypeError, ValueError, KeyError) as e:
+        raise CardError(f'the model {os.path.join(folder, "config.json")!r} describes cannot be built ({e}); no card '
+                        f'was written. Export the run again, or convert the weights (python -m lipsformer.hub.convert)'
+                        ) from e
+    for name in (WEIGHTS_FILE, EMA_WEIGHTS_FILE):
+        path = os.path.join(folder, name)
+        if name == EMA_WEIGHTS_FILE and not os.path.isfile(path):
+            continue
+        try:
+            if name == EMA_WEIGHTS_FILE:
+                check_state_dict(model, load_file(path), source=path)
+            else:
+                load_model_weights(model, path)
+        except (CheckpointError, FileNotFoundError) as e:
+            raise CardError(f'the export\'s weights cannot be read, so no card was written: {e}') from e
+    return model
+
+
+def _lipschitz_summary(model: torch.nn.Module) -> dict[str, Any] | None:
     """Bounds (no empirical estimates) of the exported weights; None for a model the analysis does not know."""
-    model = timm.create_model(f'local-dir:{folder}', pretrained=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many small power iterations: one thread is much faster than all on a busy CPU
     try:
@@ -379,9 +408,11 @@ def build_card(export: ExportFolder, repo_id: str | None = None, lipschitz: bool
             scored there joins the card's results (and its ``model-index``).
 
     Raises:
-        CardError: A results file that cannot be read or scores other weights, or a run config that cannot be read.
+        CardError: A results file that cannot be read or scores other weights, a run config that cannot be read, or
+            weights that cannot be read or do not fit ``config.json``'s architecture.
     """
     config_json = read_json(os.path.join(export.path, 'config.json'))
+    model = _exported_model(export.path)
     config, summary = _run_facts(export.run_dir) if export.run_dir else (None, {})
     label_names = config_json.get('label_names')
     epoch = _exported_epoch(export, summary) if export.run_dir else {}
@@ -406,7 +437,7 @@ def build_card(export: ExportFolder, repo_id: str | None = None, lipschitz: bool
         lines += ['No training run beside this folder: data, recipe and metrics were not recorded with it.', '']
     if results:  # beside the run's own evaluation, shown above
         lines += _results_section(scores)
-    lines += _lipschitz_section(_lipschitz_summary(export.path) if lipschitz else None, epoch)
+    lines += _lipschitz_section(_lipschitz_summary(model) if lipschitz else None, epoch)
     plots = _run_plots(export)
     if plots:
         lines += ['## Plots', ''] + [f'![{os.path.splitext(os.path.basename(p))[0]}]({p})' for p in plots] + ['']
@@ -423,17 +454,26 @@ def render_card(export: ExportFolder, repo_id: str | None = None, lipschitz: boo
 
 
 def save_card(export: ExportFolder, card: Card) -> str:
-    """Write ``card`` into the export: its plots (copied, each atomically), then ``README.md``; returns its path."""
-    for relative, source in card.plots.items():
-        target = os.path.join(export.path, relative)
-        if os.path.abspath(source) == os.path.abspath(target):
-            continue
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with atomic_path(target) as temporary:
-            shutil.copyfile(source, temporary)
-    path = os.path.join(export.path, CARD_FILE)
-    write_text(path, card.text)
-    return path
+    """Write ``card`` into the export: its plots (copied, each atomically), then ``README.md``; returns its path.
+
+    Raises:
+        OSError: A file could not be written (a read-only folder, a full disk); its ``filename`` is the file meant,
+            not the temporary one the write went to.
+    """
+    target = os.path.join(export.path, CARD_FILE)
+    try:
+        for relative, source in card.plots.items():
+            target = os.path.join(export.path, relative)
+            if os.path.abspath(source) == os.path.abspath(target):
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with atomic_path(target) as temporary:
+                shutil.copyfile(source, temporary)
+        target = os.path.join(export.path, CARD_FILE)
+        write_text(target, card.text)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), target) from e
+    return target
 
 
 def write_card(target: str | ExportFolder, repo_id: str | None = None, which: str = 'best',

@@ -58,7 +58,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         _fsync_file(temporary)
         os.replace(temporary, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        # On a read-only or vanished folder the removal fails as well; the write's own error is the one to report.
+        with contextlib.suppress(OSError):
             os.remove(temporary)
         raise
     fsync_dir(folder)
