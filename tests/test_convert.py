@@ -6,6 +6,7 @@ import os
 import pytest
 import timm
 import torch
+from storage_faults import full_disk
 from tiny_models import SMALLEST_MODEL, SMALLEST_SWIN
 
 from lipsformer.hub.convert import ConversionError, authors_model_config, convert
@@ -156,3 +157,18 @@ def test_an_unusable_output_or_a_misspelt_argument_is_a_one_line_error(tiny_file
     assert convert_main([path, str(tmp_path / 'out'), '--model', SMALLEST_MODEL, *kwargs, 'img_size=50']) == 2
     assert 'img_size must be a multiple of 32, got 50x50' in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ['file', 'weights.safetensors']
+
+
+def test_a_full_disk_is_one_line_and_status_4_with_nothing_left(tiny_file, tmp_path, capsys):
+    """OUT_DIR on a tmpfs smaller than the weights: exit 4 and one line, as validate.py and lipsformer-lipschitz end
+    on a failed write, and neither the folder nor a temporary one is left on that disk."""
+    _, path = tiny_file
+    size_kib = max(os.path.getsize(path) // 2048, 8)
+    with full_disk(str(tmp_path / 'small'), f'{size_kib}k') as small:
+        out = os.path.join(small, 'out')
+        assert convert_main([path, out, '--model', SMALLEST_MODEL, '--model-kwargs', 'num_classes=3', 'embed_dim=16',
+                             'depths=[1,1,1,1]', 'num_heads=[1,1,1,1]', 'window_size=4', 'img_size=32']) == 4
+        assert os.listdir(small) == []
+    assert capsys.readouterr().err == (
+        f'python -m lipsformer.hub.convert: error: {out} could not be written: No space left on device; nothing was '
+        f'written there (free space there, or give an OUT_DIR on another disk)\n')

@@ -12,6 +12,7 @@ name the model); ``--model`` names the architecture when nothing in or next to t
 over an authors' config. Files are read by :mod:`lipsformer.weights.weight_files`, which never runs pickled code.
 """
 import argparse
+import errno
 import logging
 import os
 import shutil
@@ -26,7 +27,7 @@ from timm.models import split_model_name_tag
 from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from ..evaluation.errors import EvaluationError
 from ..utils.cli import HelpFormatter, ModelKwargs, command_name
-from ..utils.io import replace_dir, unwritable_file_reason
+from ..utils.io import os_error_in_chain, replace_dir, unwritable_file_reason
 from ..weights.model_folder import save_model_folder
 from ..weights.model_names import meant_argument, unaccepted_kwargs
 from ..weights.weight_files import CheckpointError, load_checkpoint_dict, load_file
@@ -34,6 +35,8 @@ from ..weights.weight_files import CheckpointError, load_checkpoint_dict, load_f
 __all__ = ['ConversionError', 'authors_model_config', 'convert', 'main']
 
 _logger = logging.getLogger(__name__)
+
+EXIT_BAD_INPUT, EXIT_OS_ERROR = 2, 4  # train.py's and validate.py's statuses for the same problems
 
 # The authors' yacs MODEL.TYPE -> our family, and where each constructor argument lives in their config.
 _AUTHORS_FAMILIES = {'swin': 'lipsformer_swin'}
@@ -220,8 +223,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _write_failure(error: OSError, out_dir: str) -> str:
+    """The one line that says which file the system refused and what to do, by the cause."""
+    out_dir = os.path.abspath(out_dir)
+    where = os.path.dirname(out_dir)
+    if error.filename and os.path.commonpath([os.path.abspath(error.filename), where]) != where:
+        return f'{error.filename}: {error.strerror}'  # the source, or a file elsewhere
+    if error.errno == errno.ENOSPC:
+        remedy = 'free space there, or give an OUT_DIR on another disk'
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        remedy = 'fix the permissions, or give another OUT_DIR'
+    else:
+        remedy = 'give another OUT_DIR'
+    return f'{out_dir} could not be written: {error.strerror}; nothing was written there ({remedy})'
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
+    """Entry point; returns the exit status (2 for bad input, 4 when the folder cannot be written: a full disk,
+    permissions), with the reason on stderr."""
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -229,7 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         result = convert(args.src, args.out_dir, args.model, args.model_kwargs, args.use_ema, args.force)
     except (ConversionError, CheckpointError) as e:
         print(f'{parser.prog}: error: {e}', file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001  a failed write is safetensors' or torch's error as often as an OSError
+        system_error = os_error_in_chain(e)
+        if system_error is None:
+            raise
+        print(f'{parser.prog}: error: {_write_failure(system_error, args.out_dir)}', file=sys.stderr)
+        return EXIT_OS_ERROR
     print(f'wrote {result["out_dir"]}: {result["architecture"]}, {result["num_classes"]} classes, '
           f'{result["params"]:,} parameters; timm.create_model(\'local-dir:{result["out_dir"]}\', pretrained=True) '
           f'reproduces the source logits (max |difference| {result["max_abs_logit_difference"]:g})')
