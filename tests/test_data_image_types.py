@@ -1,5 +1,6 @@
 """Every image type the docs name is read from an image-folder split, as a folder or as a ``.tar``, by training and by
 validate.py's ``--dataset``; every file that is not read is named as skipped."""
+import io
 import logging
 import os
 import tarfile
@@ -10,6 +11,7 @@ from PIL import Image
 from torchvision import transforms
 
 from lipsformer.data import DataSource, open_split, read_image
+from lipsformer.data.datasets import class_map_of
 from lipsformer.data.images import IMAGE_EXTENSIONS
 from lipsformer.evaluation.dataset_passes import DataRequest, plan_datasets
 
@@ -122,3 +124,44 @@ def test_an_unreadable_file_of_torchvisions_image_folder_is_named_when_skipped(t
         image, label = dataset[1]
     assert label == 0 and dataset.skipped_images() == 1
     assert f"skipping unreadable image {str(tmp_path / 'train' / 'class_0' / 'gone.png')!r} (index 1)" in caplog.text
+
+
+def _add_image(tar: tarfile.TarFile, name: str, value: int) -> None:
+    """A member ``name`` (taken as it is: tar.add would strip a leading /) holding an 8x8 PNG of one gray value."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8), value, dtype=np.uint8)).save(buffer, format='PNG')
+    member = tarfile.TarInfo(name)
+    member.size = len(buffer.getvalue())
+    tar.addfile(member, io.BytesIO(buffer.getvalue()))
+
+
+def test_tar_members_whose_paths_lead_outside_are_skipped_named_and_make_no_class(tmp_path, caplog):
+    """``../../outside/escaped.png`` would be a class ``outside`` and ``/outside/bag/abs.png`` an image of ``bag``
+    (timm labels a member by the folder above it); both are skipped and named, in the training split and in an
+    evaluation split labelled with the training split's classes."""
+    for split, extra in (('train', ['../../outside/escaped.png', '/outside/bag/abs.png']),
+                         ('validation', ['../bag/up.png', '/shoe/abs.png'])):
+        with tarfile.open(tmp_path / f'{split}.tar', 'w') as tar:
+            for value, name in enumerate(['bag/0.png', 'bag/1.png', 'shoe/0.png', *extra, 'shoe/1.png']):
+                _add_image(tar, name, 255 if name in extra else value)
+    source = DataSource(data_dir=str(tmp_path), in_chans=1)
+    with caplog.at_level(logging.WARNING, logger='lipsformer.data.sources'):
+        train = open_split(source, 'train', 'data.train_split', True, transforms.PILToTensor())
+    assert class_map_of(train) == {'bag': 0, 'shoe': 1}
+    assert sorted(train.dataset.reader.class_idx_to_name.items()) == [(0, 'bag'), (1, 'shoe')]
+    assert [member.name for member, _, _ in train.dataset.reader.samples] == ['bag/0.png', 'bag/1.png', 'shoe/0.png',
+                                                                             'shoe/1.png']
+    assert [int(label) for _, label in (train[i] for i in range(len(train)))] == [0, 0, 1, 1]
+    assert all(int(image.max()) < 255 for image, _ in (train[i] for i in range(len(train))))  # none read
+    assert (f"data.train_split: skipping 2 member(s) of {str(tmp_path / 'train.tar')!r} whose paths lead out of the "
+            f"archive (absolute, or with ..): ../../outside/escaped.png, /outside/bag/abs.png; they are not read and "
+            f"make no class") in caplog.text
+    assert 'that are not images' not in caplog.text  # each skipped member is named once
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger='lipsformer.data.sources'):
+        validation = open_split(source, 'validation', 'data.val_split', False, transforms.PILToTensor(),
+                                class_map=class_map_of(train))
+    assert [(member.name, int(label)) for (member, _, _), label in zip(validation.dataset.reader.samples,
+                                                                       validation.dataset.reader.targets)] == [
+        ('bag/0.png', 0), ('bag/1.png', 0), ('shoe/0.png', 1), ('shoe/1.png', 1)]
+    assert 'skipping 2 member(s)' in caplog.text and '../bag/up.png, /shoe/abs.png' in caplog.text

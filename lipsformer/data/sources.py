@@ -15,9 +15,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from timm.data import ImageDataset, create_dataset
 from timm.data.readers.class_map import load_class_map
 from timm.data.readers.img_extensions import get_img_extensions, set_img_extensions
+from timm.data.readers.reader_image_in_tar import ReaderImageInTar
+from timm.utils.misc import natural_key
 from torch.utils.data import Dataset, IterableDataset
 from torchvision import transforms
 from torchvision.datasets import DatasetFolder
@@ -32,10 +35,12 @@ from .splits import (
     check_split_classes,
     check_torchvision_split,
     class_folders_without_images,
+    leads_outside,
     listing,
     loose_images,
     non_image_files,
     split_folder,
+    tar_members_outside,
 )
 
 __all__ = ['DataSource', 'decode_here', 'every_image_type', 'is_image_folder', 'open_split']
@@ -162,7 +167,7 @@ def _create(source: DataSource, split: str, option: str, is_training: bool, root
     """``create_dataset`` for one split, its failures reported as a :class:`DatasetNotFoundError`."""
     try:
         with every_image_type():
-            return create_dataset(
+            dataset = create_dataset(
                 source.dataset, root=root, split=split, search_split=False, is_training=is_training,
                 class_map=class_map, download=source.download, batch_size=source.batch_size, num_samples=num_samples,
                 seed=source.seed, input_img_mode=source.image_mode)
@@ -170,6 +175,33 @@ def _create(source: DataSource, split: str, option: str, is_training: bool, root
         raise DatasetNotFoundError(f'{option}: cannot open the {split!r} split of dataset '
                                    f'{source.dataset or "(image folder)"!r} under {source.data_dir!r}: '
                                    f'{e or type(e).__name__}') from e
+    _drop_members_outside(dataset, renumber=not class_map)
+    return dataset
+
+
+def _drop_members_outside(dataset: Dataset, renumber: bool) -> None:
+    """Take the members of a tar split whose paths lead out of the archive (``../x/a.png``, ``/x/a.png``) out of
+    timm's tar reader, which labels each by the folder above it: none is read, and none is a class.
+
+    Args:
+        dataset: What ``create_dataset`` made; anything but a tar split is left as it is.
+        renumber: The classes were the members' folders (no class map given): number the ones left anew, in timm's
+            natural order, so that a class only such members had is gone. With a class map the indices stay.
+    """
+    reader = getattr(dataset, 'reader', None)
+    if not isinstance(reader, ReaderImageInTar) or not len(reader.samples):
+        return
+    keep = [index for index, (member, _, inner_tar) in enumerate(reader.samples)
+            if not leads_outside(member.name) and not (inner_tar is not None and leads_outside(inner_tar.name))]
+    if len(keep) == len(reader.samples):
+        return
+    samples, targets = reader.samples[keep], reader.targets[keep]
+    if renumber:
+        names = [reader.class_idx_to_name[int(target)] for target in targets]
+        reader.class_name_to_idx = {name: index for index, name in enumerate(sorted(set(names), key=natural_key))}
+        reader.class_idx_to_name = {index: name for name, index in reader.class_name_to_idx.items()}
+        targets = np.array([reader.class_name_to_idx[name] for name in names], dtype=targets.dtype)
+    reader.samples, reader.targets = samples, targets
 
 
 def _open_folder_split(source: DataSource, split: str, option: str, is_training: bool,
@@ -186,6 +218,11 @@ def _open_folder_split(source: DataSource, split: str, option: str, is_training:
     if left_out:
         _logger.warning('%s: skipping %d file(s) under %r that are not images (read: %s): %s', option, len(left_out),
                         root, ' '.join(sorted(IMAGE_EXTENSIONS)), listing(left_out, 5))
+    outside = tar_members_outside(root)
+    if outside:
+        _logger.warning('%s: skipping %d member(s) of %r whose paths lead out of the archive (absolute, or with ..): '
+                        '%s; they are not read and make no class. Store every image as <class>/<image> inside it',
+                        option, len(outside), root, listing(outside, 5))
     dataset = _create(source, split, option, is_training, root, '', num_samples)
     found = class_map_of(dataset) or {}
     reference, described = class_map, 'the training split\'s classes'

@@ -23,7 +23,8 @@ from timm.utils.misc import natural_key
 from .images import is_image_file
 
 __all__ = ['DatasetError', 'DatasetNotFoundError', 'check_split_classes', 'check_torchvision_split',
-           'class_folders_without_images', 'listing', 'loose_images', 'non_image_files', 'split_folder']
+           'class_folders_without_images', 'leads_outside', 'listing', 'loose_images', 'non_image_files',
+           'split_folder', 'tar_members_outside']
 
 _logger = logging.getLogger(__name__)
 
@@ -113,16 +114,35 @@ def non_image_files(split: str) -> list[str]:
 
 
 def _tar_non_image_members(path: str) -> list[str]:
-    """The members of a tar that timm's tar reader leaves out (headers only are read: a tar is not decompressed)."""
-    try:
-        with tarfile.open(path) as tar:
-            members = tar.getmembers()
-    except (tarfile.TarError, OSError):
-        return []  # timm's reader says what is wrong with the file
-    return sorted((member.name for member in members if not member.isdir()
-                   and not os.path.basename(member.name).startswith('.')
+    """The members of a tar that timm's tar reader leaves out (headers only are read: a tar is not decompressed);
+    members whose paths lead out of the archive are listed by :func:`tar_members_outside` instead."""
+    return sorted((member.name for member in _tar_members(path) if not member.isdir()
+                   and not os.path.basename(member.name).startswith('.') and not leads_outside(member.name)
                    and not (member.isfile() and (is_image_file(member.name) or member.name.lower().endswith('.tar')))),
                   key=natural_key)
+
+
+def _tar_members(path: str) -> list[tarfile.TarInfo]:
+    try:
+        with tarfile.open(path) as tar:
+            return tar.getmembers()
+    except (tarfile.TarError, OSError):
+        return []  # timm's reader says what is wrong with the file
+
+
+def leads_outside(member_name: str) -> bool:
+    """Whether a tar member's path leads out of the archive's tree: an absolute path, or one with a ``..`` part.
+    timm's reader would take the folder above such a member for its class (``../../outside/x.png`` is a class
+    ``outside``), and a tool that extracts the archive would write it outside the folder extracted into."""
+    return member_name.startswith('/') or '..' in member_name.split('/')
+
+
+def tar_members_outside(split: str) -> list[str]:
+    """The members of a ``.tar`` split whose paths lead out of the archive (:func:`leads_outside`), in natural order
+    ([] for a folder split); the training and evaluation splits skip them (headers only are read)."""
+    if not (os.path.isfile(split) and split.lower().endswith('.tar')):
+        return []
+    return sorted((member.name for member in _tar_members(split) if leads_outside(member.name)), key=natural_key)
 
 
 def check_torchvision_split(dataset: str, split: str, key: str) -> None:
