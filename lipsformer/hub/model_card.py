@@ -363,6 +363,16 @@ def _lipschitz_section(lipschitz: dict[str, Any] | None, final: dict[str, Any]) 
     return lines + [''] if len(lines) > 2 else []
 
 
+# Why transformers' image-classification pipeline cannot feed a model that is not RGB (checked by the tests against
+# the installed transformers): its image processor is timm's evaluation transform of the folder's pretrained cfg,
+# which has no channel conversion, and the pipeline makes every path or PIL image RGB first.
+_PIPELINE_CHANNELS = ('. transformers\' `pipeline(\'image-classification\')` makes every file name, URL and PIL image '
+                      'RGB (3 channels) before its image processor (timm\'s evaluation transform of `config.json`\'s '
+                      'pretrained cfg, which has no setting to convert channels) sees it, so on a path or a PIL image '
+                      'it needs a 3-channel model; this model takes {in_chans}, and fails there with "expected '
+                      '{in_chans} input channels, got 3".')
+
+
 def _usage_section(repo_id: str | None, has_ema: bool, in_chans: int, label_names: bool) -> list[str]:
     repo = repo_id or 'USER/REPO'
     mode = 'RGB' if in_chans == 3 else 'L' if in_chans == 1 else None
@@ -380,11 +390,19 @@ def _usage_section(repo_id: str | None, has_ema: bool, in_chans: int, label_name
              f"    print({names}, f'{{p.item():.3f}}')", '```', '',
              'With transformers (4.53 or later, whose TimmWrapper builds the architecture with `config.json`\'s '
              '`model_args`; `import lipsformer` registers it with timm, without which transformers reports an '
-             'unknown architecture):', '', '```python', 'import lipsformer',
+             'unknown architecture)' + (':' if in_chans == 3 else _PIPELINE_CHANNELS.format(in_chans=in_chans) + (
+                 ' Give this one the image as an H x W x 1 array, which the pipeline does not convert:' if in_chans == 1
+                 else ' Run this one with the model and the transform above.')),
+             '', '```python', 'import lipsformer',
              'from transformers import AutoModelForImageClassification, pipeline', '']
     if in_chans == 3:
         lines += [f"classifier = pipeline('image-classification', model='{repo}')",
                   "print(classifier('image.jpg'))  # labels from config.json's label_names", '']
+    elif in_chans == 1:
+        opening = len(lines) - 1 - lines[::-1].index('```python')  # the transformers block's
+        lines.insert(opening + 1, 'import numpy as np')
+        lines += [f"classifier = pipeline('image-classification', model='{repo}')",
+                  "print(classifier(np.asarray(Image.open('image.jpg').convert('L'))[..., None]))", '']
     lines += [f"model = AutoModelForImageClassification.from_pretrained('{repo}').eval()",
               'logits = model(transform(image).unsqueeze(0)).logits  # the transform above', '```', '',
               'A new classifier for another class count: add `num_classes=N`; timm then leaves the classifier at its '
