@@ -20,7 +20,7 @@ from timm.data import resolve_input_data_config
 from ..training.compilation import COMPILE_SCOPES, CUDA_GRAPH_MODES, compile_model, effective_mode
 from ..utils.cli import ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason
-from ..utils.processes import end_processes, select_device, wants_cpu_group
+from ..utils.processes import end_processes, select_device, set_cudnn_benchmark, wants_cpu_group
 from ..weights.model_names import UnknownModelError, expand_model_names, unaccepted_kwargs
 from ..weights.weight_files import CheckpointError
 from .checkpoints import ResolvedCheckpoint, create_eval_model, resolve_checkpoint
@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help='with --torchcompile: regional (each LipsFormer block, once per block shape; a model '
                                'without them compiles whole) or whole (the whole model)')
     settings.add_argument('--channels-last', action='store_true', help='NHWC memory layout')
+    settings.add_argument('--cudnn-benchmark', action=argparse.BooleanOptionalAction, default=True,
+                          help='cuDNN autotuning, as timm\'s validate.py sets it: cuDNN times its kernels at the first '
+                               'batch of each input shape and keeps the fastest (on; --no-cudnn-benchmark takes its '
+                               'heuristic\'s pick, the same kernels in every run)')
     settings.add_argument('--device', help='cpu, or an accelerator (cuda, cuda:1, mps, xpu, ...); default: the one '
                                            'accelerate gives each process, else the CPU')
     settings.add_argument('--cpu', action='store_true', help='run on CPU even if a GPU is available (--device cpu)')
@@ -184,6 +188,7 @@ def _make_accelerator(args: argparse.Namespace) -> Accelerator:
         cpu = select_device('cpu' if args.cpu else args.device)
     except ValueError as e:
         raise EvaluationError(str(e)) from e
+    set_cudnn_benchmark(args.cudnn_benchmark)
     # Several processes launched on a host without an accelerator (accelerate launch --multi_gpu, torchrun) form one
     # CPU (gloo) group, as in training.
     accelerator = Accelerator(cpu=cpu or wants_cpu_group(),
@@ -242,7 +247,7 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
                     torchcompile_scope=compiled_scope,
                     torchcompile_mode=effective_mode(args.torchcompile_mode or 'default', accelerator.device.type)
                     if args.torchcompile == 'inductor' else None,
-                    device=str(accelerator.device))
+                    device=str(accelerator.device), cudnn_benchmark=torch.backends.cudnn.benchmark)
     return model_record(model_name, checkpoint.weights if checkpoint else None, settings, results, param_count)
 
 

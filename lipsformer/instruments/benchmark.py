@@ -17,8 +17,10 @@ files you trust). Per model and mode it reports images/s (models interleaved in 
 of the repeats), the median and interquartile range of its per-repeat ratios to the first model (paired within each
 repeat: the steadier figure when another job disturbs some repeats), the process's minor page faults per timed step,
 peak memory (each model in a fresh process), activations saved for backward per image, params, GMACs and TFLOP/s, with
-ratios to the first model; ``docs/performance.md`` says how each is measured. With ``--json``, the report is also
-written after each mode, ``complete`` false until the end, so that a run cut short keeps the modes it finished.
+ratios to the first model; ``docs/performance.md`` says how each is measured. cuDNN autotunes, as in timm's
+benchmark.py (``--no-cudnn-benchmark``: its heuristic's kernels; the report's ``config`` says which). With ``--json``,
+the report is also written after each mode, ``complete`` false until the end, so that a run cut short keeps the modes
+it finished.
 """
 
 import argparse
@@ -63,6 +65,7 @@ from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
 from lipsformer.utils.cli import command_name, ctrl_c_deferred, usage_error
 from lipsformer.utils.cpu_memory import retain_freed_memory
+from lipsformer.utils.processes import set_cudnn_benchmark
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
            'run_benchmark', 'saved_activations_mb', 'write_report']
@@ -92,6 +95,9 @@ class BenchmarkConfig:
     retain_cpu_memory: bool = True  # lipsformer.utils.cpu_memory.retain_freed_memory() in every process on CPU
     profile_steps: int = 0  # steps of each model and mode profiled after its timed runs (instruments.step_profile)
     count_kernels: bool = False  # instruments.kernel_count's counts of each model and mode, as CUDA eager runs them
+    # cuDNN autotuning (torch.backends.cudnn.benchmark) in every process: the warm-up's first step of each model and
+    # mode times cuDNN's kernels, so the timed steps run the fastest
+    cudnn_benchmark: bool = True
 
     def steps_per_run(self) -> int:
         return self.steps or (10 if self.device.startswith('cuda') else 1)
@@ -522,9 +528,11 @@ def _kernel_counts(specs: list[ModelSpec], modes: list[str], config: BenchmarkCo
 
 
 def _configure_process(config: BenchmarkConfig) -> bool:
-    """Set torch's threads and, if asked, glibc's retention of freed memory; returns whether memory is retained."""
+    """Set torch's threads, cuDNN's autotuning and, if asked, glibc's retention of freed memory; returns whether memory
+    is retained."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    set_cudnn_benchmark(config.cudnn_benchmark)
     if not config.retain_cpu_memory or config.device != 'cpu':
         return False
     if not retain_freed_memory():
@@ -553,6 +561,7 @@ def environment(device: str) -> dict:
     if device.startswith('cuda'):
         info['gpu'] = torch.cuda.get_device_name(device)
         info['cuda'] = torch.version.cuda
+        info['cudnn'] = torch.backends.cudnn.version()
     return info
 
 
@@ -640,6 +649,10 @@ def _parser() -> argparse.ArgumentParser:
                              'malloc settings, lipsformer.utils.cpu_memory, as train.py does): large activations stop '
                              'page-faulting every step, whose cost otherwise depends on the allocation history '
                              '(default: on; --no-retain-cpu-memory measures glibc\'s defaults)')
+    parser.add_argument('--cudnn-benchmark', action=argparse.BooleanOptionalAction, default=True,
+                        help='cuDNN autotuning, as timm\'s benchmark.py sets it: the first step of each model, mode '
+                             'and input shape times cuDNN\'s kernels and keeps the fastest (default: on; '
+                             '--no-cudnn-benchmark times its heuristic\'s picks)')
     parser.add_argument('--no-memory', dest='memory', action='store_false',
                         help='skip the peak-memory child processes')
     parser.add_argument('--profile', type=int, default=0, metavar='STEPS',
@@ -675,7 +688,8 @@ def _config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
                            channels_last=args.channels_last, device=args.device,
                            warmup=args.warmup, repeats=args.repeats, steps=args.steps, memory=args.memory,
                            threads=args.threads, retain_cpu_memory=args.retain_cpu_memory,
-                           profile_steps=args.profile, count_kernels=args.count_kernels)
+                           profile_steps=args.profile, count_kernels=args.count_kernels,
+                           cudnn_benchmark=args.cudnn_benchmark)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -249,6 +249,13 @@ class TrainConfig:
     seed: int = _key(42, 'Seed for weights, data order and augmentation (each process offsets it by its rank).',
                      Rule(lambda v: 0 <= v < 2 ** 31, 'an integer in [0, 2**31)'))
     deterministic: bool = _key(False, 'Use deterministic kernels (slower; for bit-exact GPU runs).')
+    cudnn_benchmark: bool = _key(True, 'cuDNN autotuning (torch.backends.cudnn.benchmark, on in timm\'s train.py): '
+                                       'at the first step of each new input shape cuDNN times its candidate kernels '
+                                       'and keeps the fastest, where its heuristic\'s pick is very slow for the '
+                                       'depthwise 7x7 convolutions\' weight gradient. That first step is slower (a '
+                                       'smaller last batch is a new shape too), and the picks may differ between '
+                                       'runs, so results may differ in the last bits; train.deterministic=true turns '
+                                       'it off. CUDA only; summary.json records whether it was on.')
     eval_interval: int = _key(1, 'Evaluate every N epochs (and always after the last one).', _POSITIVE_INT)
     log_interval: int = _key(50, 'Optimizer updates between progress log lines and tracker steps (train loss, lr, '
                                  'grad norm).', _POSITIVE_INT)

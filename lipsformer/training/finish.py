@@ -49,6 +49,8 @@ def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any
                                    ranks_identical=len(set(digests)) <= 1, last_checkpoint=session.last_checkpoint,
                                    distributed=distributed_summary(accelerator), **_skipped_images(session.progress))
     summary['compile'] = session.compile_record()  # scope, mode and this start's first micro-batch, or null
+    # whether cuDNN autotuned (train.cudnn_benchmark), so that a speed figure says which kernels it timed
+    summary['cudnn_benchmark'] = torch.backends.cudnn.benchmark
     if session.progress.history:
         summary['final_metrics'] = session.progress.history[-1]
     if accelerator.is_main_process:

@@ -34,7 +34,7 @@ from timm.utils import ModelEmaV3
 
 from ..data import class_map_of, class_names_of, num_classes_of
 from ..utils.cpu_memory import retain_freed_memory
-from ..utils.processes import check_process_group, select_device, wants_cpu_group
+from ..utils.processes import check_process_group, select_device, set_cudnn_benchmark, wants_cpu_group
 from ..weights.model_names import (
     ModelSourceError,
     check_model_source,
@@ -151,12 +151,24 @@ def create_accelerator(config: Config, run_dir: str) -> Accelerator:
     Several processes launched on a host without an accelerator form one CPU group (gloo); a launch whose processes
     Accelerate does not see as one group is refused (:mod:`lipsformer.utils.processes`).
 
+    cuDNN autotunes as ``train.cudnn_benchmark`` says, unless ``train.deterministic`` asks for repeatable results
+    (:func:`~lipsformer.utils.processes.set_cudnn_benchmark`).
+
     Raises:
         LaunchError: The processes launched would each train alone.
         ConfigError: fp16 on a CPU (which would train in fp32), or a device that is not there.
     """
     if config.train.cpu_threads is not None:
         torch.set_num_threads(config.train.cpu_threads)
+    autotune = config.train.cudnn_benchmark
+    if autotune is True and config.train.deterministic:
+        # timed picks may differ between runs, and so would the last bits of the results
+        _logger.info('train.deterministic: cuDNN autotuning (train.cudnn_benchmark) is off')
+        autotune = False
+    try:
+        set_cudnn_benchmark(autotune, 'train.cudnn_benchmark')
+    except ValueError as e:  # a Config built in Python: a file's value is checked as it is read
+        raise ConfigError(str(e)) from None
     project = ProjectConfiguration(project_dir=run_dir, logging_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     try:
         cpu = select_device(config.train.device, 'train.device')

@@ -172,6 +172,8 @@ TIMM_ALIASES: tuple[Alias, ...] = (
     Alias(('-b', '--batch-size'), 'train.batch_size'),
     Alias(('--grad-accum-steps',), 'train.grad_accum_steps'),
     Alias(('--seed',), 'train.seed'),
+    Alias(('--cudnn-benchmark',), 'train.cudnn_benchmark', switch=True,
+          note='cuDNN autotuning, on by default as timm\'s train.py sets it'),
     Alias(('--device',), 'train.device'),
     Alias(('--log-interval',), 'train.log_interval'),
     Alias(('--checkpoint-hist',), 'checkpoint.keep_last'),

@@ -2,6 +2,8 @@
 hang. Training (train.py) and evaluation (validate.py) start and end their processes here.
 
 - :func:`select_device`: timm's ``--device`` (``train.device``) prepared before Accelerate starts;
+- :func:`set_cudnn_benchmark`: cuDNN's autotuning, on in every command as in timm's scripts, with each command's
+  switch to turn it off;
 - :func:`wants_cpu_group` / :func:`check_process_group`: the processes a launcher started work together, or not at
   all (below);
 - :func:`end_processes`: trackers finished and the process group left without the gloo teardown deadlock;
@@ -34,7 +36,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 __all__ = ['LaunchError', 'check_process_group', 'distributed_summary', 'end_processes', 'launched_processes',
-           'release_accelerator', 'select_device', 'wants_cpu_group']
+           'release_accelerator', 'select_device', 'set_cudnn_benchmark', 'wants_cpu_group']
 
 _logger = logging.getLogger(__name__)
 
@@ -146,6 +148,30 @@ def select_device(device: str | None, option: str = '--device') -> bool:
                              f'(0 to {torch.accelerator.device_count() - 1})')
         torch.accelerator.set_device_index(wanted.index)
     return False
+
+
+def set_cudnn_benchmark(enabled: bool, option: str = '--cudnn-benchmark') -> bool:
+    """Turn cuDNN's autotuning (``torch.backends.cudnn.benchmark``) on or off for this process; returns ``enabled``
+    for the run's records.
+
+    On, cuDNN times its candidate kernels for each new convolution shape and keeps the fastest, as timm's train.py,
+    validate.py and benchmark.py ask; off, it takes its heuristic's pick, which for the models' depthwise 7x7
+    convolutions is a very slow weight-gradient kernel. Autotuning costs a slower first step for every new input shape,
+    and the kernels it picks may differ between runs (timing noise), and with them the last bits of the results: runs
+    that must match bit for bit turn it off and ask for deterministic kernels (``torch.backends.cudnn.deterministic``).
+    It changes nothing off CUDA.
+
+    Args:
+        enabled: Whether cuDNN autotunes.
+        option: The option or config key that asked, for the message.
+
+    Raises:
+        ValueError: ``enabled`` is not a bool (a string such as ``'false'`` would read as true).
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f'{option}: got {enabled!r} ({type(enabled).__name__}); expected true or false')
+    torch.backends.cudnn.benchmark = enabled
+    return enabled
 
 
 def end_processes(accelerator: Any) -> None:
