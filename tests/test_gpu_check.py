@@ -183,11 +183,70 @@ def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
     assert '--compile-mode' in steps['compiled lipsformer_cswin_tiny (reduce-overhead)'].argv
 
 
+def _models(step: Step) -> list[str]:
+    return step.argv[step.argv.index('--models') + 1].split(',')
+
+
+def test_timm_s_convnext_stands_beside_swin_in_every_model_list_with_swin_the_reference(tmp_path):
+    """ConvNeXt-T, fast and built on cuDNN's depthwise 7x7 convolutions, is second wherever timm's Swin-T is first:
+    the eager, autotuning and memory steps and the compiled runs; ratios stay to Swin-T."""
+    convnext = gpu_check.TIMM_CONVNEXT
+    assert convnext.startswith('convnext_tiny[')
+    steps = plan_steps(tmp_path)
+    for step in steps:
+        if step.kind in ('eager', 'cudnn', 'memory'):
+            assert _models(step)[:2] == [gpu_check.TIMM_SWIN, convnext], step.name
+    compiled = [_models(step)[0] for step in steps if step.kind == 'compiled']
+    assert compiled.index(convnext) == compiled.index(gpu_check.TIMM_SWIN) + 1
+
+
+def test_the_plan_times_training_with_cudnn_autotuning_on_and_off_first(tmp_path):
+    """Right after the environment, two processes (cuDNN keeps a shape's pick for the rest of a process) train the
+    anchors and both tiny models with the same command but for the switch; the other benchmark steps and the
+    convolutions' entries autotune unless the driver is told not to."""
+    steps = plan_steps(tmp_path)
+    assert [step.kind for step in steps[:3]] == ['environment', 'cudnn', 'cudnn']
+    on, off = steps[1], steps[2]
+    assert _models(on) == _models(off) == gpu_check.CUDNN_MODELS
+    assert {'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', gpu_check.TIMM_CONVNEXT} <= set(_models(on))
+    assert on.argv[on.argv.index('--mode') + 1] == 'train' and '--profile' not in on.argv
+    assert '--cudnn-benchmark' in on.argv and '--no-cudnn-benchmark' in off.argv
+    assert [arg for arg in on.argv if arg != '--cudnn-benchmark' and 'cudnn_on' not in arg] == [
+        arg for arg in off.argv if arg != '--no-cudnn-benchmark' and 'cudnn_off' not in arg]
+    assert on.json_path != off.json_path
+    measured = [step for step in steps if step.kind in ('conv', 'eager', 'compiled', 'memory', 'conv_sweep')]
+    assert not any('cudnn-benchmark' in ' '.join(step.argv) for step in measured)
+    without = plan_steps(tmp_path, cudnn_benchmark=False)
+    assert all('--no-cudnn-benchmark' in step.argv for step in without
+               if step.kind in ('conv', 'eager', 'compiled', 'memory', 'conv_sweep'))
+    assert [step.argv for step in without if step.kind == 'cudnn'] == [on.argv, off.argv]
+    assert [step.kind for step in plan_steps(tmp_path, kinds={'cudnn'})] == ['cudnn', 'cudnn']
+
+
+def test_the_report_compares_training_with_cudnn_autotuning_on_and_off(tmp_path):
+    models = [gpu_check.TIMM_SWIN, gpu_check.TIMM_CONVNEXT, 'lipsformer_cswin_tiny']
+    on = _benchmark_report(models, {'train': [2000, 2500, 600]})
+    off = _benchmark_report(models, {'train': [1900, 1000, 400]})
+    on['config']['cudnn_benchmark'], off['config']['cudnn_benchmark'] = True, False
+    for row in off['results']:
+        row['first_step_s'] = 2.0
+    results = [StepResult('eager training, cuDNN autotuning on', 'cudnn', 'ok', 40, 0, data=on),
+               StepResult('eager training, cuDNN autotuning off', 'cudnn', 'ok', 50, 0, data=off)]
+    md_path, json_path = write_report(results, tmp_path, budget_s=540, elapsed_s=90)
+    md = md_path.read_text()
+    assert '## cuDNN autotuning: eager training with it on and off, a process each' in md
+    assert f'| `{gpu_check.TIMM_CONVNEXT}` | 2500: 1.25x | 1000: 0.53x | 2.50x | 30.0, 2.0 |' in md
+    assert '| `lipsformer_cswin_tiny` | 600: 0.30x | 400: 0.21x | 1.50x | 30.0, 2.0 |' in md
+    assert json.loads(json_path.read_text())['cudnn_autotuning'] == {'on': on, 'off': off}
+    missing = write_report(results[1:], tmp_path, budget_s=540, elapsed_s=50)[0].read_text()
+    assert f'| `{gpu_check.TIMM_SWIN}` | - | 1900: 1.00x | - | -, 2.0 |' in missing
+
+
 def test_script_dry_run_prints_the_plan(tmp_path):
     completed = subprocess.run([str(SCRIPT), str(tmp_path / 'out'), '--dry-run'], capture_output=True, text=True,
                                env=os.environ | {'PYTHON': sys.executable}, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.count('-m lipsformer.instruments.benchmark') == 1 + len(gpu_check.COMPILED) + 1
+    assert completed.stdout.count('-m lipsformer.instruments.benchmark') == 2 + 1 + len(gpu_check.COMPILED) + 1
     assert completed.stdout.count('-m lipsformer.instruments.gpu_check --conv-benchmark') == 1
     assert 'tests/test_cuda.py' in completed.stdout
 
@@ -216,18 +275,25 @@ def test_script_needs_an_out_dir():
 
 
 def test_script_cpu_smoke_writes_its_report(tmp_path):
-    """The environment and the eager benchmark (with profiles) of tiny models on the CPU, through the script."""
+    """The environment, training with cuDNN's autotuning on and off, and the eager benchmark (with profiles) of tiny
+    models on the CPU, through the script."""
     out = tmp_path / 'out'
-    completed = subprocess.run([str(SCRIPT), str(out), '--cpu-smoke', '--steps', 'environment,eager'],
+    completed = subprocess.run([str(SCRIPT), str(out), '--cpu-smoke', '--steps', 'environment,cudnn,eager'],
                                capture_output=True, text=True, env=os.environ | {'PYTHON': sys.executable})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert sorted(path.name for path in out.iterdir()) == ['gpu_check.json', 'gpu_check.log', 'gpu_check.md']
     report = json.loads((out / 'gpu_check.json').read_text())
-    assert [step['status'] for step in report['steps']] == ['ok', 'ok']
+    assert [step['status'] for step in report['steps']] == ['ok'] * 4
     assert report['environment']['torch'] == torch.__version__ and report['cpu_smoke']
     assert {row['model'] for row in report['eager']['results']} == set(gpu_check.SMOKE_MODELS)
     assert all(row['profile']['steps'] == 1 for row in report['eager']['results'])
-    assert '## Eager, interleaved in one process' in (out / 'gpu_check.md').read_text()
+    assert report['eager']['config']['cudnn_benchmark'] is True
+    autotuning = report['cudnn_autotuning']
+    assert (autotuning['on']['config']['cudnn_benchmark'], autotuning['off']['config']['cudnn_benchmark']) == (True,
+                                                                                                               False)
+    assert [row['model'] for row in autotuning['off']['results']] == gpu_check.SMOKE_CUDNN_MODELS
+    markdown = (out / 'gpu_check.md').read_text()
+    assert '## Eager, interleaved in one process' in markdown and '## cuDNN autotuning' in markdown
 
 
 @pytest.mark.slow
@@ -239,7 +305,8 @@ def test_script_cpu_smoke_every_step(tmp_path):
     assert completed.returncode == 0, completed.stdout[-3000:]
     report = json.loads((out / 'gpu_check.json').read_text())
     assert [(step['kind'], step['status']) for step in report['steps']] == [
-        ('environment', 'ok'), ('conv', 'ok'), ('eager', 'ok'), ('pytest', 'ok'), ('compiled', 'skipped'),
+        ('environment', 'ok'), ('cudnn', 'ok'), ('cudnn', 'ok'), ('conv', 'ok'), ('eager', 'ok'), ('pytest', 'ok'),
+        ('compiled', 'skipped'),
         ('memory', 'ok'), ('pytest', 'skipped'), ('conv_sweep', 'ok')]
     assert report['peak_memory']['results'][0]['peak_memory_mb'] > 0
     assert report['depthwise_conv']['rows'] and report['depthwise_conv_sweep']['rows']
@@ -266,13 +333,13 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
             'test_cuda_graphs_run_stopped_by_ctrl_c_mid_epoch_resumes_auto',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
-    assert order == ['environment', 'conv', 'eager', 'pytest', *['compiled'] * len(gpu_check.COMPILED), 'memory',
-                     'pytest', 'conv_sweep']
+    assert order == ['environment', 'cudnn', 'cudnn', 'conv', 'eager', 'pytest',
+                     *['compiled'] * len(gpu_check.COMPILED), 'memory', 'pytest', 'conv_sweep']
 
 
-def test_the_default_budget_keeps_the_conv_and_eager_rows_and_the_plain_cuda_tests(tmp_path):
-    """Steps that take their estimates: the default budget runs the conv microbenchmark, the eager benchmark and the
-    tests that compile nothing, and skips what does not fit (a second run takes it: ``--steps compiled``)."""
+def test_the_default_budget_keeps_the_autotuning_conv_and_eager_rows(tmp_path):
+    """Steps that take their estimates: the default budget runs the autotuning comparison, the conv microbenchmark and
+    the eager benchmark, and skips what does not fit (a second run takes it: ``--steps pytest,compiled``)."""
     steps = plan_steps(tmp_path)
     now = [0.0]
 
@@ -282,10 +349,10 @@ def test_the_default_budget_keeps_the_conv_and_eager_rows_and_the_plain_cuda_tes
 
     results = run_steps(steps, gpu_check.DEFAULT_BUDGET_S, clock=lambda: now[0], runner=runner)
     ran = [result.name for result in results if result.status == 'ok']
-    assert ran == ['environment', 'depthwise convolutions, op against cuDNN', 'eager benchmark',
-                   'tests/test_cuda.py, without compilation']
+    assert ran == ['environment', 'eager training, cuDNN autotuning on', 'eager training, cuDNN autotuning off',
+                   'depthwise convolutions, op against cuDNN', 'eager benchmark']
     skipped = [result.name for result in results if result.status == 'skipped']
-    assert skipped[0] == 'compiled lipsformer_cswin_tiny (reduce-overhead)' and len(skipped) == len(steps) - len(ran)
+    assert skipped[0] == 'tests/test_cuda.py, without compilation' and len(skipped) == len(steps) - len(ran)
     assert now[0] <= gpu_check.DEFAULT_BUDGET_S - gpu_check.RESERVE_S
 
 

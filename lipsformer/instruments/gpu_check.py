@@ -5,22 +5,27 @@ while the check goes on, and a time guard that skips a step whose usual duration
 the budget (and says so in the report):
 
 1. the environment: GPU, driver, torch, CUDA, cuDNN, timm, Python;
-2. the depthwise convolutions of both tiny models, stage by stage (bf16, batch 128): each pass of
+2. cuDNN's autotuning on and off (:data:`CUDNN_MODELS`): eager training of timm's Swin-T and ConvNeXt-T and both tiny
+   LipsFormer models, bf16, batch 128, once with ``--cudnn-benchmark`` and once with ``--no-cudnn-benchmark``, each in
+   a process of its own (cuDNN keeps the kernel it picked for a shape for the rest of the process, so the two cannot
+   share one): what autotuning gains on the depthwise 7x7 convolutions, and what its first step costs;
+3. the depthwise convolutions of both tiny models, stage by stage (bf16, batch 128): each pass of
    ``lipsformer::depthwise_conv2d`` (forward, input gradient, weight and bias gradient) against cuDNN's (ATen's)
    convolution of the same shape, their times, achieved GB/s as a fraction of the card's bandwidth (datasheet and a
    measured device copy) and the op's error against cuDNN's result (:func:`depthwise_conv_benchmark`);
-3. the eager benchmark: timm's Swin-T and both tiny LipsFormer models, fast path on and off, bf16 autocast, batch 128,
-   224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
-   mode (``python -m lipsformer.instruments.benchmark --profile``);
-4. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
+4. the eager benchmark: timm's Swin-T and ConvNeXt-T and both tiny LipsFormer models, fast path on and off, bf16
+   autocast, batch 128, 224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary
+   of each model and mode (``python -m lipsformer.instruments.benchmark --profile``);
+5. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
    the plain graph, the benchmark's CUDA path);
-5. the compiled runs, one process each, in order of need (:data:`COMPILED`): both tiny models with
-   ``mode='reduce-overhead'`` (CUDA graphs), timm's Swin-T and both tiny models in the default mode, then both with
-   the Triton convolutions (``[fast_path=True]``): compile time (the first step), steady-state training and
-   inference images/s, peak memory;
-6. the peak memory of an eager training step of timm's Swin-T and both tiny models, each in a fresh process;
-7. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs);
-8. the conv sweep, where time is left or asked for (``--steps conv_sweep``): each pass of the op under other
+6. the compiled runs, one process each, in order of need (:data:`COMPILED`): both tiny models with
+   ``mode='reduce-overhead'`` (CUDA graphs), timm's Swin-T and ConvNeXt-T and both tiny models in the default mode,
+   then both with the Triton convolutions (``[fast_path=True]``): compile time (the first step), steady-state training
+   and inference images/s, peak memory;
+7. the peak memory of an eager training step of timm's Swin-T and ConvNeXt-T and both tiny models, each in a fresh
+   process;
+8. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs);
+9. the conv sweep, where time is left or asked for (``--steps conv_sweep``): each pass of the op under other
    tilings of its Triton kernels (:data:`CONVOLVE_TILINGS`, :data:`WEIGHT_GRAD_TILINGS`) against its default tiling
    and cuDNN, shape by shape within its own budget (:func:`depthwise_conv_sweep`).
 
@@ -28,7 +33,12 @@ It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchma
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
 still leaves its report. ``--cpu-smoke`` runs the same steps with tiny models on the CPU; ``--dry-run`` prints the
 plan. The budget (``--budget``, :data:`DEFAULT_BUDGET_S` by default) bounds the steps; the driver itself ends
-:data:`HARD_LIMIT_MARGIN_S` after it whatever it is doing (``SIGALRM``), should it ever hang.
+:data:`HARD_LIMIT_MARGIN_S` after it whatever it is doing (``SIGALRM``), should it ever hang. The benchmark steps
+and the convolutions' entries run with cuDNN's autotuning on, as timm's scripts do (``--no-cudnn-benchmark``: off);
+step 2 runs both.
+
+timm's Swin-T is the reference every ratio is to; timm's ConvNeXt-T beside it is a fast model that runs cuDNN's
+depthwise 7x7 convolutions too, so that every table shows what they cost where little else does.
 """
 
 import argparse
@@ -53,10 +63,12 @@ __all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'dep
            'plan_steps', 'run_steps', 'write_report']
 
 TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
+TIMM_CONVNEXT = 'convnext_tiny[drop_path_rate=0.2]'  # the anchor with depthwise 7x7 convolutions, the same drop path
+# The models trained with cuDNN's autotuning on and off: the anchors and both tiny models in CUDA's default form.
+CUDNN_MODELS = [TIMM_SWIN, TIMM_CONVNEXT, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
 # CUDA's default (the blocks' fast form with cuDNN's convolutions) and the fast path forced on everywhere
 # (fast_path=True: lipsformer::depthwise_conv2d's Triton kernels too, which are not yet a default anywhere).
-EAGER_MODELS = [TIMM_SWIN, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', 'lipsformer_swin_tiny[fast_path=True]',
-                'lipsformer_cswin_tiny[fast_path=True]']
+EAGER_MODELS = [*CUDNN_MODELS, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]']
 # The tiny models whose depthwise convolutions the conv step times, stage by stage.
 CONV_MODELS = ('lipsformer_swin_tiny', 'lipsformer_cswin_tiny')
 # Datasheet memory bandwidths (bytes/s) by the name PyTorch reports, most specific first.
@@ -65,11 +77,11 @@ NOMINAL_BANDWIDTH = (('H200', 4.8e12), ('H100 NVL', 3.9e12), ('H100 PCIe', 2.0e1
 # (model, torch.compile mode, seconds on an H200 with margin: compiling the inference and the training graph takes
 # most), in order of need: a compiled step that does not fit is skipped and the smaller ones after it still run.
 COMPILED = [('lipsformer_cswin_tiny', 'reduce-overhead', 200), ('lipsformer_swin_tiny', 'reduce-overhead', 150),
-            (TIMM_SWIN, 'default', 120), ('lipsformer_cswin_tiny', 'default', 150),
+            (TIMM_SWIN, 'default', 120), (TIMM_CONVNEXT, 'default', 120), ('lipsformer_cswin_tiny', 'default', 150),
             ('lipsformer_swin_tiny', 'default', 140),
             ('lipsformer_cswin_tiny[fast_path=True]', 'default', 150),
             ('lipsformer_swin_tiny[fast_path=True]', 'default', 140)]
-MEMORY_MODELS = EAGER_MODELS[:3]
+MEMORY_MODELS = CUDNN_MODELS
 # The tilings the conv sweep times against the op's default (DepthwiseTiling()): the forward's and input gradient's
 # kernel (pixels and channels a program, at most 8192 values a tile; warps) and the weight gradient's (pixels a loop
 # step and channels: at most 256 of the (taps, pixels, channels) values a step per tap row; warps).
@@ -81,7 +93,7 @@ WEIGHT_GRAD_TILINGS = [{'weight_grad_pixels': pixels, 'weight_grad_channels': ch
                        for pixels in (2, 4, 8) for channels in (32, 64) for warps in (4, 8) if pixels * channels <= 256]
 # tests/test_cuda.py's tests that compile (pytest -k): they come last, after the compiled benchmarks.
 CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
-KINDS = ('environment', 'conv', 'eager', 'pytest', 'compiled', 'memory', 'conv_sweep')
+KINDS = ('environment', 'cudnn', 'conv', 'eager', 'pytest', 'compiled', 'memory', 'conv_sweep')
 DEFAULT_BUDGET_S = 570  # a check under 10 minutes, with room for the report
 RESERVE_S = 15  # kept for writing the report
 # The driver ends this long after its budget whatever it is doing: its steps end by then (each under the time left,
@@ -93,6 +105,7 @@ SMOKE_CSWIN = 'embed_dim=16,depths=[1,1,1,1],num_heads=[2,2,4,4],split_size=[1,2
 SMOKE_MODELS = ['test_vit[img_size=32]', f'lipsformer_swin_tiny[{SMOKE_SWIN},fast_path=True]',
                 f'lipsformer_cswin_tiny[{SMOKE_CSWIN},fast_path=True]',
                 f'lipsformer_swin_tiny[{SMOKE_SWIN},fast_path=False]']
+SMOKE_CUDNN_MODELS = SMOKE_MODELS[:3]
 
 
 @dataclasses.dataclass
@@ -134,47 +147,63 @@ def _python() -> str:
     return sys.executable or 'python3'
 
 
-def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None = None) -> list[Step]:
+def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None = None,
+               cudnn_benchmark: bool = True) -> list[Step]:
     """The check's steps (those of ``kinds``, default all of :data:`KINDS`), their benchmark reports written into
-    ``work_dir``."""
+    ``work_dir``; ``cudnn_benchmark`` False runs every step but the autotuning comparison without cuDNN's autotuning."""
     python = _python()
     if cpu_smoke:
         common = ['--batch-size', '2', '--img-size', '32', '--precision', 'fp32', '--device', 'cpu', '--threads', '1']
         timed = {'eager': ['--warmup', '1', '--repeats', '2', '--steps', '1'],
-                 'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
+                 'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1'],
+                 'cudnn': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
         # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
         eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default', 900)], SMOKE_MODELS[:1]
-        estimates = {'environment': 20, 'conv': 60, 'eager': 60, 'pytest': 30, 'pytest_compiled': 900, 'memory': 60,
-                     'conv_sweep': 60}
+        cudnn_models = SMOKE_CUDNN_MODELS
+        estimates = {'environment': 20, 'cudnn_on': 30, 'cudnn_off': 30, 'conv': 60, 'eager': 60, 'pytest': 30,
+                     'pytest_compiled': 900, 'memory': 60, 'conv_sweep': 60}
         profile = '1'
         conv = ['--batch-size', '1', '--device', 'cpu', '--precision', 'fp32', '--repeats', '1']
         sweep = [*conv, '--sweep-budget', '20']
     else:
         common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
         timed = {'eager': ['--warmup', '5', '--repeats', '5', '--steps', '5'],
-                 'compiled': ['--warmup', '3', '--repeats', '3', '--steps', '5']}
-        eager_models, compiled, memory_models = EAGER_MODELS, COMPILED, MEMORY_MODELS
+                 'compiled': ['--warmup', '3', '--repeats', '3', '--steps', '5'],
+                 'cudnn': ['--warmup', '3', '--repeats', '3', '--steps', '5']}
+        eager_models, compiled, memory_models, cudnn_models = EAGER_MODELS, COMPILED, MEMORY_MODELS, CUDNN_MODELS
         # Seconds on an H200, with margin (docs/performance.md gives the durations measured): the eager step is
-        # 5 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each.
-        estimates = {'environment': 20, 'conv': 120, 'eager': 150, 'pytest': 240, 'pytest_compiled': 240, 'memory': 90,
-                     'conv_sweep': 180}
+        # 6 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each (5 models took 140 s); each autotuning run
+        # is 4 models x (3 + 3 x 5) training steps after the process's start, the run without autotuning slower by
+        # the heuristic's depthwise kernels.
+        estimates = {'environment': 20, 'cudnn_on': 60, 'cudnn_off': 75, 'conv': 120, 'eager': 180, 'pytest': 240,
+                     'pytest_compiled': 240, 'memory': 120, 'conv_sweep': 180}
         profile = '3'
         conv = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '20']
         # the sweep stops taking new shapes after its budget; the shape it is on (under a minute) ends before its limit
         sweep = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '10',
                  '--sweep-budget', '150']
     benchmark = [python, '-m', 'lipsformer.instruments.benchmark']
+    autotuning = [] if cudnn_benchmark else ['--no-cudnn-benchmark']  # the steps' setting, as the driver is given
+    conv += autotuning
+    sweep += autotuning
     # -v names each test as it ends, so that the log of a step cut at its limit says which test was running
     pytest = [python, '-m', 'pytest', '-v', '-p', 'no:cacheprovider', '--durations=0', 'tests/test_cuda.py']
     steps = [
         Step('environment',
              [python, '-m', 'lipsformer.instruments.gpu_check', '--environment', str(work_dir / 'environment.json')],
              estimates['environment'], 60, 'environment', str(work_dir / 'environment.json')),
+        # First after the environment: of all the check measures, what the default of every command changes most.
+        *[Step(f'eager training, cuDNN autotuning {state}',
+               [*benchmark, '--models', ','.join(cudnn_models), '--mode', 'train', *common, *timed['cudnn'],
+                '--cudnn-benchmark' if state == 'on' else '--no-cudnn-benchmark', '--no-memory',
+                '--json', str(work_dir / f'cudnn_{state}.json')],
+               estimates[f'cudnn_{state}'], 180, 'cudnn', str(work_dir / f'cudnn_{state}.json'))
+          for state in ('on', 'off')],
         Step('depthwise convolutions, op against cuDNN',
              [python, '-m', 'lipsformer.instruments.gpu_check', '--conv-benchmark', str(work_dir / 'conv.json'), *conv],
              estimates['conv'], 180, 'conv', str(work_dir / 'conv.json')),
         Step('eager benchmark', [*benchmark, '--models', ','.join(eager_models), '--mode', 'infer,train', *common,
-                                 *timed['eager'],
+                                 *timed['eager'], *autotuning,
                                  '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
              estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
     ]
@@ -187,13 +216,13 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
         steps.append(Step(
             f'compiled {model} ({mode})',
             [*benchmark, '--models', model, '--mode', 'infer,train', *common,
-             *timed['compiled'], '--compile',
+             *timed['compiled'], *autotuning, '--compile',
              *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--profile', profile,
              '--json', path],
             estimate_s, max(300, estimate_s + 60), 'compiled', path, mode))
     steps.append(Step('peak memory (eager training, fresh process each)',
                       [*benchmark, '--models', ','.join(memory_models), '--mode', 'train', *common, '--warmup', '2',
-                       '--repeats', '1', '--steps', '1', '--json', str(work_dir / 'memory.json')],
+                       '--repeats', '1', '--steps', '1', *autotuning, '--json', str(work_dir / 'memory.json')],
                       estimates['memory'], 180, 'memory', str(work_dir / 'memory.json')))
     steps.append(Step('tests/test_cuda.py, compiled', [*pytest, '-k', CUDA_TESTS_THAT_COMPILE],
                       estimates['pytest_compiled'], 300, 'pytest'))
@@ -446,7 +475,7 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
                              'fraction_of_copy': moved / (op_ms / 1e3) / measured, 'relative_error': error,
                              'triton': triton})
     return {'batch': batch, 'device': device, 'precision': precision, 'gpu': gpu, 'nominal_bandwidth': nominal,
-            'copy_bandwidth': measured, 'rows': rows}
+            'copy_bandwidth': measured, 'cudnn_benchmark': torch.backends.cudnn.benchmark, 'rows': rows}
 
 
 def depthwise_conv_sweep(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 10,
@@ -482,6 +511,7 @@ def depthwise_conv_sweep(batch: int = 128, device: str = 'cuda', precision: str 
                 rows.append({**entry, 'pass': pass_name, 'tiling': settings or 'default', 'op_ms': op_ms,
                              'aten_ms': aten_ms, 'speedup': aten_ms / op_ms, 'relative_error': error})
     return {'batch': batch, 'device': device, 'precision': precision, 'repeats': repeats,
+            'cudnn_benchmark': torch.backends.cudnn.benchmark,
             'default_tiling': dataclasses.asdict(DepthwiseTiling()), 'complete': complete,
             'seconds': round(time.monotonic() - began, 1), 'rows': rows}
 
@@ -510,7 +540,8 @@ def _conv_table(report: dict) -> str:
     nominal = report.get('nominal_bandwidth')
     lines = [f'Bandwidth: {nominal / 1e12:.2f} TB/s by the datasheet, ' if nominal else 'Bandwidth: ',
              f'{report["copy_bandwidth"] / 1e12:.2f} TB/s measured by a device copy (bytes read and written); each '
-             'pass moves two maps. Time per call (median), the op against ATen (cuDNN).', '',
+             f'pass moves two maps. Time per call (median), the op against ATen (cuDNN, '
+             f'{_autotuning(report.get("cudnn_benchmark"))}).', '',
              '| stage | conv | NHWC shape, kernel | calls/step | pass | op (ms) | ATen (ms) | ATen/op | op GB/s | '
              'of datasheet | of copy | rel. error |', '|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|']
     lines[0:2] = [lines[0] + lines[1]]
@@ -521,6 +552,35 @@ def _conv_table(report: dict) -> str:
                      f'{row["speedup"]:.2f}x | {row["op_gb_s"]:.0f} | {of_nominal} | {row["fraction_of_copy"]:.0%} | '
                      f'{row["relative_error"]:.1e} |')
     return '\n'.join(lines)
+
+
+def _autotuning(enabled: bool | None) -> str:
+    """How a report's cuDNN picked its kernels, in words."""
+    return {True: 'autotuned', False: 'its heuristic\'s kernels', None: 'autotuning not recorded'}[enabled]
+
+
+def _cudnn_table(results: list[StepResult]) -> str:
+    """Eager training with cuDNN's autotuning on and off (the two runs of the ``cudnn`` step), model by model:
+    images/s with the ratio to the first model, on over off, and the first step of each (where autotuning times the
+    kernels)."""
+    runs: dict[bool, dict[str, dict]] = {}
+    for result in results:
+        if result.kind == 'cudnn' and result.data:
+            runs[result.data['config']['cudnn_benchmark']] = {row['model']: row for row in _rows(result.data, 'train')}
+    models = list(dict.fromkeys(model for rows in runs.values() for model in rows))
+    lines = ['| model | autotuning on (img/s) | off (img/s) | on over off | first step on, off (s) |',
+             '|---|---|---|---:|---|']
+
+    def speed(row: dict | None) -> str:
+        return '-' if row is None else f'{row["images_per_s"]:.0f}: {row["ratio"]:.2f}x'
+
+    for model in models:
+        on, off = runs.get(True, {}).get(model), runs.get(False, {}).get(model)
+        gain = f'{on["images_per_s"] / off["images_per_s"]:.2f}x' if on and off else '-'
+        first = ', '.join('-' if row is None or row.get('first_step_s') is None else f'{row["first_step_s"]:.1f}'
+                          for row in (on, off))
+        lines.append(f'| `{model}` | {speed(on)} | {speed(off)} | {gain} | {first} |')
+    return '\n'.join(lines) if models else ''
 
 
 def _rows(report: dict | None, mode: str) -> list[dict]:
@@ -624,10 +684,12 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
     memory = (by_kind.get('memory') or [StepResult('', '', '')])[0].data
     conv = (by_kind.get('conv') or [StepResult('', '', '')])[0].data
     sweep = (by_kind.get('conv_sweep') or [StepResult('', '', '')])[0].data
+    cudnn = {'on' if result.data['config']['cudnn_benchmark'] else 'off': result.data
+             for result in by_kind.get('cudnn', []) if result.data}
     report = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'), 'cpu_smoke': cpu_smoke,
               'budget_s': budget_s, 'elapsed_s': round(elapsed_s, 1), 'environment': environment,
               'steps': [dataclasses.asdict(result) | {'data': None} for result in results],
-              'depthwise_conv': conv, 'depthwise_conv_sweep': sweep, 'eager': eager,
+              'cudnn_autotuning': cudnn, 'depthwise_conv': conv, 'depthwise_conv_sweep': sweep, 'eager': eager,
               'compiled': [result.data for result in by_kind.get('compiled', [])], 'peak_memory': memory}
     json_path, md_path = out_dir / 'gpu_check.json', out_dir / 'gpu_check.md'
     json_path.write_text(json.dumps(report, indent=1) + '\n')
@@ -643,6 +705,10 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
         if pytest_result.output_tail:
             summary = [line for line in pytest_result.output_tail.splitlines() if line.strip()][-1:]
             md += ['', f'{pytest_result.name}: {summary[0] if summary else "-"}']
+    if cudnn_table := _cudnn_table(results):
+        md += ['', '## cuDNN autotuning: eager training with it on and off, a process each', '',
+               'Images/s with the ratio to the first model; the first step of each model includes autotuning\'s '
+               'timing of cuDNN\'s kernels.', '', cudnn_table]
     if conv:
         md += ['', '## Depthwise convolutions: lipsformer::depthwise_conv2d against ATen', '', _conv_table(conv)]
     if eager:
@@ -675,7 +741,8 @@ def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elap
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='scripts/gpu_check.sh OUT_DIR',
-        description='The GPU check: environment, depthwise convolutions, eager benchmark with profiles, '
+        description='The GPU check: environment, eager training with cuDNN autotuning on and off, depthwise '
+                    'convolutions, eager benchmark with profiles, '
                     'tests/test_cuda.py, compiled runs, peak memory, the convolutions\' tilings swept, under a time '
                     'guard; writes gpu_check.md, '
                     'gpu_check.json and gpu_check.log.')
@@ -687,6 +754,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--dry-run', action='store_true', help='print the steps and their commands, run nothing')
     parser.add_argument('--steps', default=','.join(KINDS),
                         help='comma list of the steps to run, of %(default)s (default: all)')
+    parser.add_argument('--cudnn-benchmark', action=argparse.BooleanOptionalAction, default=True,
+                        help='cuDNN autotuning in the benchmark steps and the convolutions\' timings, as timm\'s '
+                             'scripts set it (default: on; the cudnn step times training with it on and off '
+                             'whatever this says)')
     parser.add_argument('--environment', type=Path, help=argparse.SUPPRESS)  # the environment step's own entry
     # the conv step's own entry (depthwise_conv_benchmark) and its settings
     parser.add_argument('--conv-benchmark', type=Path, help=argparse.SUPPRESS)
@@ -706,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.environment is not None:
         args.environment.write_text(json.dumps(environment_facts(), indent=1) + '\n')
         return 0
+    if args.conv_benchmark is not None or args.conv_sweep is not None:
+        from lipsformer.utils.processes import set_cudnn_benchmark
+        set_cudnn_benchmark(args.cudnn_benchmark)  # ATen's side of the timings
     if args.conv_benchmark is not None:
         report = depthwise_conv_benchmark(args.batch_size, args.device, args.precision, args.repeats)
         args.conv_benchmark.write_text(json.dumps(report, indent=1) + '\n')
@@ -725,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     if not kinds or kinds - set(KINDS):
         parser.error(f'--steps must be a comma list of {", ".join(KINDS)}, got {args.steps!r}')
     with tempfile.TemporaryDirectory(prefix='gpu_check_') as work:
-        steps = plan_steps(Path(work), args.cpu_smoke, kinds)
+        steps = plan_steps(Path(work), args.cpu_smoke, kinds, args.cudnn_benchmark)
         if args.dry_run:
             for step in steps:
                 print(f'{step.name}: about {step.estimate_s:.0f} s, limit {step.timeout_s:.0f} s')
