@@ -104,8 +104,47 @@ def _free_name(path: str) -> str:
     return path.replace('.yaml', f'.{time.strftime("%Y%m%d-%H%M%S")}.yaml') if os.path.exists(path) else path
 
 
+def linked_run_files(run_dir: str) -> list[str]:
+    """The paths a run writes in ``run_dir`` (its files and folders, and the exports in ``export/``) that are symbolic
+    links: a write through one would land wherever it points, outside the run folder (an appended ``train.log``, an
+    export written into another folder), or replace the link instead of writing through it."""
+    from .finish import EXPORT_DIR, PLOTS_DIR, SUMMARY_FILE  # the end of a run needs the whole session: not at import
+    from .run_lock import LOCK_FILE
+    from .trackers import MLFLOW_DIR, TENSORBOARD_DIR, TRACKER_RUNS_FILE
+    from .train_state import CHECKPOINTS_DIR
+
+    names = [CONFIG_FILE, LOG_FILE, METRICS_FILE, f'{METRICS_FILE}.orphaned', SUMMARY_FILE, LOCK_FILE, EXPORT_DIR,
+             os.path.join(EXPORT_DIR, 'best'), os.path.join(EXPORT_DIR, 'last'), CHECKPOINTS_DIR, PLOTS_DIR,
+             TRACKER_RUNS_FILE, TENSORBOARD_DIR, MLFLOW_DIR, 'wandb']
+    return [os.path.join(run_dir, name) for name in names if os.path.islink(os.path.join(run_dir, name))]
+
+
+def refuse_linked_run_files(run_dir: str) -> None:
+    """Refuse a run folder where a file or folder the run writes is a symbolic link (:func:`linked_run_files`).
+
+    Raises:
+        ConfigError: Naming each link and where it points, and what to do.
+    """
+    links = linked_run_files(run_dir)
+    if links:
+        shown = ', '.join(f'{link} -> {os.readlink(link)}' for link in links)
+        one = len(links) == 1
+        raise ConfigError(f'--output {run_dir!r}: {shown} {"is a symbolic link" if one else "are symbolic links"}, '
+                          f'and a run writes its files only inside its folder, never through a link out of it. Remove '
+                          f'{"the link" if one else "the links"} (copying what {"it points" if one else "they point"} '
+                          f'to into the folder, to keep it), or choose another --output')
+
+
 def attach_log_file(run_dir: str, is_main: bool) -> logging.Handler | None:
-    """Copy the package's log records into ``<run>/train.log`` (main process); returns the handler to remove."""
+    """Copy the package's log records into ``<run>/train.log`` (main process); returns the handler to remove.
+
+    This is where a run starts writing into its folder, so every process first refuses a folder whose run files are
+    symbolic links (:func:`refuse_linked_run_files`), the log's among them.
+
+    Raises:
+        ConfigError: A file or folder the run writes is a symbolic link.
+    """
+    refuse_linked_run_files(run_dir)
     if not is_main:
         return None
     handler = logging.FileHandler(os.path.join(run_dir, LOG_FILE))
