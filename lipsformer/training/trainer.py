@@ -252,7 +252,7 @@ def _peer_died(error: BaseException, rank: int, processes: int, session: Session
         return None
     who = f'process {1 - rank}' if processes == 2 else f'one of the other {processes - 1} processes'
     said = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    said = said.split('] ', 1)[-1][:160]  # gloo's source position first: its words only
+    said = said.split('] ', 1)[-1].split('. ')[0][:200]  # gloo's source position first: its first sentence only
     last = session.last_checkpoint if session is not None else None
     saved = (f'the last checkpoint saved is {last}' if last else 'no checkpoint was saved before it')
     return PeerProcessDiedError(

@@ -19,6 +19,9 @@ folder. So:
 
 - several processes launched on a host without an accelerator train on the CPU as one group (gloo), as validate.py
   evaluates, and say so;
+- a launch that asked for several processes and started one (``accelerate launch --num_processes 2 --cpu``: Accelerate
+  1.x starts a single process there, its multi-CPU path needing mpirun) trains alone and says so, with the launch line
+  that starts them (:func:`unstarted_processes_note`);
 - any other disagreement between the launch and Accelerate's group (``srun -n 8 python train.py``, which no launcher
   joins) is refused with the launch line that works (:class:`LaunchError`, exit 2);
 - an Accelerate config that asks for FSDP, on a device where Accelerate does not shard (the CPU), trains with DDP:
@@ -36,6 +39,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 __all__ = ['LaunchError', 'check_process_group', 'distributed_summary', 'end_processes', 'launched_processes',
+           'unstarted_processes_note',
            'release_accelerator', 'select_device', 'set_cudnn_benchmark', 'wants_cpu_group']
 
 _logger = logging.getLogger(__name__)
@@ -94,7 +98,8 @@ def distributed_summary(accelerator: Any) -> dict[str, Any]:
     """How the run is distributed, for ``summary.json``: Accelerate's type, the processes and, when the Accelerate
     config asked for FSDP and the run does not shard, the note that says so (also logged at the start)."""
     kind = str(accelerator.distributed_type).rsplit('.', 1)[-1]
-    summary: dict[str, Any] = dict(type=kind, processes=accelerator.num_processes, note=None)
+    summary: dict[str, Any] = dict(type=kind, processes=accelerator.num_processes,
+                                   note=unstarted_processes_note() if accelerator.num_processes == 1 else None)
     if os.environ.get('ACCELERATE_USE_FSDP', 'false').lower() == 'true' and kind != 'FSDP':
         how = 'with DDP: every process holds' if accelerator.num_processes > 1 else 'in one process, which holds'
         summary['note'] = (
@@ -102,6 +107,45 @@ def distributed_summary(accelerator: Any) -> dict[str, Any]:
             f'on {accelerator.device.type} this run trains {how} the whole model, its gradients and its optimizer '
             f'state ({kind}). Launch on GPUs to shard, or without the FSDP config to say what runs')
     return summary
+
+
+def unstarted_processes_note() -> str | None:
+    """What to say when a launcher was asked for several processes and started this one alone, else None.
+
+    ``accelerate launch --num_processes N --cpu`` (or a config that says CPU and several processes, without
+    ``--multi_gpu``) runs Accelerate's simple launcher: one process, told nothing of N but the rendezvous address it
+    sets only for N > 1 (``MASTER_ADDR``, ``MASTER_PORT``) beside ``ACCELERATE_USE_CPU``; the N is read from the
+    launcher's command line where it can be.
+    """
+    if launched_processes()[1] or os.environ.get('RANK') is not None:
+        return None  # a launcher that told this process its place in a group
+    if os.environ.get('ACCELERATE_USE_CPU') is None or not (os.environ.get('MASTER_ADDR')
+                                                             and os.environ.get('MASTER_PORT')):
+        return None
+    asked = _asked_processes()
+    if asked == 1:
+        return None
+    count = str(asked) if asked else 'N'
+    return (f'the launcher was asked for {asked or "several"} processes but started this one alone (accelerate '
+            f'launch --cpu starts a single process in Accelerate 1.x): the run trains in one process. To train as '
+            f'{count} CPU processes: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {count} '
+            f'{_command_line()}')
+
+
+def _asked_processes() -> int | None:
+    """The ``--num_processes`` of the ``accelerate launch`` that started this process (Linux's /proc; None when it
+    cannot be read there, as from a config file)."""
+    try:
+        with open(f'/proc/{os.getppid()}/cmdline', 'rb') as f:
+            argv = f.read().decode(errors='replace').split('\0')
+    except OSError:
+        return None
+    for index, arg in enumerate(argv):
+        value = arg.partition('=')[2] if arg.startswith('--num_processes=') else (
+            argv[index + 1] if arg == '--num_processes' and index + 1 < len(argv) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
 
 
 def _command_line() -> str:
