@@ -5,6 +5,7 @@ said once (by the main process), in train.log too; Ctrl-C to the launcher's proc
 checkpoint, which summary.json and train.log say whatever the launcher's own exit status."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 from process_support import ctrl_c_when, free_port, subprocess_env
 from training_support import tiny_overrides
 
+import lipsformer.training.signals as signals
 from lipsformer.training.train_command import EXIT_PROCESS_DIED, main
 
 pytestmark = pytest.mark.usefixtures('one_thread', 'probe_model')
@@ -119,3 +121,16 @@ def test_ctrl_c_to_the_launcher_s_group_stops_the_run_with_its_checkpoint(data_d
     assert summary['status'] == 'stopped' and summary['ranks_identical']
     assert 'stopped by SIGINT' in open(os.path.join(run_dir, 'train.log')).read()
     assert ended.returncode == 1  # torchrun's, whatever the processes' own: docs/training.md
+
+
+def test_a_ctrl_c_that_torchrun_passes_on_is_not_a_second_one(monkeypatch):
+    """The terminal's SIGINT and the launcher's copy of it arrive milliseconds apart: one Ctrl-C, a stop with a
+    checkpoint; a second SIGINT later aborts as in a single process."""
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'test')
+    stop = signals.StopSignal()
+    stop._handle(signal.SIGINT, None)
+    stop._handle(signal.SIGINT, None)  # the launcher's copy
+    assert stop.received == 'SIGINT'
+    monkeypatch.setattr(signals, 'LAUNCHER_ECHO_S', 0.0)
+    with pytest.raises(signals.SecondInterrupt):
+        stop._handle(signal.SIGINT, None)
