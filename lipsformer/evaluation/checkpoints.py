@@ -7,9 +7,12 @@ a folder's ``model_ema.safetensors`` / ``ema.safetensors`` is used, and a torch 
 
 The model is rebuilt from the arguments timm's ``train.py`` saved in its own checkpoint (``args``: ``--model``,
 ``--model-kwargs``, ``--num-classes``, ``--in-chans``, ``--gp`` and the preprocessing flags), else from timm's
-``config.json`` next to the weights (as ``save_for_hf`` writes it), else from the run's ``config.yaml`` (read by
-:func:`lipsformer.training.load_config`) with the class count and architecture a training checkpoint's ``meta.json``
-records, else from ``--model``; all weights then go through
+``config.json`` next to the weights (as ``save_for_hf`` writes it), else from a training checkpoint's ``meta.json``
+(the config, class count, architecture and preprocessing its weights were trained with, whatever the run's
+``config.yaml`` says now), else from the run's ``config.yaml`` (read by :func:`lipsformer.training.load_config`), else
+from ``--model``. A training checkpoint's files are checked against the SHA-256 its ``meta.json`` records, and a run
+folder whose checkpoints include one with an unreadable ``meta.json`` is refused rather than scored by an older one.
+All weights then go through
 :func:`lipsformer.weights.weight_files.load_model_weights`, which never executes pickled code and names every mismatched
 key. The class names saved with the weights (``label_names`` of an export, ``class_names`` of a checkpoint) come along,
 so that a class-folder data set is labelled by name, as in training.
@@ -25,7 +28,9 @@ from timm.models import resolve_model_input_args, split_model_name_tag
 from timm.models._hub import load_model_config_from_path
 
 from ..training import ConfigError, latest_checkpoint, load_config
-from ..training.train_state import read_meta
+from ..training.config import Config
+from ..training.config_io import config_from_dict
+from ..training.train_state import META_FILE, check_file_hashes, damaged_checkpoints, read_meta
 from ..weights.model_names import create_model, hub_errors
 from ..weights.weight_files import CheckpointError, check_state_dict, extract_state_dict, load_file, load_model_weights
 from .errors import EvaluationError
@@ -82,6 +87,13 @@ def _weights_folder(path: str) -> str:
     for export in _RUN_EXPORTS:
         if _weights_in(os.path.join(path, export)):
             return os.path.join(path, export)
+    damaged = damaged_checkpoints(path)
+    if damaged:
+        names = '; '.join(f'{os.path.basename(folder)}: {reason}' for folder, reason in damaged)
+        raise EvaluationError(
+            f'{path!r} has no export, and which of its checkpoints is the newest is unknown ({names}); give the '
+            f'checkpoint folder to score (--checkpoint {os.path.join(path, "checkpoints", "<name>")}), or let '
+            f'train.py --output {path} --resume auto move such checkpoints to checkpoints/unreadable/')
     newest = latest_checkpoint(path)
     if newest and _weights_in(newest):
         return newest
@@ -90,28 +102,38 @@ def _weights_folder(path: str) -> str:
         f'{", ".join(_RUN_EXPORTS)} or checkpoints/<name>/model.safetensors')
 
 
-def _model_config_from_run(path: str, checkpoint_model: dict) -> SavedModelConfig:
-    """The model and evaluation preprocessing of a training run's resolved ``config.yaml``.
-
-    Takes ``model.name``, ``model.kwargs``, ``model.img_size`` / ``in_chans`` / ``num_classes`` and the ``data``
-    section's ``mean``, ``std``, ``interpolation`` and ``crop_pct`` (null values keep the model's defaults; a random
-    training interpolation is evaluated bicubic, as training evaluates it); then the constructor arguments and class
-    names a training checkpoint recorded (``checkpoint_model``: the class count a null ``num_classes`` stood for).
-    """
+def _model_config_from_run(path: str, meta: dict) -> SavedModelConfig:
+    """The model and evaluation preprocessing of a training run's resolved ``config.yaml`` (see
+    :func:`_model_config_from_config`)."""
     try:
         config = load_config(path)
     except ConfigError as e:
         raise EvaluationError(f'cannot use the run config {path!r}: {e}') from e
+    return _model_config_from_config(config, meta)
+
+
+def _model_config_from_config(config: Config, meta: dict) -> SavedModelConfig:
+    """The model and evaluation preprocessing of a training config.
+
+    Takes ``model.name``, ``model.kwargs``, ``model.img_size`` / ``in_chans`` / ``num_classes`` and the ``data``
+    section's ``mean``, ``std``, ``interpolation`` and ``crop_pct`` (null values keep the model's defaults; a random
+    training interpolation is evaluated bicubic, as training evaluates it); then what a training checkpoint's
+    ``meta`` records: the constructor arguments and class names (the class count a null ``num_classes`` stood for)
+    and the resolved preprocessing its weights were trained with.
+    """
+    checkpoint_model = meta.get('model') or {}
     model, data = config.model, config.data
     kwargs = dict(model.kwargs)
     kwargs.update({key: getattr(model, key) for key in ('img_size', 'in_chans', 'num_classes')
                    if getattr(model, key) is not None})
     overlay = {key: getattr(data, key) for key in ('mean', 'std', 'interpolation', 'crop_pct')
                if getattr(data, key) is not None}
-    if overlay.get('interpolation') == 'random':
-        overlay['interpolation'] = 'bicubic'
     if model.img_size:
         overlay['input_size'] = (model.in_chans, model.img_size, model.img_size)
+    for key, value in (meta.get('data_config') or {}).items():
+        overlay[key] = tuple(value) if isinstance(value, list) else value
+    if overlay.get('interpolation') == 'random':
+        overlay['interpolation'] = 'bicubic'
     kwargs.update(checkpoint_model.get('kwargs') or {})
     return SavedModelConfig(model.name, kwargs, cfg_overlay=overlay or None,
                             class_names=checkpoint_model.get('class_names'))
@@ -127,24 +149,48 @@ def _label_names(pretrained_cfg: dict) -> list[str] | None:
 def _model_config_near(folder: str) -> SavedModelConfig | None:
     """The model described next to weights in ``folder``: its ``config.json``, or the run's ``config.yaml``
     (in the folder or up to two levels above, as in ``RUN/checkpoints/NAME`` and ``RUN/export/best``) with what
-    the folder's ``meta.json`` (a training checkpoint's) records."""
+    the folder's ``meta.json`` (a training checkpoint's) records; a training checkpoint's own config comes first."""
     if os.path.isfile(os.path.join(folder, 'config.json')):
         pretrained_cfg, name, model_args = load_model_config_from_path(folder)
         pretrained_cfg = {k: v for k, v in pretrained_cfg.items() if k not in ('file', 'source')}
         return SavedModelConfig(name, dict(model_args), pretrained_cfg, class_names=_label_names(pretrained_cfg))
+    meta = _checkpoint_meta(folder)
+    if meta.get('config'):
+        try:
+            return _model_config_from_config(config_from_dict(meta['config']), meta)
+        except ConfigError as e:
+            raise EvaluationError(f'cannot use the config in {os.path.join(folder, META_FILE)!r}: {e}') from e
     for levels in range(3):
         candidate = os.path.join(folder, *(['..'] * levels), 'config.yaml')
         if os.path.isfile(candidate):
-            return _model_config_from_run(os.path.normpath(candidate), _checkpoint_model(folder))
+            return _model_config_from_run(os.path.normpath(candidate), meta)
     return None
 
 
-def _checkpoint_model(folder: str) -> dict:
-    """The model a training checkpoint's ``meta.json`` records (name, constructor arguments, class names), or {}."""
-    try:
-        return read_meta(folder).get('model') or {}
-    except CheckpointError:  # not a training checkpoint
+def _checkpoint_meta(folder: str) -> dict:
+    """A training checkpoint's ``meta.json``, or {} for a folder without one (not a training checkpoint).
+
+    Raises:
+        EvaluationError: The folder has a ``meta.json`` that cannot be read: what its weights are is unknown.
+    """
+    if not os.path.isfile(os.path.join(folder, META_FILE)):
         return {}
+    try:
+        return read_meta(folder)
+    except CheckpointError as e:
+        raise EvaluationError(f'{e}: the model and preprocessing of the weights in {folder!r} are unknown; score '
+                              f'another checkpoint or an export of the run') from e
+
+
+def _check_saved_hash(weights: str) -> None:
+    """Check a training checkpoint's weights file against the SHA-256 its ``meta.json`` records."""
+    folder = os.path.dirname(weights)
+    meta = _checkpoint_meta(folder)
+    try:
+        check_file_hashes(folder, meta, files=(os.path.basename(weights),))
+    except CheckpointError as e:
+        raise EvaluationError(f'{e}; score another checkpoint or an export of the run (train.py --resume auto moves '
+                              f'it to checkpoints/unreadable/)') from e
 
 
 def _model_config_in_file(path: str) -> SavedModelConfig | None:
@@ -200,6 +246,7 @@ def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> Resolv
         if use_ema and os.path.basename(path) in _WEIGHT_FILES and _ema_in(folder):
             path = _ema_in(folder)  # the EMA twin of an export's or a checkpoint's weights
         ema_entry = use_ema and os.path.basename(path) not in _EMA_FILES
+        _check_saved_hash(path)
         model_config = _model_config_in_file(path) or _model_config_near(folder)
         return ResolvedCheckpoint(path, ema_entry=ema_entry, model_config=model_config)
     if not os.path.isdir(path):
@@ -212,6 +259,7 @@ def resolve_checkpoint(path: str | os.PathLike, use_ema: bool = False) -> Resolv
             raise EvaluationError(
                 f'--use-ema: {folder!r} has no EMA weights (looked for {", ".join(_EMA_FILES)}); the run was '
                 f'probably trained without EMA, so drop --use-ema')
+    _check_saved_hash(weights)
     return ResolvedCheckpoint(weights, ema_entry=False, model_config=_model_config_near(folder))
 
 

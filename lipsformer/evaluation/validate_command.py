@@ -228,6 +228,8 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
             raise EvaluationError(f'{model_name} has no pretrained weights registered with timm; pass --checkpoint '
                                   f'with the weights to evaluate') from e
         raise
+    except (CheckpointError, EvaluationError):  # the weights file's or the saved config's problem, as it says
+        raise
     except ValueError as e:  # the constructor's refusal of an argument (LipsFormer: img_size a multiple of 32)
         raise EvaluationError(f'{model_name or "the model"} cannot be built with these arguments: {e}') from e
     data_config = _data_config(model, args)

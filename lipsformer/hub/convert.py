@@ -133,6 +133,8 @@ def load_source(src: str, model_name: str | None = None, model_kwargs: dict[str,
         name, kwargs, data_config, label_names = authors_model_config(authors_config, model_name)
         kwargs.update(model_kwargs or {})
         model = timm.create_model(name, **kwargs)
+    except (ConversionError, CheckpointError):  # the weights file's or the saved config's problem, as it says
+        raise
     except (TypeError, ValueError) as e:  # the constructor's refusal of an argument
         if isinstance(e, TypeError) and 'keyword argument' not in str(e):
             raise

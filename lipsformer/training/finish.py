@@ -14,6 +14,7 @@ accuracy, alpha per stage) need matplotlib, an optional dependency.
 import hashlib
 import logging
 import os
+import re
 import shutil
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..weights.model_folder import save_model_folder
 from ..weights.weight_files import load_file, strip_wrapper_prefixes
 from .optim import best_metric_name
 from .session import Session
-from .train_state import best_checkpoint, is_sharded
+from .train_state import best_checkpoint, is_sharded, read_meta
 
 _logger = logging.getLogger(__name__)
 
@@ -77,14 +78,26 @@ def _skipped_images(progress: Any) -> dict[str, int]:
 
 def _export(session: Session) -> dict[str, str]:
     exports = {}
-    data_config = dict(session.spec.as_dict())
     for which, folder in (('last', session.last_checkpoint), ('best', best_checkpoint(session.run_dir))):
         if folder is None:
             continue
+        # the preprocessing its weights were trained with, as the checkpoint records it (older ones: the run's)
+        data_config = read_meta(folder).get('data_config') or dict(session.spec.as_dict())
         exports[which] = export_checkpoint(session.run_dir, which, folder, session.config.model.name,
-                                           session.model_kwargs, data_config, session.class_names)
+                                           session.model_kwargs, data_config, session.class_names,
+                                           dataset_tag(session.config))
         _logger.info('exported %s weights to %s', which, exports[which])
     return exports
+
+
+def dataset_tag(config: Any) -> str | None:
+    """The pretrained tag of weights trained as ``config`` says: the data set's name (``torch/fashion_mnist`` ->
+    ``fashion_mnist``; a folder's name for an image-folder tree), in the letters timm's tags use."""
+    data = config.data
+    name = data.dataset.rstrip('/').rsplit('/', 1)[-1] if data.dataset else os.path.basename(
+        os.path.normpath(data.data_dir)) if data.data_dir else ''
+    tag = re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')
+    return tag or None
 
 
 def _weights_digest(model: torch.nn.Module) -> str:
@@ -96,7 +109,7 @@ def _weights_digest(model: torch.nn.Module) -> str:
 
 
 def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name: str, model_kwargs: dict[str, Any],
-                      data_config: dict[str, Any], class_names: list[str] | None) -> str:
+                      data_config: dict[str, Any], class_names: list[str] | None, tag: str | None = None) -> str:
     """Write ``export/<which>`` from a training checkpoint folder, atomically.
 
     Args:
@@ -107,6 +120,8 @@ def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name:
         model_kwargs: The keyword arguments the model was created with (recorded in config.json).
         data_config: input_size / mean / std / interpolation / crop_pct for the pretrained config.
         class_names: Label names in index order, when the dataset has them.
+        tag: The pretrained tag ``config.json`` gives the weights (:func:`dataset_tag`); None leaves none, rather than
+            the tag of the model's default (ImageNet) weights.
 
     Returns:
         The export folder.
@@ -115,6 +130,9 @@ def export_checkpoint(run_dir: str, which: str, checkpoint_dir: str, model_name:
         model = timm.create_model(model_name, pretrained=False, **model_kwargs)
     model.load_state_dict(strip_wrapper_prefixes(load_file(os.path.join(checkpoint_dir, 'model.safetensors'))),
                           assign=True)
+    if getattr(model, 'pretrained_cfg', None) is not None:  # timm's models: it says which weights these are
+        model.pretrained_cfg = {**{key: value for key, value in model.pretrained_cfg.items() if key != 'tag'},
+                                **({'tag': tag} if tag else {})}
     final_dir = os.path.join(run_dir, EXPORT_DIR, which)
     tmp_dir = os.path.join(run_dir, EXPORT_DIR, f'.tmp-{which}')
     shutil.rmtree(tmp_dir, ignore_errors=True)

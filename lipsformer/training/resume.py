@@ -1,11 +1,13 @@
 """Continuing a run from a checkpoint: which one, what must match, and what becomes of the checkpoints it overtakes.
 
-- ``--resume auto`` takes the run's newest checkpoint; one with an unreadable file (truncated, corrupt) is moved to
-  ``checkpoints/unreadable/`` and the one before it is taken, with a warning. An explicit checkpoint that cannot be
-  read is an error.
+- ``--resume auto`` takes the run's newest checkpoint; one with an unreadable file (truncated, corrupt, not the bytes
+  whose SHA-256 ``meta.json`` records, or a missing or unreadable ``meta.json``) is moved to
+  ``checkpoints/unreadable/`` and the newest readable one is taken, with a warning naming it. An explicit checkpoint
+  that cannot be read is an error.
 - Refused with a :class:`~lipsformer.weights.weight_files.CheckpointError`, before anything in the run folder changes:
   another model (name, or an architecture the weights do not fit), another ``optimizer.name``, other training classes,
-  or another batch layout.
+  another batch layout, or other preprocessing (input size, mean, std, interpolation, crop): the weights, their
+  exports and their scores keep the preprocessing they were trained with.
 - Applied and said: the optimizer's settings (weight decay, betas, eps, momentum, ...) are the config's, and those
   that differ from the checkpoint's are logged; a changed schedule follows the config; every other changed key is
   listed with its old and new value and the step it applies from, and ``config.yaml`` takes the new values while the
@@ -28,6 +30,7 @@ from .config_io import config_to_dict, flat_dict
 from .optim import best_metric_name, total_epochs
 from .session import Session
 from .train_state import (
+    META_FILE,
     SavedState,
     checkpoints_root,
     list_checkpoints,
@@ -115,11 +118,13 @@ def _first_readable(session: Session, candidates: list[str], explicit: bool) -> 
         if _all_processes(accelerator, problem is None):
             return saved
         reason = str(problem or 'unreadable on another process').rstrip('.')
+        if problem is not None and not os.path.isfile(os.path.join(folder, META_FILE)):
+            reason = f'its {META_FILE} is missing'
         if explicit:
             raise CheckpointError(f'cannot resume from {folder!r}: {reason}. Resume from an older checkpoint, or with '
                                   f'--resume auto (which takes the newest readable one)')
         _logger.warning('%s cannot be read (%s); it is moved to checkpoints/unreadable/ and the run continues from '
-                        'the checkpoint before it', folder, reason)
+                        'the newest checkpoint before it that can be read', folder, reason)
         if accelerator.is_main_process:
             set_aside(session.run_dir, folder, 'unreadable')
         accelerator.wait_for_everyone()
@@ -146,6 +151,36 @@ def _check_fits(saved: SavedState, session: Session) -> None:
             f'{_head(session.class_names)}: the classifier\'s outputs would mean other classes. Resume with the '
             f'same class folders (or data.class_map)')
     _check_geometry(saved, session)
+    _check_preprocessing(saved, session)
+
+
+# The config keys that decide the preprocessing (timm's data config) besides the model's defaults.
+PREPROCESSING_KEYS = ('data.mean', 'data.std', 'data.interpolation', 'data.crop_pct', 'model.img_size',
+                      'model.in_chans')
+
+
+def _check_preprocessing(saved: SavedState, session: Session) -> None:
+    """Refuse other preprocessing than the checkpoint's: its weights were trained on inputs sized and normalised
+    as it records (``data_config``, or its config's keys in checkpoints saved before that was recorded), and a run
+    continued with other values would export and score them with preprocessing they never saw."""
+    saved_flat, current_flat = flat_dict(saved.meta.get('config', {})), flat_dict(config_to_dict(session.config))
+    changed = [f'{key}: {saved_flat.get(key)} -> {current_flat.get(key)}' for key in PREPROCESSING_KEYS
+               if key in saved_flat and saved_flat.get(key) != current_flat.get(key)]
+    recorded, now = saved.meta.get('data_config'), plain_data_config(session.spec.as_dict())
+    if recorded and not changed:  # the same keys resolved otherwise (another model's defaults)
+        changed = [f'{key} {recorded.get(key)} -> {now.get(key)}' for key in sorted(set(recorded) | set(now))
+                   if recorded.get(key) != now.get(key)]
+    if changed:
+        raise CheckpointError(
+            f'{saved.folder!r} was trained with other preprocessing ({"; ".join(changed)}): its weights, their exports '
+            f'and their scores keep the preprocessing they were trained with. Resume without changing it (the '
+            f'run\'s config.yaml as saved), or start a new run with the new preprocessing from its weights: '
+            f'--output NEW_RUN model.init_checkpoint={os.path.join(saved.folder, "model.safetensors")}')
+
+
+def plain_data_config(data_config: dict[str, Any]) -> dict[str, Any]:
+    """A data config as ``meta.json`` records it (JSON: tuples become lists)."""
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in data_config.items()}
 
 
 def _check_something_trains(saved: SavedState, session: Session, changed: list[str]) -> None:

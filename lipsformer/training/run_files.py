@@ -66,7 +66,8 @@ def earlier_config_name(step: int) -> str:
     return f'config.before_step_{step:08d}.yaml'
 
 
-def write_config(config: Config, run_dir: str, from_step: int = 0, earlier: dict[str, Any] | None = None) -> str | None:
+def write_config(config: Config, run_dir: str, from_step: int = 0, earlier: dict[str, Any] | None = None,
+                 resumed: bool = True) -> str | None:
     """Write ``config.yaml``, the config of the steps from ``from_step`` on, and keep the config of the steps before
     as ``config.before_step_<from_step>.yaml`` (with the time appended when that name is taken).
 
@@ -77,6 +78,8 @@ def write_config(config: Config, run_dir: str, from_step: int = 0, earlier: dict
         earlier: The config the steps before ``from_step`` trained with (a resumed checkpoint's, when keys
             changed), for a folder whose ``config.yaml`` does not hold it: a new ``--output`` resumed from another
             run's checkpoint, or an older checkpoint resumed under the current config.
+        resumed: Whether the run continues from a checkpoint. A run starting from scratch has no steps before: another
+            ``config.yaml`` there is an earlier start's that left no checkpoint, kept as ``config.yaml.orphaned``.
 
     Returns:
         The file that now holds the config of the steps before ``from_step``, or None when none was kept.
@@ -88,7 +91,13 @@ def write_config(config: Config, run_dir: str, from_step: int = 0, earlier: dict
             current = yaml.safe_load(f)
     wanted = config_to_dict(config)
     kept = None
-    if current is not None and current != wanted:
+    if not resumed:
+        if current is not None and current != wanted:
+            orphaned = _free_name(f'{path}.orphaned')
+            os.rename(path, orphaned)
+            _logger.warning('%s: the config of an earlier start that left no checkpoint is kept as %s; this run '
+                            'starts from scratch', CONFIG_FILE, os.path.basename(orphaned))
+    elif current is not None and current != wanted:
         kept = _free_name(os.path.join(run_dir, earlier_config_name(from_step)))
         os.rename(path, kept)
     elif earlier is not None and earlier != wanted:
@@ -101,7 +110,10 @@ def write_config(config: Config, run_dir: str, from_step: int = 0, earlier: dict
 
 def _free_name(path: str) -> str:
     """``path``, or ``path`` with the time before its extension when that name is taken."""
-    return path.replace('.yaml', f'.{time.strftime("%Y%m%d-%H%M%S")}.yaml') if os.path.exists(path) else path
+    if not os.path.exists(path):
+        return path
+    stem, extension = os.path.splitext(path)
+    return f'{stem}.{time.strftime("%Y%m%d-%H%M%S")}{extension}'
 
 
 def linked_run_files(run_dir: str) -> list[str]:
@@ -159,20 +171,26 @@ class MetricsFile:
     def __init__(self, run_dir: str):
         self.lines = JsonLines(os.path.join(run_dir, METRICS_FILE))
 
-    def reset(self, history: list[dict[str, Any]]) -> None:
+    def reset(self, history: list[dict[str, Any]], resumed: bool = True) -> None:
         """Make the file hold exactly ``history`` (the epochs of the checkpoint a run resumes from).
 
         Lines for epochs past the checkpoint (scored by a start that went further, or by the branch an older
-        checkpoint's resume abandons) are appended to ``metrics.jsonl.orphaned``, and the log says so.
+        checkpoint's resume abandons; every line, for a run that starts from scratch: ``resumed`` False) are appended
+        to ``metrics.jsonl.orphaned``, and the log says so.
         """
         existing = self.lines.read()
         if len(existing) > len(history):
             orphaned = existing[len(history):]
             JsonLines(self.orphaned_path).append(orphaned)
-            epochs = [str(line.get('epoch', '?')) for line in orphaned]
-            _logger.warning('%s: %d line(s) past the checkpoint resumed from (epoch %s) are moved to %s; the file '
-                            'keeps the epochs of the run continued from there', os.path.basename(self.lines.path),
-                            len(orphaned), ', '.join(epochs), os.path.basename(self.orphaned_path))
+            epochs = ', '.join(str(line.get('epoch', '?')) for line in orphaned)
+            if resumed:
+                _logger.warning('%s: %d line(s) past the checkpoint resumed from (epoch %s) are moved to %s; the file '
+                                'keeps the epochs of the run continued from there', os.path.basename(self.lines.path),
+                                len(orphaned), epochs, os.path.basename(self.orphaned_path))
+            else:
+                _logger.warning('%s: %d line(s) of an earlier start that left no checkpoint (epoch %s) are moved to '
+                                '%s; this run starts from scratch', os.path.basename(self.lines.path), len(orphaned),
+                                epochs, os.path.basename(self.orphaned_path))
         self.lines.rewrite(history)
 
     @property

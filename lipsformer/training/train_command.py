@@ -26,9 +26,11 @@ from ..weights.weight_files import CheckpointError
 from .config import Config, ConfigError
 from .config_io import coerce_key, config_to_yaml, load_config, parse_override, reference_yaml
 from .loop import NonFiniteLossError
+from .run_files import CONFIG_FILE
 from .run_lock import RunFolderGoneError, RunFolderInUseError
 from .signals import SecondInterrupt
 from .trackers import chosen_trackers
+from .train_state import list_checkpoints
 from .trainer import PeerProcessDiedError, report_end, train
 
 __all__ = ['TIMM_ALIASES', 'Alias', 'main', 'parse_args', 'resolve_overrides']
@@ -359,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     is_main = int(os.environ.get('RANK', '0')) == 0  # before Accelerate starts: launchers set RANK per process
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format='%(asctime)s %(levelname)s %(name)s: %(message)s', datefmt='%H:%M:%S')
+    _use_the_run_s_config(args)
     try:
         config = load_config(args.config, _overrides(args))
     except ConfigError as e:
@@ -372,6 +375,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         return _fail(EXIT_BAD_INPUT, f'--output {output!r} cannot be a run folder: {problem}; give a folder')
     return _train(config, output, args.resume, is_main, args)
+
+
+def _use_the_run_s_config(args: argparse.Namespace) -> None:
+    """``--resume auto`` without ``--config`` into a run folder that has its ``config.yaml``: continue that run as it
+    was configured (the overrides still apply), not the default recipe."""
+    if args.config is not None or args.resume != 'auto':
+        return
+    run_config = os.path.join(run_folder(args), CONFIG_FILE)
+    if os.path.isfile(run_config):
+        args.config = run_config
+        _logger.info('no --config given: continuing the run with its own %s', run_config)
 
 
 def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
@@ -395,7 +409,7 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
     except Exception as e:
         system_error = os_error_in_chain(e)
         if system_error is not None:
-            return _fail(EXIT_OS_ERROR, _os_error_reason(e, system_error))
+            return _fail(EXIT_OS_ERROR, _os_error_reason(e, system_error, output))
         traceback.print_exc()  # a bug: the traceback first, for a report, then the one-line reason
         return _fail(EXIT_UNEXPECTED, f'unexpected error (please report it with the traceback above): '
                                       f'{type(e).__name__}: {e}')
@@ -407,15 +421,22 @@ def _train(config: Config, output: str, resume: str | None, is_main: bool, args:
     return 0
 
 
-def _os_error_reason(error: Exception, system_error: OSError) -> str:
+def _os_error_reason(error: Exception, system_error: OSError, output: str) -> str:
     """The reason of exit status 4: the operating system's words (and the file, when known), the library error that
-    carried them when there is one, and what to do."""
+    carried them when there is one, and what to do: continue the run from its checkpoints, or start it again when it
+    has none."""
     carried = ''
     if error is not system_error:
         lines = str(error).strip().splitlines()
         carried = f' (reported as {type(error).__name__}: {lines[0][:200] if lines else ""})'
+    try:
+        has_checkpoints = bool(list_checkpoints(output))
+    except OSError:
+        has_checkpoints = False
+    then = ('continue with --resume auto' if has_checkpoints else
+            'start the run again (it saved no checkpoint to continue from)')
     return (f'the operating system refused a read or write: {system_error}{carried}; free space or fix the '
-            f'permissions, then continue with --resume auto')
+            f'permissions, then {then}')
 
 
 def _fail(code: int, reason: str) -> int:

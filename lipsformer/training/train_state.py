@@ -3,8 +3,9 @@
 A checkpoint folder holds ``model.safetensors`` (and ``ema.safetensors``): plain state dicts any tool can read;
 ``optimizer.pt`` and ``trainer_state.pt`` (optimizer keyed by parameter name, scheduler, loss scaler, only tensors
 and plain data so they load with ``weights_only=True``); ``rng_state_<rank>.pt`` per process; and ``meta.json`` with
-the position in training (epoch, micro-batch within it, optimizer update), the best metric so far, the metrics history
-and the resolved config.
+the position in training (epoch, micro-batch within it, optimizer update), the best metric so far, the metrics history,
+the resolved config, the preprocessing the weights were trained with (``data_config``) and the SHA-256 of each file
+the main process wrote (``sha256``), checked whenever the checkpoint is read back (a resume, an evaluation).
 
 Everything is first written into ``checkpoints/.tmp-<name>``, flushed to disk, and the folder is then renamed into
 place, so a process killed at any moment leaves every earlier checkpoint complete. An epoch's checkpoint is saved
@@ -12,7 +13,9 @@ before its evaluation, with the epoch's training metrics in ``progress.unscored`
 replaced (atomically) by one whose history holds the epoch's line. ``best.json`` names the best checkpoint, which
 pruning never deletes. The newest checkpoint is the most advanced one by its recorded progress
 (:func:`latest_checkpoint`; validate.py picks it the same way). Checkpoints a run cannot use (unreadable files, or
-newer than the one an explicit ``--resume`` went back to) are moved into ``checkpoints/<why>/``, never deleted.
+newer than the one an explicit ``--resume`` went back to) are moved into ``checkpoints/<why>/``, never deleted. A
+checkpoint folder whose ``meta.json`` is missing or unreadable is one of them (:func:`damaged_checkpoints`): it is
+never listed as a checkpoint, pruned, or replaced by a new one of its name.
 
 Model and optimizer states are full ones, gathered from a model that may be wrapped (DDP, torch.compile) or sharded
 (FSDP); optimizer states are keyed by parameter name (``torch.distributed.checkpoint.state_dict``), so a checkpoint
@@ -20,6 +23,7 @@ depends neither on the order in which parameters were handed to the optimizer no
 states are plain tensors and numbers.
 """
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -42,9 +46,10 @@ from torch.distributed.checkpoint.state_dict import (
 from ..utils.io import fsync_dir, remove_dir, replace_dir, save_safetensors, save_torch, write_json
 from ..weights.weight_files import CheckpointError, check_state_dict, load_file, strip_wrapper_prefixes
 
-__all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'checkpoints_to_resume', 'checkpoints_root',
-           'is_sharded', 'latest_checkpoint', 'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint',
-           'read_meta', 'restore_best_pointer', 'restore_checkpoint', 'save_checkpoint', 'set_aside', 'update_progress']
+__all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'check_file_hashes', 'checkpoints_root',
+           'checkpoints_to_resume', 'damaged_checkpoints', 'file_sha256', 'is_sharded', 'latest_checkpoint',
+           'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint', 'read_meta', 'restore_best_pointer',
+           'restore_checkpoint', 'save_checkpoint', 'set_aside', 'update_progress']
 
 _logger = logging.getLogger(__name__)
 
@@ -52,6 +57,10 @@ CHECKPOINTS_DIR = 'checkpoints'
 BEST_POINTER = 'best.json'
 META_FILE = 'meta.json'
 FORMAT_VERSION = 1
+# The folders inside checkpoints/ that hold checkpoints set aside (set_aside), not checkpoints themselves.
+ASIDE_DIRS = ('unreadable', 'abandoned')
+# The files of a checkpoint the main process writes, whose SHA-256 meta.json records.
+HASHED_FILES = ('model.safetensors', 'ema.safetensors', 'optimizer.pt', 'trainer_state.pt')
 
 
 @dataclass
@@ -142,8 +151,10 @@ def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress:
             save_safetensors(objects.ema.module.state_dict(), os.path.join(tmp_dir, 'ema.safetensors'))
         save_torch(optimizer_state, os.path.join(tmp_dir, 'optimizer.pt'))
         save_torch(_trainer_state(objects), os.path.join(tmp_dir, 'trainer_state.pt'))
+        hashes = {file: file_sha256(os.path.join(tmp_dir, file)) for file in HASHED_FILES
+                  if os.path.isfile(os.path.join(tmp_dir, file))}
         meta = dict(format=FORMAT_VERSION, name=name, world_size=accelerator.num_processes,
-                    progress=dataclasses.asdict(progress), **meta_extra)
+                    progress=dataclasses.asdict(progress), sha256=hashes, **meta_extra)
         write_json(os.path.join(tmp_dir, META_FILE), meta)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -172,18 +183,21 @@ def read_checkpoint(checkpoint_dir: str, process_index: int = 0) -> SavedState:
     """Read every file of a checkpoint this process needs.
 
     Raises:
-        CheckpointError: A file is missing, truncated or unreadable.
+        CheckpointError: A file is missing, truncated, unreadable or not the one saved (its SHA-256 differs from the
+            one ``meta.json`` records).
     """
     meta = read_meta(checkpoint_dir)
     ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
     rng_path = os.path.join(checkpoint_dir, f'rng_state_{process_index}.pt')
-    return SavedState(  # weights saved from a wrapped model elsewhere load too
+    saved = SavedState(  # weights saved from a wrapped model elsewhere load too
         folder=checkpoint_dir, meta=meta,
         model=strip_wrapper_prefixes(load_file(os.path.join(checkpoint_dir, 'model.safetensors'))),
         optimizer=load_file(os.path.join(checkpoint_dir, 'optimizer.pt')),
         trainer=load_file(os.path.join(checkpoint_dir, 'trainer_state.pt')),
         ema=strip_wrapper_prefixes(load_file(ema_path)) if os.path.isfile(ema_path) else None,
         rng=load_file(rng_path) if os.path.isfile(rng_path) else None)
+    check_file_hashes(checkpoint_dir, meta)  # after loading, whose errors say more about a truncated file
+    return saved
 
 
 def restore_checkpoint(saved: SavedState, objects: TrainingObjects) -> list[str]:
@@ -244,22 +258,69 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
     return meta
 
 
-def list_checkpoints(run_dir: str) -> list[tuple[tuple[int, int, int], str]]:
-    """Complete checkpoints of a run, oldest first, as ((step, epoch, batch_in_epoch), folder)."""
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, as hex."""
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_file_hashes(checkpoint_dir: str, meta: dict[str, Any], files: tuple[str, ...] = HASHED_FILES) -> None:
+    """Check ``files`` of a checkpoint against the SHA-256 its ``meta.json`` records (checkpoints saved before
+    hashes were recorded have none to check).
+
+    Raises:
+        CheckpointError: A recorded file is missing or its bytes are not the ones saved.
+    """
+    for name, expected in (meta.get('sha256') or {}).items():
+        if name not in files:
+            continue
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f'{path!r} is missing (meta.json records its SHA-256)')
+        if file_sha256(path) != expected:
+            raise CheckpointError(f'{path!r} is not the file that was saved: its SHA-256 differs from the one '
+                                  f'meta.json records (a failing disk, a copy cut short or an edit changed it)')
+
+
+def _checkpoint_folders(run_dir: str) -> list[str]:
+    """The folders of ``checkpoints/`` that are checkpoints, complete or damaged (not temporaries, not set aside)."""
     root = checkpoints_root(run_dir)
     if not os.path.isdir(root):
         return []
+    return [os.path.join(root, name) for name in sorted(os.listdir(root)) if not name.startswith('.')
+            and name not in ASIDE_DIRS and os.path.isdir(os.path.join(root, name))]
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[tuple[int, int, int], str]]:
+    """Complete checkpoints of a run, oldest first, as ((step, epoch, batch_in_epoch), folder); those whose
+    ``meta.json`` cannot be read are :func:`damaged_checkpoints`."""
     found = []
-    for name in os.listdir(root):
-        folder = os.path.join(root, name)
-        if name.startswith('.') or not os.path.isdir(folder):
-            continue
+    for folder in _checkpoint_folders(run_dir):
         try:
             progress = read_meta(folder)['progress']
         except CheckpointError:
             continue
         found.append(((progress['step'], progress['epoch'], progress['batch_in_epoch']), folder))
     return sorted(found)
+
+
+def damaged_checkpoints(run_dir: str) -> list[tuple[str, str]]:
+    """The checkpoint folders of a run whose ``meta.json`` is missing or unreadable, as (folder, what is wrong).
+
+    Their place among the checkpoints is unknown, so none of them can be taken for the newest or pruned; a folder
+    completes under ``checkpoints/.tmp-<name>`` and appears only whole, so a folder without it was damaged later.
+    """
+    damaged = []
+    for folder in _checkpoint_folders(run_dir):
+        try:
+            read_meta(folder)
+        except CheckpointError as e:
+            damaged.append((folder, str(e) if os.path.isfile(os.path.join(folder, META_FILE)) else
+                            f'its {META_FILE} is missing'))
+    return damaged
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
@@ -273,16 +334,28 @@ def checkpoints_to_resume(run_dir: str, resume: str | None) -> list[str]:
 
     ``None`` refuses to start over a run that already has checkpoints; ``'auto'`` gives the run's checkpoints, the
     newest first (the next is tried when one is unreadable); a folder gives that checkpoint, or the newest of that run.
+
+    A checkpoint whose ``meta.json`` cannot be read counts as a checkpoint of the run: a new run is refused, ``auto``
+    gives it first (so that it is moved to ``checkpoints/unreadable/`` before the readable ones are tried), and a run
+    folder's newest checkpoint cannot be chosen while one is there.
     """
+    damaged = damaged_checkpoints(run_dir) if resume in (None, 'auto') else []
     if resume is None:
-        if list_checkpoints(run_dir):
+        if list_checkpoints(run_dir) or damaged:
             raise CheckpointError(f'{run_dir!r} already holds checkpoints of a run; continue it with --resume auto, '
                                   f'or give another --output')
         return []
     if resume == 'auto':
         found = [folder for _, folder in reversed(list_checkpoints(run_dir))]
-        _logger.info('resume auto: %s', f'continuing from {found[0]}' if found else 'no checkpoint yet, starting fresh')
-        return found
+        if damaged:
+            _logger.info('resume auto: %d checkpoint(s) of %s have no readable meta.json (%s); they are tried first, '
+                         'to be moved to checkpoints/unreadable/', len(damaged), run_dir,
+                         ', '.join(os.path.basename(folder) for folder, _ in damaged))
+        elif found:
+            _logger.info('resume auto: continuing from %s', found[0])
+        else:
+            _logger.info('resume auto: no checkpoint yet, starting fresh')
+        return [folder for folder, _ in damaged] + found
     if os.path.isfile(resume):
         raise CheckpointError(f'--resume {resume!r} is a file; give the checkpoint folder that holds it '
                               f'({os.path.dirname(os.path.abspath(resume))!r}), a run folder or auto')
@@ -290,11 +363,21 @@ def checkpoints_to_resume(run_dir: str, resume: str | None) -> list[str]:
         raise CheckpointError(f'--resume {resume!r}: no such folder; give a checkpoint folder, a run folder or auto')
     if os.path.isfile(os.path.join(resume, META_FILE)):
         return [resume]
+    damaged = damaged_checkpoints(resume)
+    if damaged:
+        raise CheckpointError(f'--resume {resume!r}: which checkpoint of that run is the newest is unknown, since '
+                              f'{_damaged_text(damaged)}; give the checkpoint folder to resume from, or continue the '
+                              f'run with --output {resume} --resume auto (which moves such checkpoints to '
+                              f'checkpoints/unreadable/)')
     found = latest_checkpoint(resume)
     if found is None:
         raise CheckpointError(f'--resume {resume!r}: neither a checkpoint folder (with meta.json) nor a run folder '
                               f'with checkpoints/')
     return [found]
+
+
+def _damaged_text(damaged: list[tuple[str, str]]) -> str:
+    return '; '.join(f'{os.path.basename(folder)} cannot be read ({reason})' for folder, reason in damaged)
 
 
 def set_aside(run_dir: str, folder: str, why: str) -> str:

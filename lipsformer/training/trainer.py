@@ -29,7 +29,7 @@ from .config_io import config_to_dict
 from .finish import EXPORT_DIR, finish_run
 from .loop import EpochResult, NonFiniteLossError, alpha_statistics, stop_agreed, train_epoch, validate, weights_finite
 from .optim import best_metric_name, scheduled_lr, total_epochs
-from .resume import log_config_change, resume_session, training_images
+from .resume import log_config_change, plain_data_config, resume_session, training_images
 from .run_files import CONFIG_FILE, LOG_FILE, MetricsFile, attach_log_file, check_run_folder_shared, write_config
 from .run_lock import RunFolderGoneError, RunFolderInUseError, RunLock
 from .session import (
@@ -116,10 +116,11 @@ def _train(accelerator: Accelerator, config: Config, run_dir: str, resume: str |
         change = resume_session(session, candidates, explicit=resume != 'auto') if candidates else None
         metrics = MetricsFile(run_dir)
         if accelerator.is_main_process:
-            kept = write_config(config, run_dir, session.progress.step, change.earlier if change else None)
+            kept = write_config(config, run_dir, session.progress.step, change.earlier if change else None,
+                                resumed=bool(candidates))
             if change is not None:
                 log_config_change(change, kept)
-            metrics.reset(session.progress.history)
+            metrics.reset(session.progress.history, resumed=bool(candidates))
         start_trackers(accelerator, config, run_dir)
         session.check_run_folder = lambda: _check_run_folder(accelerator, run.lock, session.progress.step)
         run.training = True
@@ -497,9 +498,9 @@ def _save(session: Session, name: str) -> bool:
         progress.epoch_totals = session.tally.totals(session.accelerator)
     progress.wall_time_s = session.wall_time_s()
     meta = dict(geometry=dict(session.geometry(), train_images=training_images(session)),
-                config=config_to_dict(session.config), time=time.time(),
-                model=dict(name=session.config.model.name, kwargs=session.model_kwargs,
-                           class_names=session.class_names))
+                config=config_to_dict(session.config), data_config=plain_data_config(session.spec.as_dict()),
+                time=time.time(), model=dict(name=session.config.model.name, kwargs=session.model_kwargs,
+                                             class_names=session.class_names))
     session.last_checkpoint = save_checkpoint(session.run_dir, name, session.training_objects(), progress, meta)
     session.saved_at = progress.position()
     if session.accelerator.is_main_process:

@@ -269,12 +269,13 @@ def remove_stale_temporaries(folder: str) -> list[str]:
             else:
                 os.rename(path, target)
         elif name.startswith(TMP_DIR_PREFIX) and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)  # not a link: rmtree refuses one, and it is left as it is
         elif _TMP_FILE.match(name) and os.path.isfile(path):
             os.remove(path)
         else:
             continue
-        cleared.append(name)
+        if not os.path.lexists(path):  # only what is gone is named as cleared
+            cleared.append(name)
     if cleared:
         fsync_dir(folder)
     return cleared
