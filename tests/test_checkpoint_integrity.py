@@ -108,6 +108,22 @@ def test_a_run_whose_only_checkpoint_has_no_meta_json_is_not_started_afresh_over
     assert open(os.path.join(run_dir, 'export', 'last', 'model.safetensors'), 'rb').read() == export
 
 
+def test_an_explicit_resume_of_an_older_checkpoint_sets_a_damaged_one_aside_before_saving(data_dir, finished_run,
+                                                                                          tmp_path, caplog):
+    """The resumed run saves its own epoch_0002, which replaced the damaged folder of that name."""
+    run_dir = _copy(finished_run, tmp_path)
+    newest = os.path.join(run_dir, 'checkpoints', 'epoch_0002')
+    weights = open(os.path.join(newest, 'model.safetensors'), 'rb').read()
+    _damage_meta(newest, 'deleted')
+    argv = [*_overrides(data_dir, **{'checkpoint.every_n_steps': 4}), '--output', run_dir,
+            '--resume', os.path.join(run_dir, 'checkpoints', 'step_00000008')]
+    assert main(argv) == 0
+    assert f'{newest} cannot be read (its meta.json is missing); it is moved to ' in caplog.text
+    (aside,) = os.listdir(os.path.join(run_dir, 'checkpoints', 'unreadable'))
+    assert open(os.path.join(run_dir, 'checkpoints', 'unreadable', aside, 'model.safetensors'), 'rb').read() == weights
+    assert 'epoch_0002' in _names(run_dir)  # saved anew beside it
+
+
 def test_validate_does_not_score_an_older_checkpoint_in_place_of_a_damaged_one(data_dir, finished_run, tmp_path,
                                                                                capsys):
     run_dir = _copy(finished_run, tmp_path)

@@ -33,6 +33,7 @@ from .train_state import (
     META_FILE,
     SavedState,
     checkpoints_root,
+    damaged_checkpoints,
     list_checkpoints,
     read_checkpoint,
     restore_best_pointer,
@@ -83,6 +84,7 @@ def resume_session(session: Session, candidates: list[str], explicit: bool) -> C
         _logger.warning('the optimizer continues with the config\'s settings, not the checkpoint\'s: %s',
                         '; '.join(changed_settings))
     if session.accelerator.is_main_process:
+        _set_aside_damaged(session.run_dir)
         if explicit:
             _abandon_newer(session.run_dir, progress.position())
         restore_best_pointer(session.run_dir, progress, best_metric_name(session.config))
@@ -233,6 +235,14 @@ def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     saved_flat, current_flat = flat_dict(saved), flat_dict(current)
     return [f'{k}: {saved_flat.get(k)} -> {current_flat.get(k)}' for k in sorted(set(saved_flat) | set(current_flat))
             if saved_flat.get(k) != current_flat.get(k)]
+
+
+def _set_aside_damaged(run_dir: str) -> None:
+    """Move the run's checkpoints whose ``meta.json`` cannot be read to ``checkpoints/unreadable/`` (those an explicit
+    ``--resume`` did not try), so that no checkpoint saved from here replaces one of the same name."""
+    for folder, reason in damaged_checkpoints(run_dir):
+        moved = set_aside(run_dir, folder, 'unreadable')
+        _logger.warning('%s cannot be read (%s); it is moved to %s', folder, reason, moved)
 
 
 def _abandon_newer(run_dir: str, position: tuple[int, int, int]) -> None:
