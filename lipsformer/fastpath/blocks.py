@@ -43,7 +43,11 @@ def weighted_residual(x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor
     scale = _residual_scale(branch, scale, drop_path)
     if scale is None:
         return x + branch
-    return torch.addcmul(x, branch, scale)
+    if x.dtype == branch.dtype == scale.dtype:
+        return torch.addcmul(x, branch, scale)
+    # Under autocast a float32 stream meets a low-precision branch: addcmul would have each operand cast to float32
+    # first (autocast promotes its arguments), where a product and a sum read them as they are.
+    return x + branch * scale
 
 
 def linear(module: nn.Linear, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -116,6 +116,9 @@ def _scaled_weights(weight: torch.Tensor, bias: torch.Tensor | None, scale: torc
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if scale is None:
         return weight, bias
+    # A weight already in a lower precision (autocast's weight casts made together, lipsformer.training.weight_casts)
+    # is scaled in that precision, which the product then needs no cast into.
+    scale = scale.to(weight.dtype)
     return weight * scale.unsqueeze(-1), bias * scale if bias is not None else None
 
 

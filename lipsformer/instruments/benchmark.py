@@ -24,6 +24,7 @@ it finished.
 """
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import functools
@@ -61,6 +62,7 @@ from lipsformer.instruments.model_specs import (
     write_report,
 )
 from lipsformer.models._base import LipsFormerBlock
+from lipsformer.training import weight_casts
 from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
 from lipsformer.utils.cli import command_name, ctrl_c_deferred, usage_error
@@ -204,9 +206,14 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     targets: dict[str, torch.Tensor] = {}
 
+    casts = contextlib.nullcontext
+    if torch_compile_mode is None and (spec is None or spec.grouped_weight_casts is not False) \
+            and weight_casts.applies(model) is None:
+        casts = functools.partial(weight_casts.GroupedWeightCasts(model).applied, device_type)
+
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(config):
+        with _autocast(config), casts():
             loss = step_loss(runner(inputs), targets)
         scaler.scale(loss).backward()
         scaler.step(optimizer)

@@ -75,12 +75,13 @@ from lipsformer.instruments.model_specs import (
     step_modes,
     write_report,
 )
+from lipsformer.training.weight_casts import GroupedWeightCasts
 from lipsformer.utils.cli import command_name, usage_error
 
-__all__ = ['MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'compiled_spec_reason', 'count_models', 'count_step',
-           'cuda_sdp_choice',
-           'format_count_json_table', 'format_count_table', 'group_of',
-           'multi_tensor_launches', 'main']
+__all__ = ['CONVOLUTION_OPS', 'MATMUL_OPS', 'NON_KERNEL_OPS', 'StepCount', 'compiled_spec_reason',
+           'convolution_layout', 'count_models', 'count_step', 'cuda_convolution_layout', 'cuda_sdp_choice',
+           'format_count_json_table', 'format_count_table', 'format_layouts', 'group_of', 'multi_tensor_launches',
+           'main']
 
 _aten = torch.ops.aten
 # Ops whose traffic depends on their tiling (matmuls, convolutions, attention): no bytes are counted for them. The
@@ -173,6 +174,71 @@ def _op_bytes(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) 
     """Bytes read and written by a non-matmul kernel: its input and output tensors (an in-place op's once each)."""
     inputs, outputs = _tensors((args, kwargs)), _tensors(out)
     return sum(_nbytes(tensor) for tensor in inputs + outputs if tensor.device.type == 'cuda')
+
+
+CONVOLUTION_OPS = frozenset({'convolution', 'convolution_backward', 'depthwise_conv2d', 'depthwise_conv2d_backward'})
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    """``channels-last`` or ``channels-first``: the memory format PyTorch's convolution dispatch reads from a 4-D
+    tensor (``suggest_memory_format``), which for a depthwise convolution on CUDA decides between cuDNN and PyTorch's
+    own kernels."""
+    return 'channels-last' if torch._prims_common.suggest_memory_format(tensor) == torch.channels_last \
+        else 'channels-first'
+
+
+def cuda_convolution_layout(func: torch._ops.OpOverload, args: tuple, out: Any) -> Any:
+    """A fake CUDA convolution's (or its backward's) outputs in the memory layout a GPU of compute capability 8.0 or
+    more gives them.
+
+    Fake tensors have no device to ask, and PyTorch sends a bfloat16 convolution to cuDNN only where the device says
+    it supports bfloat16 convolutions (``supportsBFloat16ConvolutionWithCuDNNv8``, compute capability >= 8.0): without
+    one it picks its slow im2col kernels, whose outputs are channels-first whatever the input's layout. On an A100,
+    H100 or H200 cuDNN takes them, as it takes float16 ones, and keeps a channels-last input's layout; the backend
+    is chosen here as for float16 tensors of the same shapes and strides, and the outputs given its layout.
+    """
+    image, weight = (args[0], args[1]) if func is _aten.convolution.default else (args[1], args[2])
+    if image.device.type != 'cuda' or torch.bfloat16 not in (image.dtype, weight.dtype) or image.dim() != 4:
+        return out
+    stand_ins = [torch.empty_strided(tensor.shape, tensor.stride(), dtype=torch.float16, device=tensor.device)
+                 for tensor in (image, weight)]
+    if func is _aten.convolution.default:
+        bias, options = args[2], args[3:9]
+        backend = torch._C._select_conv_backend(*stand_ins, None if bias is None else bias.half(), *options, None)
+    else:
+        backend = torch._C._select_conv_backend(*stand_ins, None, *args[4:10], args[3])
+    memory_format = torch._C._conv_determine_backend_memory_format(*stand_ins, backend)
+
+    def laid_out(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return tensor if tensor is None or tensor.dim() != 4 else tensor.contiguous(memory_format=memory_format)
+
+    if func is _aten.convolution.default:
+        return laid_out(out)
+    return laid_out(out[0]), laid_out(out[1]), out[2]
+
+
+def convolution_layout(name: str, args: tuple, out: Any) -> str:
+    """What kind of 2-D convolution a convolution op is and the memory layout of its image input and output:
+    ``'depthwise channels-last -> channels-last'``. Kinds: ``depthwise`` (a group a channel), ``pointwise`` (1x1, one
+    group: a product over channels a GEMM computes without a convolution kernel), ``dense`` (the others). The
+    package's ``depthwise_conv2d`` op takes and returns NHWC maps, channels-last by construction; a backward's output
+    is its input gradient (none where only the weight's is asked for)."""
+    if name.startswith('depthwise_conv2d'):
+        return 'depthwise channels-last -> channels-last'
+    if name == 'convolution':
+        image, weight, groups, result = args[0], args[1], args[8], out
+    else:  # convolution_backward(grad_output, input, weight, ..., groups, output_mask)
+        image, weight, groups, result = args[1], args[2], args[9], out[0]
+    if image.dim() != 4:
+        return f'{image.dim() - 2}-d convolution'
+    if groups > 1 and groups == image.shape[1]:
+        kind = 'depthwise'
+    elif groups == 1 and all(size == 1 for size in weight.shape[2:]):
+        kind = 'pointwise'
+    else:
+        kind = 'dense'
+    produced = _layout(result) if isinstance(result, torch.Tensor) else 'none'
+    return f'{kind} {_layout(image)} -> {produced}'
 
 
 def _sdp_priority_order() -> list[int]:
@@ -338,6 +404,7 @@ class StepCount:
     groups: dict[str, Tally] = dataclasses.field(default_factory=lambda: defaultdict(Tally))
     op_kernels: Counter = dataclasses.field(default_factory=Counter)
     sdpa: Counter = dataclasses.field(default_factory=Counter)
+    conv_layouts: Counter = dataclasses.field(default_factory=Counter)
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -350,7 +417,7 @@ class StepCount:
                 'kernels': self.total.kernels, 'non_matmul_bytes': self.total.bytes,
                 'phases': tallies(self.phases), 'groups': tallies(self.groups), 'parts': tallies(self.parts),
                 'op_kernels': dict(self.op_kernels.most_common()), 'sdpa': dict(self.sdpa),
-                'seconds': self.seconds}
+                'conv_layouts': dict(sorted(self.conv_layouts.items())), 'seconds': self.seconds}
 
 
 class _Recorder(TorchDispatchMode):
@@ -369,6 +436,8 @@ class _Recorder(TorchDispatchMode):
             out = cuda_sdp_choice(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        if func in (_aten.convolution.default, _aten.convolution_backward.default):
+            out = cuda_convolution_layout(func, args, out)
         name = func._schema.name.split('::')[-1]
         kernels = _op_kernels(func, args, kwargs, out)
         nbytes = _op_bytes(func, args, kwargs, out) if kernels and name not in MATMUL_OPS else 0
@@ -378,6 +447,8 @@ class _Recorder(TorchDispatchMode):
         if name in SDPA_OPS and kernels:
             self.count.sdpa[f'{phase}: {name}'] += 1
             part += '#sdpa'
+        if name in CONVOLUTION_OPS and kernels:
+            self.count.conv_layouts[f'{phase}: {convolution_layout(name, args, out)}'] += 1
         for table, key in ((self.count.phases, phase), (self.count.parts, part),
                            (self.count.groups, group_of(part))):
             table[key].add(1, kernels, nbytes)
@@ -706,8 +777,10 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
             with torch.no_grad(), autocast:
                 model(inputs)
         else:
+            weight_casts = GroupedWeightCasts(model) if spec.grouped_weight_casts is not False else None
             with _GradFnRecorder(part_of, node_parts), \
-                    _function_apply_recorded(node_parts, part_of, tensor_positions), autocast:
+                    _function_apply_recorded(node_parts, part_of, tensor_positions), autocast, \
+                    weight_casts.applied('cuda') if weight_casts is not None else contextlib.nullcontext():
                 output = model(inputs)
                 state['part'] = 'loss'
                 loss = _benchmarkstep_loss(output, labels)
@@ -785,6 +858,11 @@ def format_parts(count: StepCount, top: int = 12, by: str = 'groups') -> str:
                      f'{tally.ops:6d} ops' for key, tally in rows)
 
 
+def format_layouts(count: StepCount) -> str:
+    """The step's convolutions by phase, kind and memory layout (:func:`convolution_layout`), one line each."""
+    return '\n'.join(f'  {number:4d}  {key}' for key, number in sorted(count.conv_layouts.items()))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=command_name('lipsformer.instruments.kernel_count'),
@@ -838,6 +916,9 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
         for count in counts:
             print(f'\n{count.model} {count.mode}: top groups by kernels')
             print(format_parts(count, args.parts))
+            if count.conv_layouts:
+                print(f'{count.model} {count.mode}: convolutions by kind and memory layout (input -> output)')
+                print(format_layouts(count))
     if args.json is not None:
         write_report(parser, args.json, [count.to_json() for count in counts])
     return counts

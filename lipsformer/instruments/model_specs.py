@@ -1,6 +1,8 @@
 """Model specs, as the benchmark and the kernel counter take them: ``name[key=value,...]`` or
 ``file:/path/module.py:factory[...]``, with keys that are no constructor arguments: ``fast_path=True`` / ``False``
-switches ``lipsformer.fastpath`` for that model, and ``compile=True``, ``compile=regional`` / ``whole`` (the scope) or
+switches ``lipsformer.fastpath`` for that model, ``grouped_weight_casts=False`` casts its weights one at a time at
+their use in an eager training step under autocast (as autocast does alone) instead of together
+(``lipsformer.training.weight_casts``), and ``compile=True``, ``compile=regional`` / ``whole`` (the scope) or
 ``compile='<mode>'`` runs that model through ``torch.compile`` (``False``: eager, whatever ``--compile`` says), in the
 mode ``compile_mode='<mode>'`` names where the scope is given; the precisions they run in; the loss of a timed
 training step; and the checks of their JSON reports.
@@ -46,6 +48,8 @@ class ModelSpec:
     fast_path: bool | None = None  # lipsformer.fastpath's switch while this model runs (None: the device defaults)
     compile: bool | str | None = None  # torch.compile: True, a scope or a mode, or False (eager); None: --compile
     mode: str | None = None  # torch.compile's mode from compile_mode= (None: the compile key's, else --compile-mode)
+    # an eager training step's autocast weight casts made together (lipsformer.training.weight_casts; None: on)
+    grouped_weight_casts: bool | None = None
 
     def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
         """``step`` with the fast paths switched as this spec asks."""
@@ -114,7 +118,7 @@ def _split_top_level(text: str) -> list[str]:
 
 
 # The keys of a spec that are no constructor arguments.
-SPEC_KEYS = ('fast_path', 'compile', 'compile_mode')
+SPEC_KEYS = ('fast_path', 'compile', 'compile_mode', 'grouped_weight_casts')
 # Keys that earlier releases took, and what became of them: refused with that, not passed to the constructor.
 REMOVED_SPEC_KEYS = {
     'native': "native= was removed with the package's C kernels: the fast path runs its PyTorch code, as it did with "
@@ -176,9 +180,10 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
         source, kwargs = match.group(1).strip(), _parse_kwargs(match.group(2) or '', item)
         if not isinstance(kwargs.get('img_size', 1), int):
             raise TypeError(f'{item!r}: img_size must be one integer (square input), got {kwargs["img_size"]!r}')
-        fast_path = kwargs.pop('fast_path', None)
-        if fast_path is not None and not isinstance(fast_path, bool):
-            raise TypeError(f'{item!r}: fast_path must be True or False, got {fast_path!r}')
+        fast_path, grouped_casts = kwargs.pop('fast_path', None), kwargs.pop('grouped_weight_casts', None)
+        for key, value in (('fast_path', fast_path), ('grouped_weight_casts', grouped_casts)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f'{item!r}: {key} must be True or False, got {value!r}')
         compile_setting = _compile_setting(kwargs.pop('compile', None), item)
         mode_setting = _compile_setting(kwargs.pop('compile_mode', None), item, key='compile_mode')
         if mode_setting is not None and compile_setting not in (None, True, *COMPILE_SCOPES):  # False or a mode
@@ -193,7 +198,7 @@ def parse_model_specs(text: str) -> list[ModelSpec]:
             check_model_source(source)
         else:
             expand_model_names(source)  # raises with close matches if the name is unknown
-        specs.append(ModelSpec(item, source, kwargs, fast_path, compile_setting, mode_setting))
+        specs.append(ModelSpec(item, source, kwargs, fast_path, compile_setting, mode_setting, grouped_casts))
     if len({spec.text for spec in specs}) != len(specs):
         raise ValueError(f'a model is listed twice in {text!r}')
     if not specs:

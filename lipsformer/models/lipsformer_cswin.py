@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.models import generate_default_cfgs, register_model
 
 from ..layers import (
@@ -29,12 +30,22 @@ from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_ch
 __all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
 
 
+def _stripes_apart(x: torch.Tensor, dim: int, stripe: int) -> torch.Tensor:
+    """A (B, H, W, C) map, its size along ``dim`` (1 or 2) a multiple of ``stripe``, with a line of zeros after each
+    stripe: (B, H * (stripe + 1) / stripe, W, C) for ``dim=1``. A 3x3 convolution with zero padding over this map
+    sees, at every token of a stripe, what it sees over that stripe alone."""
+    x = x.unflatten(dim, [-1, stripe])
+    return F.pad(x, [0, 0] * (x.dim() - dim - 2) + [0, 1]).flatten(dim, dim + 1)
+
+
 class StripeAttention(nn.Module):
     """One CSwin branch: attention within stripe_h x stripe_w windows plus LePE, divided by sqrt(heads).
 
     Stripes cut by the map border are zero-padded and the padded keys masked, so any map size works and a cut
-    stripe behaves as a narrower one. With a ``tied_qkv`` kernel (Kim et al.'s L2 attention) the input holds one
-    projection, used as queries, keys and values (and by LePE).
+    stripe behaves as a narrower one. LePE, the authors' depthwise 3x3 convolution over v laid out as each stripe and
+    zero-padded at the stripe's edges, is one convolution over the whole map with a line of zeros between the stripes
+    (:meth:`add_positional`): the same sums, in one call on a map-sized input. With a ``tied_qkv`` kernel (Kim et
+    al.'s L2 attention) the input holds one projection, used as queries, keys and values (and by LePE).
     """
 
     tied_qkv: torch.jit.Final[bool]
@@ -47,47 +58,72 @@ class StripeAttention(nn.Module):
         self.kernel = kernel
         self.head_scale = num_heads ** -0.5
 
-    def _lepe(self, v_windows: torch.Tensor) -> torch.Tensor:
-        """LePE's depthwise 3x3 conv over the stripes of v, (B * stripes, stripe_h, stripe_w, C), NHWC out."""
+    def attend(self, qk: torch.Tensor | None, v: torch.Tensor, stripe_h: int, stripe_w: int, height: int, width: int,
+               num_heads: int) -> torch.Tensor:
+        """Attention within the stripe_h x stripe_w windows of padded (B, H', W', 2 * C) q and k and (B, H', W', C) v
+        maps (``qk=None``: v is used as all three) whose valid part is ``height`` x ``width``, ``num_heads`` heads (this
+        branch's, or both branches' side by side): (B, H', W', C) out, the padded keys masked.
+
+        v is read from its own copy in window order: attention and LePE keep it alone for backward, not the projection
+        it was cut from (a partition into full-width stripes is a view). (B * stripes) stays -1 in every reshape:
+        nothing here reads the batch size.
+        """
+        v = split_heads(window_partition(v, stripe_h, stripe_w).contiguous(), 1, num_heads)[0]
+        q = k = v
+        if qk is not None:
+            q, k = split_heads(window_partition(qk, stripe_h, stripe_w), 2, num_heads)
+        mask = padding_key_mask(height, width, stripe_h, stripe_w, v.device, v.dtype)
+        if mask is None:
+            x = self.kernel(q, k, v, None)
+        else:
+            # The mask differs per stripe and is the same for every image: the (B * stripes) dimension is viewed as
+            # (B, stripes), so that nothing depends on the batch size.
+            stripes = mask.shape[0]
+            q, k, v = q.unflatten(0, [-1, stripes]), k.unflatten(0, [-1, stripes]), v.unflatten(0, [-1, stripes])
+            x = self.kernel(q, k, v, mask).flatten(0, 1)
+        padded_h, padded_w = padded_size(height, width, stripe_h, stripe_w)
+        return window_reverse(x.transpose(1, 2), stripe_h, stripe_w, padded_h, padded_w).flatten(3)
+
+    def _lepe(self, v: torch.Tensor) -> torch.Tensor:
+        """LePE's convolution of a contiguous (B, H, W, C) map, NHWC out."""
         if not torch.jit.is_scripting():
-            return depthwise_conv_nhwc(self.lepe, v_windows)
-        return self.lepe(v_windows.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+            return depthwise_conv_nhwc(self.lepe, v)
+        return self.lepe(v.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+
+    def add_positional(self, attended: torch.Tensor, v: torch.Tensor, stripe_h: int, stripe_w: int, height: int,
+                       width: int) -> torch.Tensor:
+        """``(attended + LePE(v)) / sqrt(heads)`` cut to ``height`` x ``width``, from (B, H', W', C) maps padded to
+        multiples of the stripe (``attended``: the attention's output in map layout, any strides)."""
+        apart, stripe = -1, 1  # the dimension the stripes divide (none where a stripe covers the map)
+        if stripe_h < v.shape[1]:
+            apart, stripe = 1, stripe_h
+        elif stripe_w < v.shape[2]:
+            apart, stripe = 2, stripe_w
+        if apart < 0:
+            x = (attended + self._lepe(v.contiguous())).mul_(self.head_scale)
+        else:
+            positional = self._lepe(_stripes_apart(v, apart, stripe))
+            # The convolution's outputs at the zero lines are dropped: the sum reads the stripes' tokens in place.
+            x = attended.unflatten(apart, [-1, stripe]) + positional.unflatten(apart, [-1, stripe + 1]).narrow(
+                apart + 1, 0, stripe)
+            # scaled in place before any view of the sum is taken: its backward is then a product, not a copy
+            x = x.mul_(self.head_scale).flatten(apart, apart + 1)
+        return x[:, :height, :width]
 
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
         """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
         height, width = qkv.shape[1], qkv.shape[2]
         # Split rather than index: its backward writes each gradient once, where indexing's adds zero-filled copies
         # of the whole projection.
-        qk, v = qkv, qkv.squeeze(3)  # qk unused with tied_qkv
+        qk: torch.Tensor | None = None
+        v = qkv.squeeze(3)
         if not self.tied_qkv:
             qk, v = qkv.split([2, 1], dim=3)
+            qk = pad_to_multiple(qk, stripe_h, stripe_w).flatten(3)
             v = v.squeeze(3)
-        # v in its own memory: attention and LePE keep it for backward, and so it alone, not the projection it was
-        # cut from (a partition into full-width stripes is a view).
-        v_windows = window_partition(pad_to_multiple(v, stripe_h, stripe_w), stripe_h, stripe_w).contiguous()
-        v = split_heads(v_windows, 1, self.num_heads)[0]
-        q = k = v
-        if not self.tied_qkv:
-            qk_windows = window_partition(pad_to_multiple(qk, stripe_h, stripe_w), stripe_h, stripe_w)
-            q, k = split_heads(qk_windows.flatten(2), 2, self.num_heads)
-        # LePE: a depthwise 3x3 conv over v laid out as its stripe, zero-padded at the stripe's edges.
-        # (B * stripes) stays -1 in every reshape: nothing here reads the batch size.
-        channels = v_windows.shape[-1]
-        positional = self._lepe(v_windows.view(-1, stripe_h, stripe_w, channels))
-        positional = positional.reshape(-1, stripe_h * stripe_w, self.num_heads, channels // self.num_heads)
-        positional = positional.transpose(1, 2)
-        mask = padding_key_mask(height, width, stripe_h, stripe_w, qkv.device, qkv.dtype)
-        if mask is None:
-            x = self.kernel(q, k, v, None)
-        else:
-            # The mask differs per stripe and is the same for every image: the (B * stripes) dimension is viewed as
-            # (B, stripes), so that nothing depends on the batch size.
-            padded_h, padded_w = padded_size(height, width, stripe_h, stripe_w)
-            stripes = (padded_h // stripe_h) * (padded_w // stripe_w)
-            q, k, v = q.unflatten(0, (-1, stripes)), k.unflatten(0, (-1, stripes)), v.unflatten(0, (-1, stripes))
-            x = self.kernel(q, k, v, mask).flatten(0, 1)
-        x = (x + positional).mul_(self.head_scale)  # the sum's backward needs no output
-        return window_reverse(x.transpose(1, 2), stripe_h, stripe_w, height, width).flatten(3)
+        v = pad_to_multiple(v, stripe_h, stripe_w)
+        attended = self.attend(qk, v, stripe_h, stripe_w, height, width, self.num_heads)
+        return self.add_positional(attended, v, stripe_h, stripe_w, height, width)
 
 
 class CrossStripeAttention(TokenMixer):
@@ -96,10 +132,16 @@ class CrossStripeAttention(TokenMixer):
     With two branches, the first half of the channels (and heads) attends within vertical stripes (full height,
     ``split_size`` wide) and the second half within horizontal stripes; with one branch all channels attend over the
     whole map.
+
+    On a square map the vertical stripes, transposed, are horizontal ones of the same size, so both branches run as
+    one attention call over one set of stripes, the heads of both halves side by side (``one_call``, where the
+    branches' kernels have no parameters of their own: the first branch's kernel then runs every head). Each branch's
+    LePE is its own convolution on its half of v in the map's orientation.
     """
 
     two_branches: torch.jit.Final[bool]
     tied_qkv: torch.jit.Final[bool]
+    one_call: torch.jit.Final[bool]
 
     def __init__(
             self,
@@ -131,8 +173,11 @@ class CrossStripeAttention(TokenMixer):
         dd = {'device': device, 'dtype': dtype}
         self.two_branches = two_branches
         self.split_size = split_size
+        self.num_heads = num_heads
         kernels = [make_kernel(dim // num_heads, num_heads // branches) for _ in range(branches)]
         self.tied_qkv = bool(getattr(kernels[0], 'tied_qkv', False))
+        # Kernels without parameters, made by one call of the same factory, are one function of q, k and v per head.
+        self.one_call = two_branches and not any(True for kernel in kernels for _ in kernel.parameters())
         self.qkv = nn.Linear(dim, dim if self.tied_qkv else dim * 3, bias=qkv_bias, **dd)
         self.branches = nn.ModuleList([
             StripeAttention(dim // branches, num_heads // branches, kernel, **dd) for kernel in kernels])
@@ -144,13 +189,34 @@ class CrossStripeAttention(TokenMixer):
         height, width = x.shape[1], x.shape[2]
         # (B, H, W, projections, branches, C / branches): each branch reads its channels of q, k and v in place.
         qkv = self.project_qkv(x).unflatten(-1, (1 if self.tied_qkv else 3, 2 if self.two_branches else 1, -1))
+        if self.one_call and height == width:
+            return self._attend_square(qkv, height)
         if self.two_branches:
-            vertical, horizontal = qkv.unbind(4)  # not indexing, as in StripeAttention
+            vertical, horizontal = qkv.unbind(4)  # split, not indexing: its backward writes each gradient once
             return torch.cat([
                 self.branches[0](vertical, height, self.split_size),
                 self.branches[1](horizontal, self.split_size, width),
             ], dim=-1)
         return self.branches[0](qkv.squeeze(4), height, width)
+
+    def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
+        """Both branches on a square (B, S, S, 3, 2, C / 2) map in one attention call: the vertical half transposed,
+        so that its stripes are rows, beside the horizontal half as the first half of the heads."""
+        split = self.split_size
+        qk, v = qkv.split([2, 1], dim=3)
+        qk_vertical, qk_horizontal = qk.unbind(4)
+        v_vertical, v_horizontal = v.squeeze(3).unbind(3)
+        qk = pad_to_multiple(torch.stack([qk_vertical.transpose(1, 2), qk_horizontal], dim=4), split, size)
+        v = pad_to_multiple(torch.stack([v_vertical.transpose(1, 2), v_horizontal], dim=3), split, size)
+        attended = self.branches[0].attend(qk.flatten(3), v.flatten(3), split, size, size, size, self.num_heads)
+        attended_vertical, attended_horizontal = attended.unflatten(-1, [2, -1]).unbind(3)
+        # LePE reads each half of v from the stacked copy, the vertical one transposed back to the map's orientation.
+        v_vertical, v_horizontal = v.unbind(3)
+        return torch.cat([
+            self.branches[0].add_positional(attended_vertical.transpose(1, 2), v_vertical.transpose(1, 2), size,
+                                            split, size, size),
+            self.branches[1].add_positional(attended_horizontal, v_horizontal, split, size, size, size),
+        ], dim=-1)
 
 
 class ConvMerge(nn.Module):
