@@ -2,6 +2,7 @@
 autocast casts, the SDPA kernel choice, the attribution to parts, its backward against autograd's engine, and the kernel
 budget of both LipsFormer families against timm's Swin-T at batch 128."""
 import collections
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from tiny_models import TINY_MODELS, TINY_SWIN
+from tiny_models import EXPORT_MODELS, TINY_MODELS, TINY_SWIN
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lipsformer.instruments import kernel_count
@@ -79,6 +80,7 @@ def test_toy_linear_gelu_in_float32_counted_by_hand(toy_spec):
 
 
 def test_autocast_casts_are_kernels_with_their_bytes(toy_spec):
+    toy_spec = dataclasses.replace(toy_spec, grouped_weight_casts=False)  # autocast alone casts each weight at its use
     count = count_step(toy_spec, 'train', batch_size=BATCH, img_size=2, precision='bf16')
     # Forward: CUDA autocast casts the bias, the weight and the input of the linear to bf16, the loss casts the
     # logits back to fp32; backward: the logits' gradient to bf16, the weight's and bias's gradients to fp32.
@@ -90,6 +92,18 @@ def test_autocast_casts_are_kernels_with_their_bytes(toy_spec):
     # of the gradients back to fp32.
     assert count.parts['fc'].bytes == cast_bytes + (BATCH * OUT + OUT) * 2 + (weight + bias) * (2 + 4)
     assert count.parts['act'].bytes == 5 * BATCH * OUT * 2  # GELU and its backward in bf16
+
+
+def test_weights_cast_together_are_two_multi_tensor_launches(toy_spec):
+    """The training step's grouped casts (the default): the weight and bias go to bf16 in one _foreach_copy_ and
+    their gradients back in another, a launch each for tensors this small; autocast then casts only activations."""
+    count = count_step(toy_spec, 'train', batch_size=BATCH, img_size=2, precision='bf16')
+    assert count.op_kernels['_foreach_copy_'] == 2
+    assert count.op_kernels['_to_copy'] == 1 + 1 + 1  # the input; the logits to fp32 for the loss; their gradient
+    assert count.parts['weight casts'].kernels == 2 and count.groups['weight casts'].kernels == 2
+    weight, bias = OUT * IN, OUT
+    assert count.parts['weight casts'].bytes == 2 * (weight + bias) * (4 + 2)
+    assert count.parts['fc'].kernels == 1 + 1 + 2  # the input's cast, addmm; mm, sum: no casts of its parameters
 
 
 def test_inference_counts_the_forward_only(toy_spec):
@@ -180,7 +194,7 @@ def test_backward_runs_the_ops_autograd_runs(name, shape):
 
 
 def test_timm_swin_is_counted_with_its_parts():
-    count = count_step('swin_tiny_patch4_window7_224', 'train', batch_size=2)
+    count = count_step('swin_tiny_patch4_window7_224[grouped_weight_casts=False]', 'train', batch_size=2)
     # timm's Swin-T computes attention itself (softmax of a product): one softmax per block, in its softmax module.
     assert count.op_kernels['_softmax'] == 12 and count.op_kernels['_softmax_backward_data'] == 12
     assert count.parts['layers.*.blocks.*.attn.softmax'].kernels == 24
@@ -320,3 +334,66 @@ def test_the_depthwise_op_counts_one_kernel_a_pass_as_atens_convolution(tmp_path
     assert counts[True].parts['conv'].kernels == counts[False].parts['conv'].kernels == 2
     assert counts[True].parts['conv'].bytes == counts[False].parts['conv'].bytes == 0
     assert counts[True].total.kernels == counts[False].total.kernels
+
+
+def test_bfloat16_convolutions_are_laid_out_as_on_an_sm80_gpu():
+    """Without a device torch picks its im2col kernels for a bf16 dense convolution (no bf16 cuDNN without compute
+    capability 8.0), whose output is channels-first; an H200 runs it in cuDNN, which keeps a channels-last input's
+    layout, as the counter does. Float16 is cuDNN's either way, and a channels-first input stays channels-first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lipsformer.instruments.kernel_count import convolution_layout, cuda_convolution_layout
+    aten = torch.ops.aten
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for dtype in (torch.bfloat16, torch.float16):
+            image = torch.empty(2, 6, 6, 8, device='cuda', dtype=dtype).permute(0, 3, 1, 2)
+            weight = torch.empty(16, 8, 2, 2, device='cuda', dtype=dtype)
+            args = (image, weight, None, [2, 2], [0, 0], [1, 1], False, [0, 0], 1)
+            out = cuda_convolution_layout(aten.convolution.default, args, aten.convolution.default(*args))
+            assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == (2, 16, 3, 3)
+            assert convolution_layout('convolution', args, out) == 'dense channels-last -> channels-last'
+            first = (image.contiguous(), *args[1:])
+            out = cuda_convolution_layout(aten.convolution.default, first, aten.convolution.default(*first))
+            assert convolution_layout('convolution', first, out) == 'dense channels-first -> channels-first'
+            depthwise = (image, torch.empty(8, 1, 3, 3, device='cuda', dtype=dtype), None, [1, 1], [1, 1], [1, 1],
+                         False, [0, 0], 8)
+            out = cuda_convolution_layout(aten.convolution.default, depthwise, aten.convolution.default(*depthwise))
+            assert convolution_layout('convolution', depthwise, out) == 'depthwise channels-last -> channels-last'
+
+
+@pytest.fixture(scope='module')
+def layout_counts():
+    """One CUDA bf16 training step of each family, fast form and plain graph, at 224 with the real windows and
+    stripes (one block a stage: the layouts do not depend on the depth)."""
+    return {(name, fast): count_step(parse_model_specs(
+                f'{name}[fast_path={fast},' + ','.join(f'{key}={value!r}' for key, value in kwargs.items()) + ']')[0],
+                'train', batch_size=2, img_size=224, precision='bf16')
+            for name, kwargs in EXPORT_MODELS.items() if name.startswith('lipsformer') for fast in (True, False)}
+
+
+@pytest.mark.parametrize('fast', [True, False])
+@pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
+def test_every_convolution_of_a_training_step_is_channels_last_in_and_out(layout_counts, name, fast):
+    """cuDNN takes a depthwise convolution only channels-last: every depthwise convolution of both families, in the
+    fast form and in the plain graph that compile and export see, reads and writes channels-last maps; no 1x1
+    convolution runs as a convolution kernel (the pointwise convolutions are GEMMs); the stem and the merges too, so
+    no map is copied into or out of NCHW around a convolution."""
+    layouts = layout_counts[name, fast].conv_layouts
+    assert sum(layouts.values()) > 0
+    for key in layouts:
+        phase, layout = key.split(': ')
+        kind, image, _, produced = layout.split(' ')
+        assert kind in ('depthwise', 'dense') and image == 'channels-last', key
+        assert produced in ('channels-last', 'none'), key
+    depthwise = sum(number for key, number in layouts.items() if 'depthwise' in key)
+    per_pass = {'lipsformer_swin_tiny': 2 * 4, 'lipsformer_cswin_tiny': 2 * 4 + 3 * 2 + 1}[name]
+    assert depthwise == 2 * per_pass  # forward and backward: two shortcuts a block, and CSwin's LePE a branch
+
+
+def test_cswin_calls_attention_once_a_block_on_a_square_map():
+    """LipsFormer-CSwin-T at 224: one attention call a block (25), both branches' heads side by side, forward and
+    backward; at 256x320 the two-branch stages are not square and call it once a branch."""
+    count = count_step('lipsformer_cswin_tiny', 'train', batch_size=2, img_size=224, precision='bf16')
+    forward = sum(number for key, number in count.sdpa.items() if key.startswith('forward'))
+    backward = sum(number for key, number in count.sdpa.items() if key.startswith('backward'))
+    assert forward == backward == 1 + 2 + 21 + 1

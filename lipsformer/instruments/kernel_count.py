@@ -29,8 +29,12 @@ What is counted (the rules, also in ``docs/performance.md``):
   or summed to the shape and dtype its input recorded, as the engine's ``validate_outputs`` does.
 - **parts**: a forward op belongs to the innermost module of the model on the Python stack when it dispatched (no
   hooks: hooks would make the package's fast path step aside); a backward op to the forward part whose op created
-  the autograd node being run (by its sequence number); the loss, the optimizer and the gradient accumulation into
-  ``.grad`` are parts of their own.
+  the autograd node being run (by its sequence number); the loss, the optimizer, the gradient accumulation into
+  ``.grad`` and the weights cast together for autocast (``lipsformer.training.weight_casts``, as the training step
+  casts them unless a spec says ``grouped_weight_casts=False``) are parts of their own.
+- **convolution layouts**: each convolution's kind (depthwise, pointwise, dense) and the memory layout of its image
+  input and output (:func:`convolution_layout`), as a GPU of compute capability 8.0 or more lays them out
+  (:func:`cuda_convolution_layout`).
 """
 
 import argparse
@@ -366,7 +370,7 @@ GROUPS = (
 def group_of(part: str) -> str:
     """The coarse group of a part (a collapsed module name, ``loss``, ``optimizer``); ``#sdpa`` marks the attention
     op itself."""
-    if part in ('loss', 'optimizer', 'grad accumulation'):
+    if part in ('loss', 'optimizer', 'grad accumulation', 'weight casts'):
         return part
     for group, pattern in GROUPS:
         if re.search(pattern, part):
@@ -750,6 +754,8 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
     owners = _ParameterOwners(model)
 
     def part_of(tensors: list[torch.Tensor]) -> str:
+        if state['part'] == 'weight casts':
+            return 'weight casts'
         return owners.refine(_stack_part(module_names, 'loss'), tensors)
 
     def locate(tensors: list[torch.Tensor]) -> tuple[str, str]:
@@ -777,10 +783,13 @@ def count_step(spec: ModelSpec | str, mode: str = 'train', batch_size: int = 128
             with torch.no_grad(), autocast:
                 model(inputs)
         else:
-            weight_casts = GroupedWeightCasts(model) if spec.grouped_weight_casts is not False else None
             with _GradFnRecorder(part_of, node_parts), \
                     _function_apply_recorded(node_parts, part_of, tensor_positions), autocast, \
-                    weight_casts.applied('cuda') if weight_casts is not None else contextlib.nullcontext():
+                    contextlib.ExitStack() as casts:
+                if spec.grouped_weight_casts is not False:
+                    state['part'] = 'weight casts'
+                    casts.enter_context(GroupedWeightCasts(model).applied('cuda'))
+                    state['part'] = None
                 output = model(inputs)
                 state['part'] = 'loss'
                 loss = _benchmarkstep_loss(output, labels)

@@ -465,11 +465,13 @@ class LipsFormer(nn.Module):
         return take_indices
 
     def _embed_patches(self, x: torch.Tensor) -> torch.Tensor:
-        """The patch embedding of a checked input as a contiguous NHWC map. timm's PatchEmbed returns a permuted view of
-        its NCHW convolution, and CenterNorm, being elementwise, keeps that layout: every block after it (and, through
-        CSwin's convolutional merges, every stage) would run its depthwise convolutions channels-first, which CUDA
-        does with a slow kernel of its own, and copy before its linear layers."""
-        return self.patch_embed(check_input(x, self.in_chans, self.input_divisor)).contiguous()
+        """The patch embedding of a checked input as a contiguous NHWC map. The image is handed to the stem's
+        convolution channels-last, so that the convolution's output is too and timm's PatchEmbed's permute to NHWC
+        is that memory as it is (a channels-first output would be copied into NHWC, and its layout, kept by
+        CenterNorm, would reach every block's depthwise convolutions, which CUDA runs channels-first with a slow
+        kernel of its own); the copy of a three-channel image is the cheaper one."""
+        x = check_input(x, self.in_chans, self.input_divisor).contiguous(memory_format=torch.channels_last)
+        return self.patch_embed(x).contiguous()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self._embed_patches(x)

@@ -256,6 +256,11 @@ class TrainConfig:
                                        'smaller last batch is a new shape too), and the picks may differ between '
                                        'runs, so results may differ in the last bits; train.deterministic=true turns '
                                        'it off. CUDA only; summary.json records whether it was on.')
+    grouped_weight_casts: bool = _key(True, 'Under autocast, cast the weights of linear layers and convolutions to '
+                                            'the autocast dtype together, a multi-tensor copy per stage (and their '
+                                            'gradients back likewise), instead of one cast per weight at its use: '
+                                            'the same values in fewer GPU launches. Applies to eager, unsharded '
+                                            'training without gradient checkpointing.')
     eval_interval: int = _key(1, 'Evaluate every N epochs (and always after the last one).', _POSITIVE_INT)
     log_interval: int = _key(50, 'Optimizer updates between progress log lines and tracker steps (train loss, lr, '
                                  'grad norm).', _POSITIVE_INT)

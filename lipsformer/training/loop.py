@@ -213,7 +213,7 @@ def _forward_backward(session: Session, images: torch.Tensor, targets: torch.Ten
     if session.config.model.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     with nullcontext() if last_in_window else accelerator.no_sync(session.model):
-        with accelerator.autocast():
+        with accelerator.autocast(), session.casting_weights():
             loss = session.train_loss(session.model(images), targets)
         accelerator.backward(loss / session.config.train.grad_accum_steps)
     return loss.detach().float()

@@ -15,6 +15,7 @@ only when the user trusts it by name (train.py ``--trust-callable module:callabl
 ``trusted_callables``), so that running a config someone else wrote (``--config runs/x/config.yaml``) never runs code
 it chose.
 """
+import contextlib
 import importlib
 import logging
 import os
@@ -59,6 +60,8 @@ from .data import InputSpec, TrainBatches, create_eval_loader, create_split, res
 from .optim import create_mixup, create_optimizer, create_scheduler, create_train_loss, ema_decay, global_batch_size
 from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
+from .weight_casts import GroupedWeightCasts
+from .weight_casts import applies as weight_casts_refusal
 
 _logger = logging.getLogger(__name__)
 
@@ -98,6 +101,14 @@ class Session:
     first_step_s: float | None = None  # this start's first compiled micro-batch, compilation included
     compile_scope: str | None = None  # what was compiled: regional, whole, or None (eager)
     check_run_folder: Callable[[], None] | None = None  # raises RunFolderGoneError (collective: every process)
+    weight_casts: GroupedWeightCasts | None = None  # autocast's weight casts made together (train.grouped_weight_casts)
+
+    def casting_weights(self) -> contextlib.AbstractContextManager:
+        """A training forward's context under autocast: the weights cast together (:mod:`.weight_casts`) where the
+        run does so."""
+        if self.weight_casts is None:
+            return contextlib.nullcontext()
+        return self.weight_casts.applied(self.accelerator.device.type)
 
     def wall_time_s(self) -> float:
         """Wall time of the run so far: the earlier starts' and this one's."""
@@ -262,6 +273,12 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
         raise ConfigError('model.compile_scope: whole, but Accelerate did not compile the model; check the launcher\'s '
                           'dynamo settings')
     say_compilation(config, accelerator.device, compile_scope)
+    if config.train.grouped_weight_casts and compile_scope is None and not is_sharded(accelerator):
+        reason = weight_casts_refusal(session.unwrapped_model)
+        if reason is None:
+            session.weight_casts = GroupedWeightCasts(session.unwrapped_model)
+        else:
+            _logger.info('train.grouped_weight_casts: autocast casts each weight at its use, since %s', reason)
     if session.keeps_own_gradients:
         keep_own_gradients(session.unwrapped_model)
     return session
