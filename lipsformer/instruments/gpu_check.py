@@ -62,13 +62,18 @@ __all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'dep
            'environment_facts', 'guard', 'main',
            'plan_steps', 'run_steps', 'write_report']
 
-TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2]'  # the LipsFormer models' own default drop path
-TIMM_CONVNEXT = 'convnext_tiny[drop_path_rate=0.2]'  # the anchor with depthwise 7x7 convolutions, the same drop path
+# timm's models as timm's train.py trains them: autocast casting each weight at its use (the package's training step
+# casts them together, lipsformer.training.weight_casts), the LipsFormer models' own default drop path. ConvNeXt-T is
+# the anchor with depthwise 7x7 convolutions.
+TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2,grouped_weight_casts=False]'
+TIMM_CONVNEXT = 'convnext_tiny[drop_path_rate=0.2,grouped_weight_casts=False]'
 # The models trained with cuDNN's autotuning on and off: the anchors and both tiny models in CUDA's default form.
 CUDNN_MODELS = [TIMM_SWIN, TIMM_CONVNEXT, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
 # CUDA's default (the blocks' fast form with cuDNN's convolutions) and the fast path forced on everywhere
 # (fast_path=True: lipsformer::depthwise_conv2d's Triton kernels too, which are not yet a default anywhere).
-EAGER_MODELS = [*CUDNN_MODELS, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]']
+# CSwin-T with each weight cast at its use, for what grouping the casts gains.
+EAGER_MODELS = [*CUDNN_MODELS, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]',
+                'lipsformer_cswin_tiny[grouped_weight_casts=False]']
 # The tiny models whose depthwise convolutions the conv step times, stage by stage.
 CONV_MODELS = ('lipsformer_swin_tiny', 'lipsformer_cswin_tiny')
 # Datasheet memory bandwidths (bytes/s) by the name PyTorch reports, most specific first.
