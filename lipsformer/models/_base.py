@@ -18,6 +18,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, DropPath, Mlp, PatchEmbed, calculate_drop_path_rates, to_2tuple
 from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_function, register_notrace_module
 from timm.models._features import feature_take_indices
+from timm.models._input import update_model_input_size
 
 from .. import fastpath
 from ..layers import (
@@ -29,7 +30,6 @@ from ..layers import (
     get_norm_layer,
     init_weights_,
 )
-from ._compat import update_model_input_size
 from ._pretrained import explaining_pretrained_failures
 from ._weights_reading import CheckpointError
 
