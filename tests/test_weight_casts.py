@@ -12,7 +12,7 @@ from training_support import tiny_overrides
 import lipsformer  # noqa: F401
 from lipsformer.fastpath import set_fast_path
 from lipsformer.training import load_config, train
-from lipsformer.training.weight_casts import GroupedWeightCasts, applies
+from lipsformer.training.weight_casts import GroupedWeightCasts, refusal_reason
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -111,9 +111,9 @@ def test_gradients_accumulate_over_micro_batches_as_autocast_s():
 
 def test_gradient_checkpointing_and_sharding_are_refused_with_the_reason():
     model = _model('lipsformer_swin_tiny')
-    assert applies(model) is None
+    assert refusal_reason(model) is None
     model.set_grad_checkpointing(True)
-    assert 'gradient checkpointing' in applies(model)
+    assert 'gradient checkpointing' in refusal_reason(model)
 
 
 def test_a_bf16_training_run_casts_together_and_trains_the_same_weights(data_dir, tmp_path, monkeypatch, caplog):

@@ -208,7 +208,7 @@ def _make_step(model: nn.Module, inputs: torch.Tensor, mode: str, config: Benchm
 
     casts = contextlib.nullcontext
     if torch_compile_mode is None and (spec is None or spec.grouped_weight_casts is not False) \
-            and weight_casts.applies(model) is None:
+            and weight_casts.refusal_reason(model) is None:
         casts = functools.partial(weight_casts.GroupedWeightCasts(model).applied, device_type)
 
     def train_step() -> None:

@@ -61,7 +61,7 @@ from .optim import create_mixup, create_optimizer, create_scheduler, create_trai
 from .trackers import TENSORBOARD_DIR, chosen_trackers
 from .train_state import Progress, TrainingObjects, is_sharded
 from .weight_casts import GroupedWeightCasts
-from .weight_casts import applies as weight_casts_refusal
+from .weight_casts import refusal_reason as weight_casts_refusal
 
 _logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ group's gradients arrive together, once its last layer's backward has run).
 
 A forward with the casts applied sees, for the duration of the ``with`` block, each cast weight where the module's
 parameter was (``module.weight`` is a bfloat16 tensor with a gradient history, not an ``nn.Parameter``). Grouped casts
-are for a training step the package runs: :func:`applies` says where they do (eager, autocast on, no sharding, no
-gradient checkpointing, whose recomputation would see the parameters again).
+are for a training step the package runs, eager and under autocast: :func:`refusal_reason` says why they cannot apply
+to a model (gradient checkpointing, whose recomputation would see the parameters again; sharded parameters).
 """
 import contextlib
 from collections.abc import Iterator
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ['GroupedWeightCasts', 'applies']
+__all__ = ['GroupedWeightCasts', 'refusal_reason']
 
 # Layers whose weights autocast casts to its lower precision (their ops are on autocast's lower-precision lists).
 LOW_PRECISION_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -62,7 +62,7 @@ def _groups(model: nn.Module) -> list[nn.Module]:
     return groups or [model]
 
 
-def applies(model: nn.Module) -> str | None:
+def refusal_reason(model: nn.Module) -> str | None:
     """Why grouped casts cannot apply to ``model``'s training step, or None where they can: they step aside for
     gradient checkpointing (a recomputed forward would see the parameters, not the casts) and for sharded parameters
     (FSDP's modules hold their parameters only during their own forward, and cast them themselves)."""
