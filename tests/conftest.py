@@ -13,6 +13,7 @@ import signal
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from image_data import make_image_folder
 from probe_models import register_probe_model
 from process_support import single_thread
@@ -50,3 +51,14 @@ def data_dir(tmp_path_factory):
 def probe_model():
     """``nan_probe_net`` registered with timm, for the tests that train it (probe_models.NanProbeNet)."""
     return register_probe_model()
+
+
+@pytest.fixture
+def fresh_accelerator():
+    """Accelerate's state as a new process has it, before and after the test (a run in another mixed precision
+    cannot follow one in a process)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -28,7 +28,8 @@ def _overrides(data_dir: str, **extra) -> list[str]:
 
 @pytest.fixture(scope='module')
 def finished_run(data_dir, tmp_path_factory) -> str:
-    """Two epochs with a step checkpoint between them: epoch_0001, step_00000008, epoch_0002 (exported)."""
+    """Two epochs with a step checkpoint between them: step_00000008 and epoch_0002 (exported), and epoch_0001 where
+    it scored best (the default keep_last of 2 prunes it otherwise)."""
     run_dir = str(tmp_path_factory.mktemp('finished') / 'run')
     argv = [*_overrides(data_dir, **{'checkpoint.every_n_steps': 4, 'checkpoint.export': True}), '--output', run_dir]
     assert main(argv) == 0
@@ -181,7 +182,7 @@ def test_a_checkpoint_is_scored_and_converted_with_its_own_preprocessing_not_an_
     config['data']['mean'], config['data']['std'] = [0.25], [0.75]
     with open(path, 'w') as f:
         yaml.safe_dump(config, f)
-    checkpoint = os.path.join(run_dir, 'checkpoints', 'epoch_0001')
+    checkpoint = os.path.join(run_dir, 'checkpoints', 'epoch_0002')  # the last: kept whichever epoch scored best
     overlay = resolve_checkpoint(checkpoint).model_config.cfg_overlay
     assert (overlay['mean'], overlay['std'], overlay['input_size']) == ((0.5,), (0.5,), (1, 32, 32))
     out = str(tmp_path / 'converted')

@@ -12,7 +12,6 @@ import safetensors.torch
 import timm
 import torch
 import yaml
-from accelerate.state import AcceleratorState
 from image_data import make_image_folder
 from process_support import single_thread
 from training_support import tiny_overrides
@@ -35,16 +34,6 @@ def autotuning():
         yield
     finally:
         torch.backends.cudnn.benchmark = before
-
-
-@pytest.fixture
-def fresh_accelerator():
-    """Accelerate's state as a new process has it, before and after the test."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        yield
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_the_shared_setter_sets_the_flag_and_refuses_what_is_not_a_bool(autotuning):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lipsformer.instruments import gpu_check
 from lipsformer.instruments.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_report
+from lipsformer.instruments.model_specs import parse_model_specs
 from lipsformer.instruments.step_profile import TimedEvent, busy_time, kernel_kind, profile_steps, summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,7 +177,7 @@ def test_report_tables(tmp_path):
 def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
     steps = {step.name: step for step in plan_steps(tmp_path)}
     eager = steps['eager benchmark'].argv
-    assert eager[eager.index('--models') + 1].split(',') == gpu_check.EAGER_MODELS
+    assert [spec.text for spec in parse_model_specs(eager[eager.index('--models') + 1])] == gpu_check.EAGER_MODELS
     assert ['--batch-size', '128'] == eager[eager.index('--batch-size'):][:2] and '--profile' in eager
     assert [(step.argv[step.argv.index('--models') + 1], step.compile_mode) for step in steps.values()
             if step.kind == 'compiled'] == [(model, mode) for model, mode, _ in gpu_check.COMPILED]
@@ -184,7 +185,7 @@ def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
 
 
 def _models(step: Step) -> list[str]:
-    return step.argv[step.argv.index('--models') + 1].split(',')
+    return [spec.text for spec in parse_model_specs(step.argv[step.argv.index('--models') + 1])]
 
 
 def test_timm_s_convnext_stands_beside_swin_in_every_model_list_with_swin_the_reference(tmp_path):

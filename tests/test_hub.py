@@ -216,7 +216,9 @@ def test_push_sends_the_export_with_its_card(run_dir, tmp_path, monkeypatch, cap
     assert committed['files'] == ['README.md', 'config.json', 'model.safetensors', 'model_ema.safetensors',
                                   'plots/accuracy.png', 'plots/alpha.png', 'plots/loss.png']
     assert "timm.create_model('hf-hub:me/lipsformer-tiny', pretrained=True)" in hub.card
-    assert "pipeline('image-classification'" not in hub.card  # 1 channel: the pipeline sends RGB images
+    # 1 channel: the pipeline makes paths and PIL images RGB, so the card gives it a one-channel array
+    assert "print(classifier(np.asarray(Image.open('image.jpg').convert('L'))[..., None]))" in hub.card
+    assert "print(classifier('image.jpg'))" not in hub.card
     assert "AutoModelForImageClassification.from_pretrained('me/lipsformer-tiny')" in hub.card
     assert committed['commit_message'] == 'Add lipsformer_swin_tiny weights'
     # Written into the export after the upload: the same card, and the plots it shows.

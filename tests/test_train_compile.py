@@ -25,7 +25,7 @@ import lipsformer.training.trainer as trainer
 from lipsformer.training import compilation, load_config, train
 from lipsformer.training.compilation import compiles, dynamo_plugin, effective_mode, keep_own_gradients
 from lipsformer.training.loop import EpochResult, EpochTally, _record_compile_time
-from lipsformer.training.train_state import Progress, optimizer_state_dict, set_optimizer_state
+from lipsformer.training.train_state import Progress, file_sha256, optimizer_state_dict, set_optimizer_state
 from lipsformer.weights.weight_files import strip_wrapper_prefixes
 
 # Two updates of two micro-batches an epoch (48 images, batch 8, 6 micro-batches: 3 updates), clipping and the
@@ -125,9 +125,12 @@ def test_weights_saved_with_the_compile_prefix_elsewhere_load(runs, data_dir):
     root, _, _ = runs
     folder = root / 'prefixed' / 'epoch_0001'
     shutil.copytree(root / 'eager' / 'checkpoints' / 'epoch_0001', folder)
+    meta = json.loads((folder / 'meta.json').read_text())
     for name in ('model.safetensors', 'ema.safetensors'):
         weights = load_file(folder / name)
         save_file({f'_orig_mod.{key}': value for key, value in weights.items()}, folder / name)
+        meta['sha256'][name] = file_sha256(str(folder / name))  # as the run that wrote them recorded them
+    (folder / 'meta.json').write_text(json.dumps(meta))
     summary = _train(data_dir, str(root / 'from_prefixed'), resume=str(folder), **{'model.compile': False})
     assert summary['status'] == 'finished'
     for name in ('model.safetensors', 'ema.safetensors'):  # the same states as the unprefixed checkpoint gave

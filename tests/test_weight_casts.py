@@ -116,6 +116,7 @@ def test_gradient_checkpointing_and_sharding_are_refused_with_the_reason():
     assert 'gradient checkpointing' in refusal_reason(model)
 
 
+@pytest.mark.usefixtures('fresh_accelerator')
 def test_a_bf16_training_run_casts_together_and_trains_the_same_weights(data_dir, tmp_path, monkeypatch, caplog):
     """train.grouped_weight_casts (on by default) in a CPU bf16 run: each micro-batch's forward casts the weights
     together, and the run's weights equal those of the same run casting each weight at its use; with gradient

@@ -470,7 +470,8 @@ class LipsFormer(nn.Module):
         is that memory as it is (a channels-first output would be copied into NHWC, and its layout, kept by
         CenterNorm, would reach every block's depthwise convolutions, which CUDA runs channels-first with a slow
         kernel of its own); the copy of a three-channel image is the cheaper one."""
-        x = check_input(x, self.in_chans, self.input_divisor).contiguous(memory_format=torch.channels_last)
+        # channels-last through a contiguous NHWC copy, which torch.func's vmap takes (not a memory_format argument)
+        x = check_input(x, self.in_chans, self.input_divisor).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         return self.patch_embed(x).contiguous()
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
