@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command, sized to run within 10 minutes on an H100 or H200:
+# The GPU check in one command, sized to end within 9 minutes on an H100 or H200:
 #
 #   scripts/gpu_check.sh OUT_DIR [--budget SECONDS] [--steps KINDS] [--cpu-smoke] [--dry-run]
 #
@@ -8,7 +8,7 @@
 # timm's Swin-T and ConvNeXt-T and both tiny models with a profile of each, tests/test_cuda.py, the compiled runs, the
 # peak memory and (where time is left, or with --steps conv_sweep)
 # the depthwise convolutions' tilings swept, each step under its own time limit, skipping what
-# would not fit in the budget (570 s by default); the driver ends itself 30 s after its budget should it hang. Both
+# would not fit in the budget (510 s by default); the driver ends itself 30 s after its budget should it hang. Both
 # numbers are the driver's (DEFAULT_BUDGET_S, HARD_LIMIT_MARGIN_S; --help prints them). Writes OUT_DIR/gpu_check.md,
 # gpu_check.json and gpu_check.log; a driver that ends before its first report (a bad option) leaves gpu_check.md with
 # its status and error output instead, unless OUT_DIR holds an earlier run's report, which is left as it was.
