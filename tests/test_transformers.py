@@ -76,6 +76,12 @@ def test_a_one_channel_export_in_the_pipeline_as_its_card_says(tmp_path, monkeyp
     classifier = transformers.pipeline('image-classification', model=folder)
     with pytest.raises(ValueError, match='expected 1 input channels, got 3'):
         classifier(_image())  # if this passes one day, the card's and hub.md's words are out of date
+    card = open(write_card(folder, lipschitz=False)).read()
+    assert 'Give this one the image as an H x W x 1 array, which the pipeline of transformers 5 and later takes' in card
+    if int(transformers.__version__.split('.')[0]) < 5:
+        with pytest.raises(TypeError, match='Incorrect format used for image'):  # as the card says of 4.x
+            classifier(np.asarray(_image().convert('L'))[..., None])
+        pytest.skip(f'transformers {transformers.__version__}: its pipeline takes no arrays, the card\'s code needs 5')
     predictions = classifier(np.asarray(_image().convert('L'))[..., None], top_k=len(CLASSES))
     reference = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
     transform = timm.data.create_transform(**timm.data.resolve_model_data_config(reference))
@@ -84,7 +90,6 @@ def test_a_one_channel_export_in_the_pipeline_as_its_card_says(tmp_path, monkeyp
     assert {p['label']: round(p['score'], 5) for p in predictions} == \
         {label: round(score, 5) for label, score in zip(CLASSES, probabilities.tolist())}
 
-    card = open(write_card(folder, lipschitz=False)).read()
     assert 'so on a path or a PIL image it needs a 3-channel model; this model takes 1, and fails there with ' \
            '"expected 1 input channels, got 3". Give this one the image as an H x W x 1 array' in card
     usage = card.split('## How to use')[1].split('## Citation')[0]

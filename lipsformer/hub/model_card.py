@@ -391,7 +391,8 @@ def _usage_section(repo_id: str | None, has_ema: bool, in_chans: int, label_name
              'With transformers (4.53 or later, whose TimmWrapper builds the architecture with `config.json`\'s '
              '`model_args`; `import lipsformer` registers it with timm, without which transformers reports an '
              'unknown architecture)' + (':' if in_chans == 3 else _PIPELINE_CHANNELS.format(in_chans=in_chans) + (
-                 ' Give this one the image as an H x W x 1 array, which the pipeline does not convert:' if in_chans == 1
+                 ' Give this one the image as an H x W x 1 array, which the pipeline of transformers 5 and later '
+                 'takes and does not convert (4.x takes paths, URLs and PIL images only):' if in_chans == 1
                  else ' Run this one with the model and the transform above.')),
              '', '```python', 'import lipsformer',
              'from transformers import AutoModelForImageClassification, pipeline', '']
