@@ -79,14 +79,13 @@ class GroupedWeightCasts:
     together under autocast (:meth:`applied`).
 
     Args:
-        model: The model (unwrapped, or wrapped by DDP: its module's layers are found the same way).
+        model: The model itself, not a wrapper (DDP's): a wrapper's forward reaches these layers all the same.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        root = getattr(model, 'module', model)  # DDP keeps the model as .module
         seen: set[int] = set()
         self.groups: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
-        for group in _groups(root):
+        for group in _groups(model):
             members = []
             for module in group.modules():
                 if not isinstance(module, LOW_PRECISION_LAYERS):
