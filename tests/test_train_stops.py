@@ -12,9 +12,12 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from probe_models import NAN_AT_CALLS, PROBE_CALLS, SIGNALS_AT_CALLS
+from process_support import subprocess_env
 from safetensors import SafetensorError
 from training_support import assert_same_run, tiny_overrides
 
@@ -209,6 +212,44 @@ def test_every_way_a_run_ends_has_its_own_exit_status_and_reason(data_dir, tmp_p
         patch.setattr(trainer, 'alpha_statistics', bug)
         assert _cli(data_dir, tmp_path / 'bug') == 1
     assert 'unexpected error (please report it with the traceback above): TypeError: a bug (exit 1)' in caplog.text
+
+
+def test_a_sigterm_after_the_loop_waits_until_the_reason_is_said(data_dir, tmp_path, monkeypatch, caplog):
+    """torchrun sends SIGTERM to every other process as soon as one fails: one that arrives while a run ends on its
+    own error (here as the accelerator is released) is held until train.py has said why, and the exit status stays the
+    reason's. A handler of the test's own stands for the default action, which would end pytest."""
+    terminations = []
+    release = trainer.release_accelerator
+
+    def terminated_while_releasing():
+        os.kill(os.getpid(), signal.SIGTERM)
+        release()
+    monkeypatch.setattr(trainer, 'release_accelerator', terminated_while_releasing)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminations.append(signum))
+    NAN_AT_CALLS.update(range(1, 100))
+    try:
+        with caplog.at_level(logging.WARNING):
+            code = _cli(data_dir, tmp_path / 'run', **{'train.max_nonfinite_steps': 2})
+    finally:
+        NAN_AT_CALLS.clear()
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 3 and terminations == []
+    said = [record.getMessage() for record in caplog.records]
+    held = said.index('received SIGTERM while the run ends: exiting once the reason is reported')
+    assert said[held + 1].startswith('training diverged: the loss was not finite for 2 consecutive updates')
+
+
+def test_a_sigterm_before_the_loop_ends_the_process_at_once():
+    """Before a training loop has run there is nothing to save or report: SIGTERM's default action, as without
+    train.py's handler (in a child process, which it ends)."""
+    script = ('import os, signal\n'
+              'from lipsformer.training.signals import HeldTermination\n'
+              'with HeldTermination():\n'
+              '    os.kill(os.getpid(), signal.SIGTERM)\n'
+              '    print("still here")\n')
+    ended = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120,
+                           env=subprocess_env())
+    assert ended.returncode == -signal.SIGTERM and 'still here' not in ended.stdout, ended.stderr
 
 
 class _FillingFile(io.FileIO):

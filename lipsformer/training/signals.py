@@ -10,6 +10,10 @@ process.
 Under torchrun (``accelerate launch --multi_gpu``) a terminal's Ctrl-C reaches each process twice: from the terminal,
 to the whole process group, and from the launcher, which passes it on. A second SIGINT within
 :data:`LAUNCHER_ECHO_S` of the first is taken for that echo, not for a second Ctrl-C.
+
+Once the loop has run, a SIGTERM no longer ends the process before it has said why it ended (:class:`HeldTermination`,
+train.py's handler around the whole run): torchrun sends one to every other process as soon as one has failed, and
+with the default action a survivor that had just seen its peer die would vanish without a word.
 """
 import logging
 import os
@@ -43,6 +47,8 @@ class StopSignal:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
+            if isinstance(self._previous[signal.SIGTERM], HeldTermination):
+                self._previous[signal.SIGTERM].loop_started = True
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -64,6 +70,39 @@ class StopSignal:
         self._received_at = time.monotonic()
         _logger.warning('received %s: saving a checkpoint after the current update, then exiting '
                         '(press Ctrl-C again to abort without saving)', self.received)
+
+
+class HeldTermination:
+    """SIGTERM outside the training loop: the default action (end at once) until a loop has started, then held back
+    until the process has reported how the run ended (use as a context manager around the run and its report).
+
+    After the loop the process is already ending, on its own error or one another process caused; the report is its
+    last line and nothing is left to save, so a launcher's or a cluster's SIGTERM only waits for it (their grace period
+    is for that). The status the process exits with stays the reason's.
+    """
+
+    def __init__(self) -> None:
+        self.loop_started = False
+        self.received: str | None = None
+        self._previous: object = None
+
+    def __enter__(self) -> 'HeldTermination':
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.loop_started:  # nothing to save or report yet: end as without a handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signal.Signals(signum).name
+        _logger.warning('received %s while the run ends: exiting once the reason is reported', self.received)
 
 
 def _under_torchrun() -> bool:

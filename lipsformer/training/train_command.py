@@ -28,7 +28,7 @@ from .config_io import coerce_key, config_to_yaml, load_config, parse_override, 
 from .loop import NonFiniteLossError
 from .run_files import CONFIG_FILE
 from .run_lock import RunFolderGoneError, RunFolderInUseError
-from .signals import SecondInterrupt
+from .signals import HeldTermination, SecondInterrupt
 from .trackers import chosen_trackers
 from .train_state import list_checkpoints
 from .trainer import PeerProcessDiedError, report_end, train
@@ -389,6 +389,12 @@ def _use_the_run_s_config(args: argparse.Namespace) -> None:
 
 
 def _train(config: Config, output: str, resume: str | None, is_main: bool, args: argparse.Namespace) -> int:
+    with HeldTermination():  # a SIGTERM after the loop (a launcher's, once another process failed) waits for the report
+        return _train_and_report(config, output, resume, is_main, args)
+
+
+def _train_and_report(config: Config, output: str, resume: str | None, is_main: bool,
+                      args: argparse.Namespace) -> int:
     try:
         summary = train(config, output, resume=resume, wait_for_lock=args.wait_for_lock,
                         trusted_callables=tuple(args.trust_callable))
