@@ -305,13 +305,13 @@ def test_the_benchmark_and_the_kernel_counter_share_one_definition_of_the_step_f
 def test_a_ctrl_c_while_the_report_so_far_is_written_waits_for_it(tmp_path, monkeypatch, capsys):
     """A Ctrl-C that lands while a finished mode is written (a real SIGINT to this process, from inside the write)
     lets the write end, so that the last line names the report that holds the mode."""
-    real_write_report = benchmark.write_report
+    real_write_report = benchmark.write_json_report
 
     def write_while_ctrl_c(parser, path, report, partial=False):
         if partial:
             os.kill(os.getpid(), signal.SIGINT)
         return real_write_report(parser, path, report, partial=partial)
-    monkeypatch.setattr(benchmark, 'write_report', write_while_ctrl_c)
+    monkeypatch.setattr(benchmark, 'write_json_report', write_while_ctrl_c)
     out = tmp_path / 'report.json'
     with pytest.raises(SystemExit, match='130'):
         main(['--models', 'test_vit', '--img-size', '32', '--batch-size', '2', '--warmup', '0', '--repeats', '1',

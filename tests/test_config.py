@@ -126,16 +126,16 @@ def test_a_derived_config_switching_families_builds_a_cswin_without_the_swin_s_w
     """Built as a run builds it: merged, the base's window_size reached LipsFormer-CSwin and the run stopped."""
     from lipsformer.models.lipsformer_cswin import CrossStripeAttention, LipsFormerCSwin
     from lipsformer.training.data import resolve_input_spec
-    from lipsformer.training.session import create_model
+    from lipsformer.training.session import create_run_model
     cswin = 'model:\n  name: lipsformer_cswin_tiny\n  kwargs: {tag}{{embed_dim: 32, depths: [1, 1, 1, 1], ' \
             'num_heads: [2, 2, 4, 8], split_size: [1, 2, 2, 1]}}\n'
     (tmp_path / 'merged.yaml').write_text('base: quickstart\n' + cswin.format(tag=''))
     merged = load_config(tmp_path / 'merged.yaml')
     with pytest.raises(ConfigError, match=r"model.kwargs: lipsformer_cswin_tiny does not accept \['window_size'\]"):
-        create_model(merged, 10, resolve_input_spec(merged))
+        create_run_model(merged, 10, resolve_input_spec(merged))
     (tmp_path / 'replaced.yaml').write_text('base: quickstart\n' + cswin.format(tag='!replace '))
     replaced = load_config(tmp_path / 'replaced.yaml')
-    model, kwargs = create_model(replaced, 10, resolve_input_spec(replaced))
+    model, kwargs = create_run_model(replaced, 10, resolve_input_spec(replaced))
     assert type(model) is LipsFormerCSwin and 'window_size' not in kwargs
     assert [stage.blocks[0].attn.split_size for stage in model.stages] == [1, 2, 2, 1]
     assert all(isinstance(stage.blocks[0].attn, CrossStripeAttention) for stage in model.stages)

@@ -281,9 +281,9 @@ def test_the_fast_kernels_take_an_empty_batch():
     """The token-wise linear (oneDNN's 1x1 convolution) and the 7x7 depthwise convolution's weight gradient (an image
     at a time) on a batch of 0: empty outputs and zero gradients, as the plain operators give."""
     from lipsformer.fastpath.depthwise_conv import depthwise_conv2d
-    from lipsformer.fastpath.onednn_linear import linear, linear_backward
+    from lipsformer.fastpath.onednn_linear import linear_backward, onednn_linear
     x, weight, bias = torch.randn(0, 49, 64), torch.randn(32, 64), torch.randn(32)
-    assert linear(x, weight, bias).shape == (0, 49, 32)
+    assert onednn_linear(x, weight, bias).shape == (0, 49, 32)
     grad_x, grad_weight, grad_bias = linear_backward(torch.randn(0, 49, 32), x, weight, True, True, True)
     assert grad_x.shape == x.shape and torch.equal(grad_weight, torch.zeros(32, 64))
     assert torch.equal(grad_bias, torch.zeros(32))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lipsformer.instruments import gpu_check
-from lipsformer.instruments.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_report
+from lipsformer.instruments.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_gpu_report
 from lipsformer.instruments.model_specs import parse_model_specs
 from lipsformer.instruments.step_profile import TimedEvent, busy_time, kernel_kind, profile_steps, summarize
 
@@ -158,7 +158,7 @@ def test_report_tables(tmp_path):
         StepResult('compiled lipsformer_cswin_tiny (reduce-overhead)', 'compiled', 'skipped',
                    note='skipped by the time guard', compile_mode='reduce-overhead'),
     ]
-    md_path, json_path = write_report(results, tmp_path, budget_s=540, elapsed_s=480)
+    md_path, json_path = write_gpu_report(results, tmp_path, budget_s=540, elapsed_s=480)
     md = md_path.read_text()
     assert 'NVIDIA H100 80GB HBM3' in md and '480 s of a 540 s budget' in md
     assert '| tests/test_cuda.py, without compilation | failed | 90 | exit status 1 |' in md
@@ -233,13 +233,13 @@ def test_the_report_compares_training_with_cudnn_autotuning_on_and_off(tmp_path)
         row['first_step_s'] = 2.0
     results = [StepResult('eager training, cuDNN autotuning on', 'cudnn', 'ok', 40, 0, data=on),
                StepResult('eager training, cuDNN autotuning off', 'cudnn', 'ok', 50, 0, data=off)]
-    md_path, json_path = write_report(results, tmp_path, budget_s=540, elapsed_s=90)
+    md_path, json_path = write_gpu_report(results, tmp_path, budget_s=540, elapsed_s=90)
     md = md_path.read_text()
     assert '## cuDNN autotuning: eager training with it on and off, a process each' in md
     assert f'| `{gpu_check.TIMM_CONVNEXT}` | 2500: 1.25x | 1000: 0.53x | 2.50x | 30.0, 2.0 |' in md
     assert '| `lipsformer_cswin_tiny` | 600: 0.30x | 400: 0.21x | 1.50x | 30.0, 2.0 |' in md
     assert json.loads(json_path.read_text())['cudnn_autotuning'] == {'on': on, 'off': off}
-    missing = write_report(results[1:], tmp_path, budget_s=540, elapsed_s=50)[0].read_text()
+    missing = write_gpu_report(results[1:], tmp_path, budget_s=540, elapsed_s=50)[0].read_text()
     assert f'| `{gpu_check.TIMM_SWIN}` | - | 1900: 1.00x | - | -, 2.0 |' in missing
 
 

@@ -28,7 +28,7 @@ from lipsformer.lipschitz.analysis import analyze
 from lipsformer.lipschitz.report_command import main as lipschitz_main
 from lipsformer.training import ConfigError, load_config, train
 from lipsformer.training.data import resolve_input_spec
-from lipsformer.training.session import create_model as create_training_model
+from lipsformer.training.session import create_run_model
 from lipsformer.weights.model_names import expand_model_names
 from lipsformer.weights.weight_files import load_file
 
@@ -261,7 +261,7 @@ def test_fine_tune_from_a_local_dir_export_with_another_class_count(run_dir, tmp
     config = load_config(None, [o for o in overrides if not o.startswith(('model.name=', 'model.kwargs='))]
                          + [f'model.name={name}'])
     caplog.set_level('INFO', logger='lipsformer.training.session')
-    model, _ = create_training_model(config, 3, resolve_input_spec(config))
+    model, _ = create_run_model(config, 3, resolve_input_spec(config))
     assert 'the pretrained weights have a 4-class classifier and the model 3 classes: head.fc starts from its ' \
            'initialisation' in caplog.text
     exported = _export_model(export).state_dict()
@@ -380,7 +380,7 @@ def test_hf_hub_names_up_to_the_download(run_dir, data_dir, monkeypatch):
     overrides = tiny_overrides(data_dir, **{'model.pretrained': True})
     config = load_config(None, [o for o in overrides if not o.startswith(('model.name=', 'model.kwargs='))]
                          + ['model.name=hf-hub:me/tiny'])
-    model, _ = create_training_model(config, 4, resolve_input_spec(config))  # train.py's model.name
+    model, _ = create_run_model(config, 4, resolve_input_spec(config))  # train.py's model.name
     assert torch.equal(_logits(model), expected)
     _FakeDownloads(monkeypatch, None)
     for build in (lambda: create_eval_model('hf-hub:me/tiny', None, pretrained=True),

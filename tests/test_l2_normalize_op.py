@@ -21,9 +21,9 @@ def _reference(x: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize('scale', [1.0, 12.0])
 def test_the_pytorch_form_is_f_normalize_to_first_and_second_order(scale):
     x = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
-    torch.testing.assert_close(l2_normalize_op.l2_normalize(x, 1e-12, scale), _reference(x, 1e-12, scale))
-    assert torch.autograd.gradcheck(lambda t: l2_normalize_op.l2_normalize(t, 1e-12, scale), (x,))
-    assert torch.autograd.gradgradcheck(lambda t: l2_normalize_op.l2_normalize(t, 1e-12, scale), (x,))
+    torch.testing.assert_close(l2_normalize_op.l2_normalize_op(x, 1e-12, scale), _reference(x, 1e-12, scale))
+    assert torch.autograd.gradcheck(lambda t: l2_normalize_op.l2_normalize_op(t, 1e-12, scale), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: l2_normalize_op.l2_normalize_op(t, 1e-12, scale), (x,))
 
 
 def test_a_row_below_eps_is_divided_by_eps_as_f_normalize_does():
@@ -33,7 +33,7 @@ def test_a_row_below_eps_is_divided_by_eps_as_f_normalize_does():
     x.requires_grad_()
     ours = x.detach().clone().requires_grad_()
     grad = torch.randn(3, 8, dtype=torch.float64)
-    torch.autograd.backward(l2_normalize_op.l2_normalize(ours, 1e-3, 2.0), grad)
+    torch.autograd.backward(l2_normalize_op.l2_normalize_op(ours, 1e-3, 2.0), grad)
     torch.autograd.backward(_reference(x, 1e-3, 2.0), grad)
     torch.testing.assert_close(ours.grad, x.grad)
 
@@ -48,7 +48,7 @@ def test_compile_and_export_see_one_op():
     x = torch.randn(2, 4, 8)
 
     def normalise(t):
-        return l2_normalize_op.l2_normalize(t, 1e-12, 3.0)
+        return l2_normalize_op.l2_normalize_op(t, 1e-12, 3.0)
 
     exported = torch.export.export(_Normalise(), (x,))
     targets = [node.target for node in exported.graph.nodes if node.op == 'call_function']
@@ -58,7 +58,7 @@ def test_compile_and_export_see_one_op():
 
 class _Normalise(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return l2_normalize_op.l2_normalize(x, 1e-12, 3.0)
+        return l2_normalize_op.l2_normalize_op(x, 1e-12, 3.0)
 
 
 _TRITON_CHECKS = textwrap.dedent('''
@@ -116,7 +116,7 @@ def test_a_first_order_backward_is_the_one_backward_op():
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(4, 8, requires_grad=True)
-    y = l2_normalize_op.l2_normalize(x, 1e-12, 2.0)
+    y = l2_normalize_op.l2_normalize_op(x, 1e-12, 2.0)
     grad = torch.randn_like(y)
     with Recorder() as recorder:
         y.backward(grad)

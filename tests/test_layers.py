@@ -11,13 +11,13 @@ from lipsformer.layers import (
     CenterNorm,
     ConvShortcut,
     DotProductAttention,
+    ResidualAlpha,
     ScaledCosineAttention,
-    ScaleLayer,
     create_conv_shortcuts,
-    get_norm_layer,
     init_weights_,
     pad_to_multiple,
     padding_key_mask,
+    resolve_norm_layer,
     spectral_norm,
     spectral_normalize_,
     window_partition,
@@ -86,16 +86,16 @@ def test_layer_norm_blows_up_near_constant_input_where_center_norm_does_not():
 
 
 def test_norm_factory():
-    assert isinstance(get_norm_layer('center')(8), CenterNorm)
-    assert isinstance(get_norm_layer('layer')(8), nn.LayerNorm)
-    assert isinstance(get_norm_layer('none')(8), nn.Identity)
+    assert isinstance(resolve_norm_layer('center')(8), CenterNorm)
+    assert isinstance(resolve_norm_layer('layer')(8), nn.LayerNorm)
+    assert isinstance(resolve_norm_layer('none')(8), nn.Identity)
     with pytest.raises(ValueError, match='batch'):
-        get_norm_layer('batch')
+        resolve_norm_layer('batch')
 
 
 def test_weighted_residual_lipschitz_bound():
     dim = 6
-    alpha = ScaleLayer(dim, 0.3)
+    alpha = ResidualAlpha(dim, 0.3)
     nn.init.uniform_(alpha.gamma, -0.5, 0.5)
     linear = nn.Linear(dim, dim).double()
     spectral_normalize_(linear.weight.data)  # a 1-Lipschitz branch
@@ -103,7 +103,7 @@ def test_weighted_residual_lipschitz_bound():
     block = lambda x: x + alpha(linear(x))  # noqa: E731
     x = torch.randn(dim, dtype=torch.float64)
     assert _sigma_max(jacobian(block, x)) <= 1 + alpha.gamma.abs().max().item() + 1e-12
-    fixed = ScaleLayer(dim, 1.0, learnable=False)
+    fixed = ResidualAlpha(dim, 1.0, learnable=False)
     assert not list(fixed.parameters()) and 'gamma' in fixed.state_dict()
 
 

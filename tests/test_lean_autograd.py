@@ -201,11 +201,11 @@ def _mlp_reference(x, weight1, bias1, weight2, bias2, scale):
 
 @pytest.mark.parametrize('shape', [(1, 3, 5, 16), (2, 32, 17, 16)])
 def test_mlp_equals_timm_mlp_with_the_scale_on_its_output(shape):
-    from lipsformer.fastpath.lean_autograd import mlp
+    from lipsformer.fastpath.lean_autograd import lean_mlp
     inputs = [torch.randn(*shape, requires_grad=True), 0.2 * torch.randn(64, 16), torch.randn(64),
               0.1 * torch.randn(16, 64), torch.randn(16), torch.rand(16)]
     inputs = [t.detach().requires_grad_(True) for t in inputs]
-    _assert_same(mlp, _mlp_reference, inputs)
-    assert type(mlp(*inputs).grad_fn).__name__ == '_ScaledLinearBackward'  # fc2 keeps fc1's output, not GELU's
+    _assert_same(lean_mlp, _mlp_reference, inputs)
+    assert type(lean_mlp(*inputs).grad_fn).__name__ == '_ScaledLinearBackward'  # fc2 keeps fc1's output, not GELU's
     with torch.no_grad():
-        torch.testing.assert_close(mlp(*inputs), _mlp_reference(*inputs))
+        torch.testing.assert_close(lean_mlp(*inputs), _mlp_reference(*inputs))

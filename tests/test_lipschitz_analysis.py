@@ -307,15 +307,15 @@ def test_cli_reads_run_folders_exports_and_their_ema_weights(tmp_path, capsys):
 
 
 def test_cli_model_kwargs_are_read_as_validate_reads_them(capsys):
-    from lipsformer.evaluation.validate_command import build_parser
+    from lipsformer.evaluation.validate_command import build_validate_parser
     items = ['depths=1,1,2,1', 'attn_type=l2', 'split_size=(1,2,2,2)', 'embed_dim=16']
     assert main(['--model', 'lipsformer_cswin_tiny', '--img-size', '64', '--no-empirical', '--model-kwargs',
                  *items]) == 0
     report = capsys.readouterr().out
     assert 'stages.2.blocks.1.attn' in report and 'stages.2.blocks.2' not in report
-    assert build_parser().parse_args(['--model-kwargs', *items]).model_kwargs == dict(
+    assert build_validate_parser().parse_args(['--model-kwargs', *items]).model_kwargs == dict(
         depths=(1, 1, 2, 1), attn_type='l2', split_size=(1, 2, 2, 2), embed_dim=16)
-    for parse in (main, build_parser().parse_args):  # the string 'false' would be true
+    for parse in (main, build_validate_parser().parse_args):  # the string 'false' would be true
         with pytest.raises(SystemExit, match='2'):
             parse(['--model', 'lipsformer_cswin_tiny', '--model-kwargs', 'v_norm=false'])
         assert "'v_norm=false': values are Python literals; write v_norm=False" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tiny_models import TINY_CSWIN, TINY_SWIN
 
-from lipsformer.layers import CenterNorm, ScaleLayer
+from lipsformer.layers import CenterNorm, ResidualAlpha
 from lipsformer.lipschitz import LipschitzConstraint, reshaped_norm
 from lipsformer.lipschitz.analysis import network_bound
 from lipsformer.lipschitz.norm_sources import MeasuredNorms
@@ -76,7 +76,7 @@ def test_fifty_steps_keep_the_bound_that_the_learning_rate_breaks_without_the_co
     for module in constrained.modules():
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             assert reshaped_norm(module.weight) <= 1.0 + (1e-5 if exact else 1e-3)
-        if isinstance(module, ScaleLayer):
+        if isinstance(module, ResidualAlpha):
             assert module.gamma.abs().max() <= constraint.alpha_max
         if isinstance(module, CenterNorm):
             assert module.weight.abs().max() <= 1.0

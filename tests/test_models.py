@@ -9,7 +9,7 @@ from timm.optim import create_optimizer_v2
 from tiny_models import TINY_MODELS
 
 from lipsformer import LipsFormerCSwin, LipsFormerSwin
-from lipsformer.layers import CenterNorm, ScaledCosineAttention, ScaleLayer, set_fast_path
+from lipsformer.layers import CenterNorm, ResidualAlpha, ScaledCosineAttention, set_fast_path
 
 ALL_MODELS = timm.list_models('lipsformer*')
 
@@ -58,7 +58,7 @@ def test_defaults_reproduce_the_authors_architecture():
     block = swin.stages[2].blocks[0]
     assert isinstance(block.norm1, CenterNorm) and isinstance(block.norm2, CenterNorm)
     assert isinstance(swin.norm, CenterNorm)
-    assert all(torch.all(m.gamma == 1 / 12) for m in swin.modules() if isinstance(m, ScaleLayer))
+    assert all(torch.all(m.gamma == 1 / 12) for m in swin.modules() if isinstance(m, ResidualAlpha))
     assert all(m.tau_init == 10.0 and not m.v_norm for m in swin.modules() if isinstance(m, ScaledCosineAttention))
     assert all(b.attn.shift_size == (0, 0) for s in swin.stages for b in s.blocks)
     assert [s.blocks[0].attn.window_size for s in swin.stages] == [(7, 7)] * 4
@@ -69,7 +69,7 @@ def test_defaults_reproduce_the_authors_architecture():
     block = cswin.stages[2].blocks[0]
     assert isinstance(block.norm1, torch.nn.Identity) and isinstance(block.norm2, CenterNorm)
     assert isinstance(cswin.norm, torch.nn.Identity)
-    assert all(torch.all(m.gamma == 0.2) for m in cswin.modules() if isinstance(m, ScaleLayer))
+    assert all(torch.all(m.gamma == 0.2) for m in cswin.modules() if isinstance(m, ResidualAlpha))
     assert all(m.tau_init == 12.0 for m in cswin.modules() if isinstance(m, ScaledCosineAttention))
     assert [s.blocks[0].attn.two_branches for s in cswin.stages] == [True, True, True, False]
     assert block.attn.branches[0].head_scale == pytest.approx(1 / math.sqrt(4))
@@ -263,7 +263,7 @@ def test_norm_position_post_keeps_the_default_architecture_and_state_dict():
 @pytest.mark.parametrize('name', TINY_MODELS)
 def test_fixed_alpha_is_a_buffer_that_an_optimizer_step_leaves_alone(name):
     model = _tiny(name, alpha_init=1.0, alpha_learnable=False)
-    scales = [m for m in model.modules() if isinstance(m, ScaleLayer)]
+    scales = [m for m in model.modules() if isinstance(m, ResidualAlpha)]
     block = model.stages[0].blocks[0]
     assert block.alpha1 in scales and block.conv_shortcuts[0].alpha in scales
     assert not any(isinstance(s.gamma, torch.nn.Parameter) for s in scales)

@@ -3,16 +3,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer.fastpath import onednn_linear
-from lipsformer.fastpath.onednn_linear import linear, linear_backward
+from lipsformer.fastpath import onednn_linear as onednn_linear_module
+from lipsformer.fastpath.onednn_linear import linear_backward, onednn_linear
 
 
 @pytest.fixture
 def conv_calls(monkeypatch):
-    """Counts the 1x1 convolutions ``linear`` runs."""
+    """Counts the 1x1 convolutions ``onednn_linear`` runs."""
     calls = []
     conv2d = F.conv2d
-    monkeypatch.setattr(onednn_linear.F, 'conv2d', lambda *args, **kwargs: calls.append(1) or conv2d(*args, **kwargs))
+    monkeypatch.setattr(onednn_linear_module.F, 'conv2d',
+                        lambda *args, **kwargs: calls.append(1) or conv2d(*args, **kwargs))
     return calls
 
 
@@ -28,7 +29,7 @@ def test_linear_on_cpu_is_a_1x1_convolution_with_f_linear_s_values_and_gradients
     export keeps dynamic picks no branch."""
     x, weight, bias = torch.randn(*shape), torch.randn(40, 24), torch.randn(40)
     seed_grad = torch.randn(*shape[:-1], 40)
-    ours = _values_and_gradients(linear, x, weight, bias, seed_grad)
+    ours = _values_and_gradients(onednn_linear, x, weight, bias, seed_grad)
     expected = _values_and_gradients(F.linear, x, weight, bias, seed_grad)
     assert conv_calls  # the oneDNN path ran (float32, CPU)
     for got, want in zip(ours, expected):  # float32 sums in another order
@@ -40,7 +41,7 @@ def test_linear_reads_a_strided_input(conv_calls):
     projection = torch.randn(2, 40, 30, 3, 24)
     x = projection[:, :, :, 1]  # a slice of channels, as a window partition of a projection is
     weight, bias = torch.randn(16, 24), None
-    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(onednn_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert conv_calls
 
 
@@ -52,10 +53,10 @@ def test_elsewhere_linear_is_f_linear(case, conv_calls):
     if case == 'bfloat16 autocast':
         x = torch.randn(50, 30, 24)
         with torch.autocast('cpu', dtype=torch.bfloat16):
-            out = linear(x, weight, bias)
+            out = onednn_linear(x, weight, bias)
         assert out.dtype == torch.bfloat16
     else:
-        torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias))
+        torch.testing.assert_close(onednn_linear(x, weight, bias), F.linear(x, weight, bias))
     assert not conv_calls
 
 

@@ -201,7 +201,7 @@ def test_scsa_with_a_zero_query_and_a_masked_zero_key_is_finite_and_gives_them_n
 
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.float32], ids=['fp16', 'bf16', 'fp32'])
-@pytest.mark.parametrize('normalize', [lean_autograd.l2_normalize, l2_normalize_op.l2_normalize],
+@pytest.mark.parametrize('normalize', [lean_autograd.l2_normalize, l2_normalize_op.l2_normalize_op],
                          ids=['lean_autograd', 'custom_op'])
 def test_fast_normalisation_of_a_zero_row_is_zero_where_scale_over_eps_overflows(normalize, dtype):
     """s / eps = 10 * 2**14 is past float16's largest number: the product must not be rounded before x multiplies it."""

@@ -13,9 +13,15 @@ from PIL import Image
 from process_support import hold_lock
 
 from lipsformer.instruments.stability import experiment_command, grid
-from lipsformer.instruments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_model
+from lipsformer.instruments.stability.arms import ARMS, WARMUP_ARM, ModelShape, build_arm_model
 from lipsformer.instruments.stability.grid import queue, run_dir, run_grid
-from lipsformer.instruments.stability.report import classify, markers, outright_failure, stable_rates, write_report
+from lipsformer.instruments.stability.report import (
+    classify,
+    markers,
+    outright_failure,
+    stable_rates,
+    write_stability_report,
+)
 from lipsformer.instruments.stability.subsets import (
     Batches,
     balanced_indices,
@@ -224,7 +230,7 @@ def test_real_fashion_mnist_subsets_are_padded_normalised_and_balanced(tmp_path)
 
 
 def test_the_model_shape_has_the_documented_size():
-    model = build_model(ARMS['lipsformer'], ModelShape())
+    model = build_arm_model(ARMS['lipsformer'], ModelShape())
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.6e6, rel=0.01)
     assert len([b for s in model.stages for b in s.blocks]) == 25
 
@@ -448,7 +454,7 @@ def test_runs_left_out_count_as_failures_and_are_reported_apart(tmp_path):
     assert stable_rates(cells, 'layernorm', kinds)[0] == 0.001  # 0.008 trains, but 0.002 and 0.004 below it fail
     results, docs = tmp_path / 'toy.jsonl', tmp_path / 'docs'
     _results_file(results, records + left_out)
-    write_report(results, docs)
+    write_stability_report(results, docs)
     text = (docs / 'stability.md').read_text()
     assert '| layernorm | 80.0 | 10.0 [1 seed]; 1 stuck' not in text
     assert '| 80.0 ± 0.0 [2 seeds]; 1 not run |' in text  # layernorm at 0.008
@@ -482,7 +488,7 @@ def test_the_report_is_rebuilt_from_the_results_file_alone(tmp_path):
     docs.mkdir()
     start, end = markers('toy')
     (docs / 'stability.md').write_text(f'# Title\n\nintro kept\n\n{start}\nold table\n{end}\n\nanalysis kept\n')
-    write_report(results, docs)
+    write_stability_report(results, docs)
     text = (docs / 'stability.md').read_text()
     assert 'intro kept' in text and 'analysis kept' in text and 'old table' not in text
     assert '| post_norm_transformer | 0.002 | >= 0.004 (the highest rate run) |' in text  # what warmup buys
@@ -495,7 +501,7 @@ def test_the_report_is_rebuilt_from_the_results_file_alone(tmp_path):
     assert '| post_norm_transformer | 0.004 | 0 | 10.0, stuck at chance (never above it) | 77.0 |' in text
     assert 'Test CPU (family 6, model 85), 1 thread(s)' in text
     assert (docs / 'stability_toy.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    write_report(results, docs)  # regenerating keeps the page's shape
+    write_stability_report(results, docs)  # regenerating keeps the page's shape
     assert (docs / 'stability.md').read_text().count(start) == 1
 
 
@@ -503,7 +509,7 @@ def test_the_report_adds_a_section_for_a_new_data_set(tmp_path):
     results = tmp_path / 'other.jsonl'
     _results_file(results, [_record('lipsformer', 0.001, 0, 0.5)], {**SETTINGS, 'dataset': 'other'})
     (tmp_path / 'stability.md').write_text('# Title\n\nkept\n')
-    write_report(results, tmp_path)
+    write_stability_report(results, tmp_path)
     text = (tmp_path / 'stability.md').read_text()
     assert text.startswith('# Title\n\nkept\n\n## The sweep on other\n') and markers('other')[0] in text
     # only one rate run: a lower bound; the warmup arm has not run yet

@@ -200,9 +200,9 @@ def test_data_config_follows_the_size_the_model_was_built_for(name, tmp_path):
 
 # console script: (module holding its parser, the parser's builder, the module `python -m` runs)
 COMMANDS = {
-    'lipsformer-validate': ('lipsformer.evaluation.validate_command', 'build_parser',
+    'lipsformer-validate': ('lipsformer.evaluation.validate_command', 'build_validate_parser',
                             'lipsformer.evaluation.validate_command'),
-    'lipsformer-lipschitz': ('lipsformer.lipschitz.report_command', 'build_parser', 'lipsformer.lipschitz'),
+    'lipsformer-lipschitz': ('lipsformer.lipschitz.report_command', 'build_lipschitz_parser', 'lipsformer.lipschitz'),
     'lipsformer-benchmark': ('lipsformer.instruments.benchmark', '_parser', 'lipsformer.instruments.benchmark'),
     'lipsformer-train': ('lipsformer.training.train_command', '_parser', 'lipsformer.training.train_command'),
 }
@@ -221,16 +221,16 @@ def test_usage_names_the_command_as_it_was_run(command, monkeypatch):
 
 
 def test_module_commands_say_python_dash_m(monkeypatch):
-    from lipsformer.hub.__main__ import build_parser as hub_parser
-    from lipsformer.hub.convert import build_parser as convert_parser
+    from lipsformer.hub.__main__ import build_hub_parser
+    from lipsformer.hub.convert import build_convert_parser
     from lipsformer.lipschitz import __main__ as lipschitz_main
     monkeypatch.setattr(sys, 'argv', [lipschitz_main.__file__])
-    from lipsformer.lipschitz.report_command import build_parser as lipschitz_parser
-    assert lipschitz_parser().format_usage().startswith('usage: python -m lipsformer.lipschitz ')
-    assert '(default: None)' not in lipschitz_parser().format_help()
-    assert '(default: 10)' in lipschitz_parser().format_help()  # real defaults are still shown
+    from lipsformer.lipschitz.report_command import build_lipschitz_parser
+    assert build_lipschitz_parser().format_usage().startswith('usage: python -m lipsformer.lipschitz ')
+    assert '(default: None)' not in build_lipschitz_parser().format_help()
+    assert '(default: 10)' in build_lipschitz_parser().format_help()  # real defaults are still shown
     monkeypatch.setattr(sys, 'argv', ['validate.py'])  # the repository's script
-    from lipsformer.evaluation.validate_command import build_parser
-    assert build_parser().format_usage().startswith('usage: validate.py ')
-    for parser in (convert_parser(), hub_parser()):
+    from lipsformer.evaluation.validate_command import build_validate_parser
+    assert build_validate_parser().format_usage().startswith('usage: validate.py ')
+    for parser in (build_convert_parser(), build_hub_parser()):
         assert '(default: None)' not in parser.format_help()

@@ -622,8 +622,8 @@ def test_a_failed_results_write_keeps_the_table_and_exits_as_train_py(vit, tmp_p
 
 
 def test_default_workers_fit_the_cpus_the_process_may_use():
-    from lipsformer.evaluation.validate_command import build_parser
-    assert build_parser().parse_args([]).workers == min(4, len(os.sched_getaffinity(0)))
+    from lipsformer.evaluation.validate_command import build_validate_parser
+    assert build_validate_parser().parse_args([]).workers == min(4, len(os.sched_getaffinity(0)))
 
 
 def test_a_rejected_model_keyword_is_a_one_line_error_naming_it(vit, capsys):

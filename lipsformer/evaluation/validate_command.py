@@ -30,7 +30,7 @@ from .predict import InferenceSettings
 from .real import load_real_labels
 from .records import format_table, model_record, write_results
 
-__all__ = ['build_parser', 'run', 'main']
+__all__ = ['build_validate_parser', 'run', 'main']
 
 _logger = logging.getLogger('lipsformer.evaluation')
 _BUNDLED_REAL_LABELS = 'bundled'
@@ -64,7 +64,7 @@ def _default_workers() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_validate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=command_name('lipsformer.evaluation.validate_command'),
         description='Evaluate a timm or LipsFormer model on ImageNet val, ImageNet-ReaL and ImageNet-V2 in one run. '
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status: 2 for bad input, 4 when the results file could not be written
     after the evaluation (the table is printed first), with the reason on stderr."""
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
-    parser = build_parser()
+    parser = build_validate_parser()
     args = parser.parse_args(argv)
     try:
         records, accelerator = run(args)

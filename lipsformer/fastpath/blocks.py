@@ -19,7 +19,7 @@ from timm.layers import DropPath, Mlp
 from . import lean_autograd
 from .depthwise_conv import depthwise_conv2d
 from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
-from .onednn_linear import linear as onednn_linear
+from .onednn_linear import onednn_linear
 from .switch import plain
 
 __all__ = ['conv_shortcut', 'linear', 'mlp', 'mlp_is_plain', 'weighted_residual']
@@ -71,8 +71,8 @@ def mlp_is_plain(module: nn.Module) -> bool:
 
 def mlp(module: Mlp, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``module(x) * scale`` for a module that :func:`mlp_is_plain` accepts (dropout commutes with the scale)."""
-    return module.drop2(lean_autograd.mlp(x, module.fc1.weight, module.fc1.bias, module.fc2.weight, module.fc2.bias,
-                                          scale))
+    return module.drop2(lean_autograd.lean_mlp(x, module.fc1.weight, module.fc1.bias, module.fc2.weight,
+                                               module.fc2.bias, scale))
 
 
 def conv_shortcut(x: torch.Tensor, dw: nn.Conv2d, pw: nn.Conv2d | None, scale: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 
 from .triton_device import triton_device
 
-__all__ = ['l2_normalize', 'triton_available']
+__all__ = ['l2_normalize_op', 'triton_available']
 
 _MAX_WIDTH = 1024  # the widest rows one program reduces (head dims are 32 to 128)
 _TILE = 4096  # elements a program loads: rows of one head are too short to keep a program's threads busy alone
@@ -200,7 +200,7 @@ def _backward(ctx, grad, grad_squared_norm):
 _l2_normalize.register_autograd(_backward, setup_context=_setup_context)
 
 
-def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+def l2_normalize_op(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
     """``scale * x / max(||x||, eps)`` over the last dimension, contiguous, through the custom op (one kernel forward
     and one backward where :func:`triton_available`)."""
     return torch.ops.lipsformer.l2_normalize(x, eps, scale)[0]

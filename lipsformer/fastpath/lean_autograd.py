@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from . import l2_normalize_op
-from .onednn_linear import linear, linear_backward
+from .onednn_linear import linear_backward, onednn_linear
 
 __all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize',
-           'lean_backward', 'mlp', 'needs_backward', 'scaled_linear']
+           'lean_backward', 'lean_mlp', 'needs_backward', 'scaled_linear']
 
 
 def needs_backward(*tensors: torch.Tensor | None) -> bool:
@@ -135,7 +135,7 @@ class _ScaledLinear(torch.autograd.Function):
     @autocast_forward
     def forward(ctx, x, weight, bias, scale, gelu: bool):
         weight_scaled, bias_scaled = _scaled_weights(weight, bias, scale)
-        out = linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
+        out = onednn_linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
         ctx.gelu = gelu
         ctx.save_for_backward(x, weight, bias, scale)
         return out
@@ -172,13 +172,13 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(F.gelu(x) if gelu else x, scale[:, None] * weight, scale * bias)`` (``scale=None``: no scale).
 
     ``F.linear(x, weight, bias) * scale`` with the per-channel scale folded into the weight and bias (the weighted
-    residual's alpha, see ``lipsformer.layers.weighted_residual``). The backward keeps x alone: not gelu(x), and not
+    residual's alpha, see ``lipsformer.layers.residual_alpha``). The backward keeps x alone: not gelu(x), and not
     the scaled weight (formed again from the parameters).
     """
     if lean_backward(x, weight, bias, scale):
         return _ScaledLinear.apply(x, weight, bias, scale, gelu)
     weight, bias = _scaled_weights(weight, bias, scale)
-    return linear(F.gelu(x) if gelu else x, weight, bias)
+    return onednn_linear(F.gelu(x) if gelu else x, weight, bias)
 
 
 def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | None, weight: torch.Tensor,
@@ -194,13 +194,13 @@ def _unscale(grad_weight_scaled: torch.Tensor, grad_bias_scaled: torch.Tensor | 
     return grad_weight_scaled * scale.unsqueeze(-1), grad_bias_scaled, grad_scale
 
 
-def mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
+def lean_mlp(x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor | None, weight2: torch.Tensor,
         bias2: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(F.gelu(F.linear(x, weight1, bias1)), weight2, bias2) * scale`` (``scale=None``: no scale).
 
     fc1, then :func:`scaled_linear` with ``gelu=True``: the backward keeps x and fc1's output, not GELU's.
     """
-    return scaled_linear(linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
+    return scaled_linear(onednn_linear(x, weight1, bias1), weight2, bias2, scale, gelu=True)
 
 
 class _GeluResidual(torch.autograd.Function):
@@ -296,7 +296,7 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
     not x.
     """
     if l2_normalize_op.triton_available(x):
-        return l2_normalize_op.l2_normalize(x, eps, scale)
+        return l2_normalize_op.l2_normalize_op(x, eps, scale)
     if scale != 0.0 and lean_backward(x):
         return _L2Normalize.apply(x, eps, scale)[0]
     return (x * (_squared_norm(x, eps).rsqrt() * scale)).to(x.dtype)

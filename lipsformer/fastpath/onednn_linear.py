@@ -16,7 +16,7 @@ a classifier head or a pooled batch, a few rows, keeps its module.
 import torch
 import torch.nn.functional as F
 
-__all__ = ['linear', 'linear_backward']
+__all__ = ['onednn_linear', 'linear_backward']
 
 _ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available()
 
@@ -35,7 +35,7 @@ def _as_map(rows: torch.Tensor) -> torch.Tensor:
     return rows.unsqueeze(0).unsqueeze(0).permute(0, 3, 1, 2)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over the last dimension of ``x``, on CPU as a 1x1 convolution (module docstring).
 
     Differentiable either way; autograd keeps x, as ``F.linear`` does.

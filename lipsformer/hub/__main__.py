@@ -17,7 +17,7 @@ from .upload import push
 EXIT_BAD_INPUT, EXIT_OS_ERROR = 2, 4  # train.py's and validate.py's statuses for the same problems
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_hub_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=command_name('lipsformer.hub'), description=__doc__.split('\n\n')[1])
     commands = parser.add_subparsers(dest='command', required=True)
     card = commands.add_parser('card', help='write README.md (the model card) and plots into the run\'s export')
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input, 4 when the card cannot be written into the export, with
     the reason on stderr)."""
     logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(name)s: %(message)s')
-    parser = build_parser()
+    parser = build_hub_parser()
     args = parser.parse_args(argv)
     lipschitz = not args.no_lipschitz
     try:

@@ -210,7 +210,7 @@ def convert(src: str, out_dir: str, model_name: str | None = None, model_kwargs:
                 params=sum(p.numel() for p in model.parameters()), max_abs_logit_difference=difference)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=command_name('lipsformer.hub.convert'), description=__doc__.split('\n\n')[1],
                                      formatter_class=HelpFormatter)
     parser.add_argument('src', help='authors\' checkpoint, training run folder, export, checkpoint folder or weights '
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 for bad input, 4 when the folder cannot be written: a full disk,
     permissions), with the reason on stderr."""
     logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')
-    parser = build_parser()
+    parser = build_convert_parser()
     args = parser.parse_args(argv)
     try:
         result = convert(args.src, args.out_dir, args.model, args.model_kwargs, args.use_ema, args.force)

@@ -59,7 +59,7 @@ from lipsformer.instruments.model_specs import (
     rejected_argument_message,
     step_loss,
     step_modes,
-    write_report,
+    write_json_report,
 )
 from lipsformer.models._base import LipsFormerBlock
 from lipsformer.training import weight_casts
@@ -70,7 +70,7 @@ from lipsformer.utils.cpu_memory import retain_freed_memory
 from lipsformer.utils.processes import set_cudnn_benchmark
 
 __all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
-           'run_benchmark', 'saved_activations_mb', 'write_report']
+           'run_benchmark', 'saved_activations_mb', 'write_json_report']
 
 TRAIN_MACS_PER_FORWARD_MAC = 3  # forward + backward (grad of inputs and of weights)
 
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def write_so_far(report: dict) -> None:
         with ctrl_c_deferred():  # the file and the line that names it agree
-            wrote = write_report(parser, args.json, report | {'command': command}, partial=True)
+            wrote = write_json_report(parser, args.json, report | {'command': command}, partial=True)
             if wrote:
                 kept[:] = report['config']['modes'][:len(report['results']) // len(specs)]
         if wrote:
@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> dict:
         from lipsformer.instruments.kernel_count import format_count_json_table
         print('\n' + format_count_json_table(report['kernel_counts'], markdown=args.markdown))
     if args.json is not None:
-        write_report(parser, args.json, report)
+        write_json_report(parser, args.json, report)
         _log(f'wrote {args.json}')
     return report
 

@@ -60,7 +60,7 @@ from typing import Any
 
 __all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'depthwise_conv_sweep',
            'environment_facts', 'guard', 'main',
-           'plan_steps', 'run_steps', 'write_report']
+           'plan_steps', 'run_steps', 'write_gpu_report']
 
 # timm's models as timm's train.py trains them: autocast casting each weight at its use (the package's training step
 # casts them together, lipsformer.training.weight_casts), the LipsFormer models' own default drop path. ConvNeXt-T is
@@ -678,7 +678,7 @@ def _compiled_table(results: list[StepResult], eager: dict | None) -> str:
     return '\n'.join(lines)
 
 
-def write_report(results: list[StepResult], out_dir: Path, budget_s: float, elapsed_s: float,
+def write_gpu_report(results: list[StepResult], out_dir: Path, budget_s: float, elapsed_s: float,
                  cpu_smoke: bool = False) -> tuple[Path, Path]:
     """Write ``gpu_check.json`` (every step, the benchmark reports included) and ``gpu_check.md`` (tables)."""
     by_kind: dict[str, list[StepResult]] = {}
@@ -822,13 +822,13 @@ def main(argv: list[str] | None = None) -> int:
         begin = time.monotonic()
 
         def report(results: list[StepResult]) -> None:
-            write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
+            write_gpu_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
 
         # SIGALRM's default action ends the process even while it is stuck outside Python; children do not inherit it
         signal.alarm(math.ceil(args.budget) + HARD_LIMIT_MARGIN_S)
         try:
             results = run_steps(steps, args.budget, log, after_step=report)
-            md_path, _ = write_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
+            md_path, _ = write_gpu_report(results, args.out, args.budget, time.monotonic() - begin, args.cpu_smoke)
         finally:
             signal.alarm(0)
     print(md_path.read_text())

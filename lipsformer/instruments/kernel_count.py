@@ -77,7 +77,7 @@ from lipsformer.instruments.model_specs import (
     rejected_argument_message,
     step_loss,
     step_modes,
-    write_report,
+    write_json_report,
 )
 from lipsformer.training.weight_casts import GroupedWeightCasts
 from lipsformer.utils.cli import command_name, usage_error
@@ -929,7 +929,7 @@ def main(argv: list[str] | None = None) -> list[StepCount]:
                 print(f'{count.model} {count.mode}: convolutions by kind and memory layout (input -> output)')
                 print(format_layouts(count))
     if args.json is not None:
-        write_report(parser, args.json, [count.to_json() for count in counts])
+        write_json_report(parser, args.json, [count.to_json() for count in counts])
     return counts
 
 

@@ -32,7 +32,7 @@ from lipsformer.utils.io import unwritable_file_reason
 from lipsformer.weights.model_names import check_model_source, expand_model_names, meant_argument, model_source
 
 __all__ = ['PRECISIONS', 'REMOVED_SPEC_KEYS', 'SPEC_KEYS', 'ModelSpec', 'check_report_path', 'parse_model_specs',
-           'rejected_argument_message', 'step_loss', 'write_report']
+           'rejected_argument_message', 'step_loss', 'write_json_report']
 
 PRECISIONS = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 MODES = ('infer', 'train')  # an inference forward; a training step (forward, loss, backward, optimizer step)
@@ -268,7 +268,8 @@ def check_report_path(parser: argparse.ArgumentParser, path: str | os.PathLike |
         usage_error(parser, f'--json {str(path)!r} cannot be written: {reason}')
 
 
-def write_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any, partial: bool = False) -> bool:
+def write_json_report(parser: argparse.ArgumentParser, path: str | os.PathLike, data: Any,
+                      partial: bool = False) -> bool:
     """Write the JSON report atomically (a reader sees the previous whole file or the new one); a write that fails
     after the table was printed ends the process with exit status 4 and one line naming the file, the table kept above
     it (printed by the caller before). A ``partial`` report (the rows so far, while the run goes on) that cannot be

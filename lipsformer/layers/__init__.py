@@ -1,10 +1,10 @@
 """LipsFormer's Lipschitz building blocks, and factories that let models swap each one by name.
 
-- Norms: ``center_norm`` (CenterNorm), ``NORM_LAYERS`` / ``get_norm_layer``.
+- Norms: ``center_norm`` (CenterNorm), ``NORM_LAYERS`` / ``resolve_norm_layer``.
 - Attention kernels (q, k, v, bias -> out): ``scaled_cosine_attention`` (SCSA), ``dot_product_attention``,
   ``l2_attention``, ``lipschitz_norm_attention``, all ending in ``softmax_attention``; ``create_attention_kernel``.
 - Windows, stripes and heads of the mixers: ``windows``.
-- Residuals: ``weighted_residual`` (alpha's ``ScaleLayer``), ``conv_shortcut``.
+- Residuals: ``residual_alpha`` (the weighted residual's alpha, ``ResidualAlpha``), ``conv_shortcut``.
 - Convolutions of NHWC maps through their modules (depthwise, pointwise): ``nhwc_conv``.
 - Initialisation: ``spectral_init``.
 
@@ -22,9 +22,9 @@ from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
 from .lipschitz_norm_attention import LipschitzNormAttention
 from .nhwc_conv import depthwise_conv_nhwc, pointwise_conv_nhwc
+from .residual_alpha import ResidualAlpha
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
-from .weighted_residual import ScaleLayer
 from .windows import pad_to_multiple, padded_size, padding_key_mask, split_heads, window_partition, window_reverse
 
 NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
@@ -34,7 +34,7 @@ NORM_LAYERS: dict[str, Callable[[int], nn.Module]] = {
 }
 
 
-def get_norm_layer(norm_layer: str | Callable[[int], nn.Module]) -> Callable[[int], nn.Module]:
+def resolve_norm_layer(norm_layer: str | Callable[[int], nn.Module]) -> Callable[[int], nn.Module]:
     """A norm constructor (taking the channel count) from a name in ``NORM_LAYERS`` or a callable."""
     if callable(norm_layer):
         return norm_layer
@@ -88,8 +88,8 @@ def create_attention_kernel(
 
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
-    'LipschitzNormAttention', 'NORM_LAYERS', 'ScaleLayer', 'ScaledCosineAttention', 'WEIGHT_INITS',
-    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'get_norm_layer', 'init_weights_',
+    'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualAlpha', 'ScaledCosineAttention', 'WEIGHT_INITS',
+    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'resolve_norm_layer', 'init_weights_',
     'pad_to_multiple', 'padded_size', 'padding_key_mask', 'pointwise_conv_nhwc', 'set_fast_path', 'spectral_norm',
     'spectral_normalize_', 'split_heads', 'use_fast_path', 'window_partition', 'window_reverse',
 ]

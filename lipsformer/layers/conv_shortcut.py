@@ -19,7 +19,7 @@ from timm.layers import DropPath
 
 from .. import fastpath
 from .nhwc_conv import depthwise_conv_nhwc, pointwise_conv_nhwc
-from .weighted_residual import ScaleLayer
+from .residual_alpha import ResidualAlpha
 
 __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
 
@@ -59,7 +59,7 @@ class ConvShortcut(nn.Module):
         self.act1 = act_layer()
         self.pw = nn.Conv2d(dim, dim, 1, **dd) if pointwise else None
         self.act2 = act_layer() if pointwise else nn.Identity()
-        self.alpha = ScaleLayer(dim, alpha_init, learnable=alpha_learnable, **dd)
+        self.alpha = ResidualAlpha(dim, alpha_init, learnable=alpha_learnable, **dd)
         self.drop_path = DropPath(drop_path)
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ class ConvShortcut(nn.Module):
         pointwise_plain = (fastpath.plain(self.act2, nn.Identity) if self.pw is None
                            else fastpath.plain(self.pw, nn.Conv2d) and _exact_gelu(self.act2))
         return (pointwise_plain and fastpath.plain(self.dw, nn.Conv2d) and _exact_gelu(self.act1)
-                and fastpath.plain(self.alpha, ScaleLayer) and fastpath.plain(self.drop_path, DropPath))
+                and fastpath.plain(self.alpha, ResidualAlpha) and fastpath.plain(self.drop_path, DropPath))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop_path(self.alpha(self.branch(x)))

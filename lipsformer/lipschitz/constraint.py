@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from timm.layers import to_2tuple
 
-from ..layers import CenterNorm, ScaledCosineAttention, ScaleLayer
+from ..layers import CenterNorm, ResidualAlpha, ScaledCosineAttention
 from .analysis import network_bound
 from .norm_sources import NormSource
 from .norms import conv_overlap_factor
@@ -110,7 +110,7 @@ class LipschitzConstraint:
         self.img_size = to_2tuple(img_size) if img_size is not None else None  # only the bound needs it
         self.matrices = self._capped_matrices(model, float(weight_cap), module_caps or {})
         self.caps = {id(module): cap for _, module, cap in self.matrices}
-        self.alphas = [m for m in model.modules() if isinstance(m, ScaleLayer)]
+        self.alphas = [m for m in model.modules() if isinstance(m, ResidualAlpha)]
         self.gammas = [m for m in model.modules() if isinstance(m, CenterNorm)]
         self.taus = [m for m in model.modules() if isinstance(m, ScaledCosineAttention) and m.tau_learnable]
         self.tau_caps = {id(m): abs(float(m.tau)) if tau_max is None else float(tau_max) for m in self.taus}

@@ -25,10 +25,10 @@ from ..weights.model_names import create_model, expand_model_names, model_source
 from ..weights.weight_files import CheckpointError
 from .analysis import analyze
 
-__all__ = ['build_parser', 'format_report', 'main', 'to_json']
+__all__ = ['build_lipschitz_parser', 'format_report', 'main', 'to_json']
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_lipschitz_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=command_name('lipsformer.lipschitz'), description=__doc__.split('\n\n')[1],
                                      formatter_class=HelpFormatter)
     parser.add_argument('--model', help='timm model name, e.g. lipsformer_swin_tiny, or one with its weights: '
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status: 2 for bad input, 4 when the ``--json`` file could not be written (the
     report is printed first), 130 after a Ctrl-C (the bounds printed, and written to ``--json`` with ``complete``
     false, once they are computed)."""
-    parser = build_parser()
+    parser = build_lipschitz_parser()
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

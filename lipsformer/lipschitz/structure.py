@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..layers import CenterNorm, ScaleLayer
+from ..layers import CenterNorm, ResidualAlpha
 from .attention_bounds import Bound, mixer_bound, stripe_sizes
 from .norm_sources import NormSource
 from .norms import activation_lipschitz
@@ -36,7 +36,7 @@ _POOL_GAINS = {
 @dataclass
 class Residual:
     """The weighted residual x + DropPath(alpha (.) f(x)) around an entry's map f."""
-    alpha: ScaleLayer
+    alpha: ResidualAlpha
     drop_prob: float
     function: Callable[[torch.Tensor], torch.Tensor]
     input_of: nn.Module  # f's input is this module's forward input
@@ -128,7 +128,7 @@ def _mlp(name: str, block: nn.Module) -> Entry:
 
 
 def _branch(name: str, kind: str, block: nn.Module, function: nn.Module, bound: Callable[[NormSource], Bound],
-            parts: list, norm: nn.Module, alpha: ScaleLayer, drop_path: nn.Module) -> Entry:
+            parts: list, norm: nn.Module, alpha: ResidualAlpha, drop_path: nn.Module) -> Entry:
     """A block's weighted residual branch around ``function``, with ``norm`` inside it in a pre-norm block."""
     if getattr(block, 'pre_norm', False):
         normed, normed_bound = _pre_normed(norm, function, bound)

@@ -24,11 +24,11 @@ from .. import fastpath
 from ..layers import (
     CenterNorm,
     ConvShortcut,
-    ScaleLayer,
+    ResidualAlpha,
     create_attention_kernel,
     create_conv_shortcuts,
-    get_norm_layer,
     init_weights_,
+    resolve_norm_layer,
 )
 from ._pretrained import explaining_pretrained_failures
 from ._weights_reading import CheckpointError
@@ -128,11 +128,11 @@ class LipsFormerBlock(nn.Module):
         self.pre_norm = norm_position == 'pre'
         self.conv_shortcuts = create_conv_shortcuts(dim, conv_config, alpha_init, drop_path, alpha_learnable, **dd)
         self.attn = attn
-        self.alpha1 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable, **dd)
+        self.alpha1 = ResidualAlpha(dim, alpha_init, learnable=alpha_learnable, **dd)
         self.drop_path1 = DropPath(drop_path)
         self.norm1 = norm_layer(dim, **dd) if post_attn_norm or self.pre_norm else nn.Identity()
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=proj_drop, **dd)
-        self.alpha2 = ScaleLayer(dim, alpha_init, learnable=alpha_learnable, **dd)
+        self.alpha2 = ResidualAlpha(dim, alpha_init, learnable=alpha_learnable, **dd)
         self.drop_path2 = DropPath(drop_path)
         self.norm2 = norm_layer(dim, **dd)
 
@@ -167,7 +167,7 @@ class LipsFormerBlock(nn.Module):
     def _attention_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
         """``x + drop_path1(alpha1(attn(branch_input)))`` with alpha folded into the attention's output projection,
         drop path and sum one multiply-add."""
-        if not (fastpath.plain(self.alpha1, ScaleLayer) and fastpath.plain(self.drop_path1, DropPath)):
+        if not (fastpath.plain(self.alpha1, ResidualAlpha) and fastpath.plain(self.drop_path1, DropPath)):
             return x + self.drop_path1(self.alpha1(self.attn(branch_input)))
         if isinstance(self.attn, TokenMixer) and fastpath.plain(self.attn, type(self.attn)):
             branch = self.attn.proj_drop(fastpath.linear(self.attn.proj, self.attn.attend(branch_input),
@@ -179,7 +179,7 @@ class LipsFormerBlock(nn.Module):
     def _mlp_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
         """``x + drop_path2(alpha2(mlp(branch_input)))`` with alpha folded into fc2, GELU's output not kept, drop path
         and sum one multiply-add."""
-        if not (fastpath.plain(self.alpha2, ScaleLayer) and fastpath.plain(self.drop_path2, DropPath)):
+        if not (fastpath.plain(self.alpha2, ResidualAlpha) and fastpath.plain(self.drop_path2, DropPath)):
             return x + self.drop_path2(self.alpha2(self.mlp(branch_input)))
         if fastpath.mlp_is_plain(self.mlp):
             return fastpath.weighted_residual(x, fastpath.mlp(self.mlp, branch_input, self.alpha2.gamma), None,
@@ -317,7 +317,7 @@ class LipsFormer(nn.Module):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
         check_norm_position(norm_position)
-        norm_layer = get_norm_layer(norm_layer)
+        norm_layer = resolve_norm_layer(norm_layer)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool

@@ -40,10 +40,10 @@ from ..weights.model_names import (
     ModelSourceError,
     check_model_source,
     classifier_reset_note,
+    create_model,
     model_source,
     unaccepted_kwargs,
 )
-from ..weights.model_names import create_model as create_timm_model
 from ..weights.weight_files import check_state_dict, extract_state_dict, load_file
 from .compilation import (
     compile_regions,
@@ -230,7 +230,7 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
         raise ConfigError(f'model.num_classes: got null and dataset {config.data.dataset!r} does not say how many '
                           f'classes it has; set model.num_classes')
     set_seed(config.train.seed, deterministic=config.train.deterministic)  # identical initial weights everywhere
-    model, model_kwargs = create_model(config, num_classes, spec)
+    model, model_kwargs = create_run_model(config, num_classes, spec)
     set_seed(config.train.seed + rank, deterministic=config.train.deterministic)  # per-process augmentation
     model.to(accelerator.device)
     global_batch = global_batch_size(config, world)
@@ -291,7 +291,7 @@ def prepare_model(accelerator: Accelerator, model: torch.nn.Module, optimizer: A
     return accelerator.prepare(model, optimizer)
 
 
-def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[torch.nn.Module, dict[str, Any]]:
+def create_run_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The timm model and the keyword arguments it was built with (recorded in the export)."""
     settings = config.model
     kwargs = dict(settings.kwargs, num_classes=num_classes, in_chans=settings.in_chans)
@@ -299,7 +299,7 @@ def create_model(config: Config, num_classes: int, spec: InputSpec) -> tuple[tor
         kwargs['img_size'] = settings.img_size
     runtime = dict(drop_rate=settings.drop_rate, drop_path_rate=settings.drop_path_rate)
     try:
-        model = create_timm_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
+        model = create_model(settings.name, pretrained=settings.pretrained, **kwargs, **runtime)
     except TypeError as e:
         raise ConfigError(f'model.kwargs: {settings.name} does not accept '
                           f'{unaccepted_kwargs(e, settings.kwargs)} ({e})') from e

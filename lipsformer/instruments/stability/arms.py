@@ -13,7 +13,7 @@ from typing import Any
 
 from ...models.lipsformer_cswin import LipsFormerCSwin
 
-__all__ = ['ARMS', 'WARMUP_ARM', 'Arm', 'ModelShape', 'build_model']
+__all__ = ['ARMS', 'WARMUP_ARM', 'Arm', 'ModelShape', 'build_arm_model']
 
 # The authors' LipsFormer-CSwin choices.
 LIPSFORMER = dict(norm_layer='center', attn_type='scsa', tau=12.0, weight_init='spectral', alpha_init=0.2,
@@ -82,6 +82,6 @@ class ModelShape:
                     drop_path_rate=0.0)
 
 
-def build_model(arm: Arm, shape: ModelShape) -> LipsFormerCSwin:
+def build_arm_model(arm: Arm, shape: ModelShape) -> LipsFormerCSwin:
     """The arm's model with the shared shape (no drop path: the runs are short)."""
     return LipsFormerCSwin(**shape.options(), **arm.model_options)

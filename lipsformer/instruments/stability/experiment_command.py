@@ -12,7 +12,7 @@ import torch
 from ...utils.cli import HelpFormatter, command_name, usage_error
 from .arms import ARMS, ModelShape
 from .grid import run_grid
-from .report import write_report
+from .report import write_stability_report
 from .subsets import Subsets, load_image_folder, load_subsets, synthetic_subsets
 from .sweep_results import collect, read_results
 from .training_run import RunSettings
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s')
     if args.report is not None:
-        write_report(args.results, args.report)
+        write_stability_report(args.results, args.report)
         return
     if args.collect:
         added, replaced = collect(args.out, args.results)

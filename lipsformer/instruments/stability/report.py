@@ -34,7 +34,7 @@ from .arms import ARMS, WARMUP_ARM
 from .sweep_results import LOSS_THRESHOLD, Results, read_results
 
 __all__ = ['DEGRADED_POINTS', 'STUCK_MARGIN', 'classify', 'figure_name', 'markers', 'outright_failure', 'stable_rates',
-           'write_report']
+           'write_stability_report']
 
 STUCK_MARGIN = 0.05
 DEGRADED_POINTS = 0.02
@@ -415,7 +415,7 @@ def plot(results: Results, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results_path: Path, docs: Path) -> None:
+def write_stability_report(results_path: Path, docs: Path) -> None:
     """Regenerate the data set's section of ``docs/stability.md`` and its figure from the results file alone."""
     results = read_results(results_path)
     if results.settings is None:

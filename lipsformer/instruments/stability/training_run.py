@@ -32,7 +32,7 @@ from ...lipschitz import describe, network_bound
 from ...lipschitz.norm_sources import MeasuredNorms
 from ...utils.env import cpu_details
 from ...utils.io import JsonLines, read_json, save_torch, write_json
-from .arms import Arm, ModelShape, build_model
+from .arms import Arm, ModelShape, build_arm_model
 from .subsets import Batches, Subsets
 
 __all__ = ['RunFiles', 'RunSettings', 'accuracy_curve', 'machine', 'train_run']
@@ -198,7 +198,7 @@ def train_run(arm: Arm, lr: float, seed: int, settings: RunSettings, subsets: Su
               'torch': str(torch.__version__)}
     _check_config(files, config)
     torch.manual_seed(seed)
-    model = build_model(arm, settings.shape).to(device)
+    model = build_arm_model(arm, settings.shape).to(device)
     batches = Batches(subsets, settings.batch_size, seed)
     warmup_steps = _warmup_steps(arm, batches, settings.steps)
     optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=settings.weight_decay)

@@ -11,7 +11,7 @@ so a stack of L such blocks with alpha = 1/L is bounded by (1 + kappa / L)^L <= 
 path each factor is 1 with probability p (Appendix J; timm's DropPath rescales kept paths by 1 / (1 - p)).
 
 In the models, ``x + DropPath(alpha (.) f(x))`` is ``x + drop_path(alpha(f(x)))``: timm's ``DropPath`` and a
-:class:`ScaleLayer`, each called as a module. Their fast path (``lipsformer.fastpath.blocks``) folds alpha into f's
+:class:`ResidualAlpha`, each called as a module. Their fast path (``lipsformer.fastpath.blocks``) folds alpha into f's
 last linear layer where f ends in one (attention's output projection, the MLP's fc2): the same function, but the
 per-channel multiply then costs a (C, C_in) weight product instead of a full (B, L, C) activation product, and the
 activation it would keep for alpha's gradient is not stored; the drop-path mask and the sum become one multiply-add.
@@ -20,10 +20,10 @@ activation it would keep for alpha's gradient is not stored; the drop-path mask 
 import torch
 import torch.nn as nn
 
-__all__ = ['ScaleLayer']
+__all__ = ['ResidualAlpha']
 
 
-class ScaleLayer(nn.Module):
+class ResidualAlpha(nn.Module):
     """Multiply the last (channel) dimension by alpha, a per-channel vector (learnable, or fixed as a buffer)."""
 
     def __init__(self, dim: int, init_value: float, learnable: bool = True, device=None, dtype=None) -> None:
