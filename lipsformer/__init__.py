@@ -1,5 +1,6 @@
 """LipsFormer (Qi et al., ICLR 2023) for timm: importing this package registers every LipsFormer model with timm, and
-imports nothing else of it.
+imports nothing else of it; pretrained weights asked of a model are read and their failures explained by
+:mod:`.weights`, imported then.
 
 The rooms, each standing on those above it alone:
 
@@ -14,8 +15,19 @@ The rooms, each standing on those above it alone:
 - :mod:`.instruments`: the benchmark, kernel counts, profiles, complexity, the GPU check, and the stability sweep
   (the paper's central claim in miniature).
 """
+import contextlib
+from typing import Any
+
 from . import models
 from .models import LipsFormerCSwin, LipsFormerSwin
+
+
+def _pretrained_loading(variant: str, kwargs: dict[str, Any]) -> contextlib.AbstractContextManager:
+    from .weights.pretrained_sources import explaining_pretrained_failures  # only where pretrained weights are asked
+    return explaining_pretrained_failures(variant, kwargs)
+
+
+models.set_pretrained_loading(_pretrained_loading)
 
 __version__ = '0.1.0'
 __all__ = ['LipsFormerCSwin', 'LipsFormerSwin', 'models']

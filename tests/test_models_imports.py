@@ -1,7 +1,10 @@
 """The models stand on torch, timm and the fast path alone: importing them (or the package, which registers them)
-and building one imports no training, evaluation, weights or utils module; the errors they raise about checkpoints
-are the ones the rest of the package raises and catches."""
+and building one imports no training, evaluation, weights or utils module (pretrained weights, read by the weights
+room, import it then); the errors they raise about checkpoints are the ones the rest of the package raises and
+catches."""
+import ast
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -11,9 +14,10 @@ import torch
 from timm.models._registry import _model_entrypoints
 from tiny_models import TINY_MODELS
 
+import lipsformer.layers
 import lipsformer.models
 from lipsformer.models import lipsformer_swin
-from lipsformer.weights import model_names, weight_files
+from lipsformer.weights import model_names, pretrained_sources, weight_files
 
 # What the models must not pull in: the commands, and the package's file handling above them.
 NOT_FOR_THE_MODELS = ('lipsformer.training', 'lipsformer.evaluation', 'lipsformer.weights', 'lipsformer.hub',
@@ -64,9 +68,38 @@ def test_timms_registry_holds_the_models_own_entry_points():
 
 def test_the_models_errors_are_the_ones_the_package_catches():
     assert weight_files.CheckpointError is lipsformer.models.CheckpointError
-    assert model_names.ModelSourceError is lipsformer.models.ModelSourceError
-    assert issubclass(lipsformer.models.ModelSourceError, lipsformer.models.CheckpointError)
+    assert model_names.ModelSourceError is pretrained_sources.ModelSourceError
+    assert issubclass(pretrained_sources.ModelSourceError, lipsformer.models.CheckpointError)
     assert issubclass(lipsformer.models.CheckpointError, ValueError)
+
+
+def test_the_models_files_import_torch_timm_and_each_other_alone():
+    """Read from the source: no file of the models or the layers imports another room of the package but the fast
+    path (whose lift above the models is still to come); the weights are given to the builder by ``import
+    lipsformer``, so the models know no file format."""
+    imports = set()
+    for package in (lipsformer.models, lipsformer.layers):
+        for path in sorted(pathlib.Path(package.__file__).parent.glob('*.py')):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 2:
+                    rooms = [node.module.split('.')[0]] if node.module else [alias.name for alias in node.names]
+                    imports.update((f'{path.parent.name}/{path.name}', room) for room in rooms)
+                elif isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                    imports.update((f'{path.parent.name}/{path.name}', name) for name in names
+                                   if name.split('.')[0] == 'lipsformer')
+    assert ('models/lipsformer_swin.py', 'layers') in imports  # the reading sees the imports there are
+    assert {room for _, room in imports} <= {'layers', 'models', 'fastpath'}, sorted(imports)
+
+
+def test_pretrained_weights_are_read_by_the_weights_room_imported_then():
+    modules = _lipsformer_modules_after(
+        'import lipsformer, timm',
+        'try:',
+        "    timm.create_model('lipsformer_swin_tiny', pretrained=True, pretrained_cfg_overlay=dict(file='/no/such'))",
+        'except lipsformer.models.CheckpointError as error:',
+        "    assert 'no such file' in str(error), error")
+    assert 'lipsformer.weights.pretrained_sources' in modules
 
 
 def test_a_checkpoint_of_other_depths_raises_the_models_error_that_weight_files_catches(tmp_path):

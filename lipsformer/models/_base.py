@@ -30,11 +30,10 @@ from ..layers import (
     init_weights_,
     resolve_norm_layer,
 )
-from ._pretrained import explaining_pretrained_failures
-from ._weights_reading import CheckpointError
 
 __all__ = ['NORM_POSITIONS', 'LipsFormer', 'LipsFormerBlock', 'LipsFormerStage', 'MixerArgs', 'TokenMixer',
-           'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg', 'record_input_size']
+           'CheckpointError', 'build_lipsformer', 'check_checkpoint_depths', 'check_norm_position', 'default_cfg',
+           'record_input_size', 'set_pretrained_loading']
 
 
 class MixerArgs(NamedTuple):
@@ -486,6 +485,12 @@ class LipsFormer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model it is loaded into (its blocks per stage, its keys or
+    shapes), or pretrained weights that cannot be had: what the models and the package's readers of weight files
+    (``lipsformer.weights``) raise, so that one ``except`` catches what any of them says about a checkpoint."""
+
+
 def check_checkpoint_depths(keys: Iterable[str], block_pattern: str, model: 'LipsFormer') -> None:
     """Raise a CheckpointError when a checkpoint's blocks per stage differ from the model's.
 
@@ -518,21 +523,35 @@ def default_cfg(url: str = '', **kwargs: Any) -> dict[str, Any]:
     }
 
 
+PretrainedLoading = Callable[[str, dict[str, Any]], contextlib.AbstractContextManager]
+# The context timm's build with pretrained weights runs in (what :func:`set_pretrained_loading` gave).
+_pretrained_loading: PretrainedLoading | None = None
+
+
+def set_pretrained_loading(loading: PretrainedLoading | None) -> None:
+    """Give the builder the context in which timm builds a model with pretrained weights: ``loading(variant,
+    kwargs)`` for the registered ``variant`` and what its entry point was given; it may refuse before the build and
+    turn a failed load into an error that says what to do. ``import lipsformer`` gives it
+    ``lipsformer.weights.pretrained_sources.explaining_pretrained_failures``; None builds as timm alone does."""
+    global _pretrained_loading
+    _pretrained_loading = loading
+
+
 def build_lipsformer(model_cls: type[LipsFormer], variant: str, pretrained: bool,
                      checkpoint_filter_fn: Callable[[dict[str, Any], nn.Module], dict[str, torch.Tensor]],
                      model_args: dict[str, Any], **kwargs: Any) -> LipsFormer:
     """A registered variant through timm's ``build_model_with_cfg``: its ``model_args`` overridden by the caller's
     ``kwargs``, a feature map per stage (``features_only``), checkpoints mapped by the family's filter, and pretrained
-    weights that cannot be had explained (:mod:`._pretrained`).
+    weights loaded in the context :func:`set_pretrained_loading` gave.
 
     Raises:
-        CheckpointError: The pretrained weights do not fit the model, or their file is missing or unreadable.
-        ModelSourceError: The pretrained weights' host cannot be reached.
+        CheckpointError: The pretrained weights do not fit the model (or, as the loading context says, their file is
+            missing or unreadable, or their host cannot be reached).
     """
-    explained = explaining_pretrained_failures(variant, kwargs) if pretrained else contextlib.nullcontext()
+    loading = _pretrained_loading(variant, kwargs) if pretrained and _pretrained_loading else contextlib.nullcontext()
     kwargs = dict(model_args, **kwargs)
     out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs['depths']))))
-    with explained:
+    with loading:
         model = build_model_with_cfg(
             model_cls, variant, pretrained,
             pretrained_filter_fn=checkpoint_filter_fn,

@@ -23,9 +23,15 @@ import torch
 from timm.models import is_model, parse_model_name, split_model_name_tag
 from timm.models._hub import download_cached_file
 
-from ..models import ModelSourceError
-from ..models._pretrained import hub_errors, model_source, offline_message, pretrained_source, unreachable
 from ..utils.io import read_json
+from .pretrained_sources import (
+    ModelSourceError,
+    hub_errors,
+    model_source,
+    offline_message,
+    pretrained_source,
+    unreachable,
+)
 from .weight_files import CheckpointError, load_file
 
 __all__ = ['ModelSourceError', 'UnknownModelError', 'check_model_source', 'classifier_reset_note', 'create_model',

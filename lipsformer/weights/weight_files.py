@@ -2,8 +2,8 @@
 loaded into a model strictly, every file read by :func:`load_file` without executing code from it.
 
 :func:`load_file`, :class:`CheckpointError` and :data:`READABLE_FORMATS` are the models' own
-(:mod:`lipsformer.models._weights_reading`, which reads pretrained weights for the models' builder), re-exported here
-so that every reader of a file says the same about it.
+(:mod:`.file_reading`) and :class:`CheckpointError` the models' (``lipsformer.models.CheckpointError``), re-exported
+here so that every reader of a file says the same about it.
 """
 import os
 import sys
@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..models._weights_reading import READABLE_FORMATS, CheckpointError, load_file
+from ..models import CheckpointError
+from .file_reading import READABLE_FORMATS, load_file
 
 __all__ = ['READABLE_FORMATS', 'WRAPPER_PREFIXES', 'CheckpointError', 'check_state_dict', 'extract_state_dict',
            'load_checkpoint_dict', 'load_file', 'load_model_weights', 'strip_wrapper_prefixes']

@@ -1,9 +1,10 @@
-"""Pretrained weights that cannot be had, explained where the models are built.
+"""Pretrained weights that cannot be had, explained.
 
-``timm.create_model(NAME, pretrained=True, ...)`` of a LipsFormer model fails as the package's commands do: a host
-that cannot be reached gives :func:`offline_message` (the two ways to use a copy of the weights offline), a
-``pretrained_cfg_overlay=dict(file=...)`` that is not there or not a weights file gives the words of
-:func:`~._weights_reading.load_file`, instead of urllib's traceback, an empty ``FileNotFoundError`` or torch's advice to
+``timm.create_model(NAME, pretrained=True, ...)`` of a LipsFormer model fails as the package's commands do (the
+models' builder loads pretrained weights inside :func:`explaining_pretrained_failures`, which ``import lipsformer``
+gives it): a host that cannot be reached gives :func:`offline_message` (the two ways to use a copy of the weights
+offline), a ``pretrained_cfg_overlay=dict(file=...)`` that is not there or not a weights file gives the words of
+:func:`~.file_reading.load_file`, instead of urllib's traceback, an empty ``FileNotFoundError`` or torch's advice to
 unpickle with ``weights_only=False``. The commands use the same pieces for names that carry their weights
 (``hf-hub:``, ``local-dir:``; :mod:`lipsformer.weights.model_names`).
 """
@@ -20,7 +21,8 @@ from huggingface_hub.utils import LocalEntryNotFoundError, OfflineModeIsEnabled
 from timm.models import parse_model_name, resolve_pretrained_cfg, split_model_name_tag
 from timm.models._builder import _resolve_pretrained_source
 
-from ._weights_reading import CheckpointError, load_file
+from ..models import CheckpointError
+from .file_reading import load_file
 
 __all__ = ['ModelSourceError', 'explaining_pretrained_failures', 'hub_errors', 'model_source', 'offline_message',
            'pretrained_source', 'unreachable']

@@ -1,9 +1,7 @@
-"""Reading one weights file without executing code from it: what the models' builder reads pretrained weights with.
-
-timm's ``pretrained=True`` reads a file (``pretrained_cfg_overlay=dict(file=...)``, a download) with torch's
-weights-only loader; when that fails, the builder reads the file here to say what it is instead of torch's advice to
-unpickle it with ``weights_only=False``. :mod:`lipsformer.weights.weight_files` reads every file through
-:func:`load_file`.
+"""Reading one weights file without executing code from it: every reader of a file in the package goes through
+:func:`load_file` (:mod:`.weight_files`), and so does the explanation of a failed ``pretrained=True`` load
+(:mod:`.pretrained_sources`), which says what a file is instead of torch's advice to unpickle it with
+``weights_only=False``.
 
 Every file goes through ``torch.load(weights_only=True)`` (or safetensors), never an unrestricted unpickler. Two
 non-tensor objects that checkpoints users have carry are admitted by torch's restricted (weights-only) unpickler as
@@ -29,15 +27,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file as load_safetensors
 
+from ..models import CheckpointError
+
 __all__ = ['READABLE_FORMATS', 'CheckpointError', 'load_file']
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be read or does not fit the model it is loaded into (its blocks per stage, its
-    keys or shapes), or pretrained weights that cannot be had.
-
-    :mod:`lipsformer.weights.weight_files` raises it too (it is ``lipsformer.weights.weight_files.CheckpointError``):
-    one ``except`` catches what the models, the weights' readers and the commands say about a checkpoint."""
 
 
 # Pickled names that stand for plain configuration data in checkpoints users have (the authors' yacs config).
