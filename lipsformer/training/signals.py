@@ -83,7 +83,6 @@ class HeldTermination:
 
     def __init__(self) -> None:
         self.loop_started = False
-        self.received: str | None = None
         self._previous: object = None
 
     def __enter__(self) -> 'HeldTermination':
@@ -101,8 +100,8 @@ class HeldTermination:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signal.Signals(signum).name
-        _logger.warning('received %s while the run ends: exiting once the reason is reported', self.received)
+        _logger.warning('received %s while the run ends: exiting once the reason is reported',
+                        signal.Signals(signum).name)
 
 
 def _under_torchrun() -> bool:
