@@ -239,6 +239,20 @@ def test_a_sigterm_after_the_loop_waits_until_the_reason_is_said(data_dir, tmp_p
     assert said[held + 1].startswith('training diverged: the loss was not finite for 2 consecutive updates')
 
 
+def test_a_sigterm_before_the_loop_goes_to_the_handler_the_caller_had():
+    """train.py's main() called from a program with a SIGTERM handler of its own: before a loop has run, that handler
+    gets the signal, as it would without train.py's."""
+    from lipsformer.training.signals import HeldTermination
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with HeldTermination():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_sigterm_before_the_loop_ends_the_process_at_once():
     """Before a training loop has run there is nothing to save or report: SIGTERM's default action, as without
     train.py's handler (in a child process, which it ends)."""

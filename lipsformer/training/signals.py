@@ -73,8 +73,9 @@ class StopSignal:
 
 
 class HeldTermination:
-    """SIGTERM outside the training loop: the default action (end at once) until a loop has started, then held back
-    until the process has reported how the run ended (use as a context manager around the run and its report).
+    """SIGTERM outside the training loop: what it did before (by default, end at once) until a loop has started, then
+    held back until the process has reported how the run ended (use as a context manager around the run and its
+    report).
 
     After the loop the process is already ending, on its own error or one another process caused; the report is its
     last line and nothing is left to save, so a launcher's or a cluster's SIGTERM only waits for it (their grace period
@@ -96,9 +97,12 @@ class HeldTermination:
             self._previous = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if not self.loop_started:  # nothing to save or report yet: end as without a handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if not self.loop_started:  # nothing to save or report yet: as without this handler
+            if callable(self._previous):
+                self._previous(signum, frame)
+            elif self._previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
         _logger.warning('received %s while the run ends: exiting once the reason is reported',
                         signal.Signals(signum).name)
