@@ -335,10 +335,9 @@ def test_softmax_attention_equals_its_definition_in_values_and_gradients(bias_ne
 
 
 def test_softmax_attention_leaves_sdpa_on_cpu_only_where_a_backward_runs(monkeypatch):
-    """On CPU, in a block's fast form, SDPA computes attention without a backward; with one (any of q, k, v or a
-    learned bias needing a gradient, grad mode on) the explicit path does. Outside the fast form SDPA always runs."""
+    """On CPU SDPA computes attention without a backward; with one (any of q, k, v or a learned bias needing a
+    gradient, grad mode on) the explicit path does, which is also twice differentiable."""
     import lipsformer.layers.softmax_attention as module
-    from lipsformer import fastpath
     calls = []
     sdpa = module.F.scaled_dot_product_attention
 
@@ -349,19 +348,16 @@ def test_softmax_attention_leaves_sdpa_on_cpu_only_where_a_backward_runs(monkeyp
     monkeypatch.setattr(module.F, 'scaled_dot_product_attention', recording_sdpa)
     q, k, v = _qkv()
     learned = torch.zeros(3, 10, 10, dtype=torch.float64, requires_grad=True)
-    with fastpath.engage():
-        module.softmax_attention(q, k, v, learned, 0.0, True)
-        module.softmax_attention(q.requires_grad_(), k, v, None, 0.0, True)
-        assert calls == []
-        with torch.no_grad():
-            module.softmax_attention(q, k, v, learned, 0.0, True)
-        module.softmax_attention(q.detach(), k, v, learned.detach(), 0.0, True)
-        module.softmax_attention(q.detach(), k, v, None, 0.0, True)
-        assert len(calls) == 3
-        module.softmax_attention(q.detach(), k, v, None, 0.0, False)
-        assert len(calls) == 3
     module.softmax_attention(q, k, v, learned, 0.0, True)
-    assert len(calls) == 4
+    module.softmax_attention(q.requires_grad_(), k, v, None, 0.0, True)
+    assert calls == []
+    with torch.no_grad():
+        module.softmax_attention(q, k, v, learned, 0.0, True)
+    module.softmax_attention(q.detach(), k, v, learned.detach(), 0.0, True)
+    module.softmax_attention(q.detach(), k, v, None, 0.0, True)
+    assert len(calls) == 3
+    module.softmax_attention(q.detach(), k, v, None, 0.0, False)
+    assert len(calls) == 3
 
 
 def test_softmax_attention_takes_a_float32_bias_under_bf16_autocast():

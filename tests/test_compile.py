@@ -8,9 +8,9 @@ two paths to the same function. Small widths here, the default widths in the slo
 import pytest
 import timm
 import torch
+from forms_support import in_form
 from tiny_models import TINY_MODELS
 
-from lipsformer.fastpath import use_fast_path
 from lipsformer.training.compilation import CompiledDropPath, compile_regions
 
 RELATIVE_TOLERANCE = 1e-4
@@ -32,8 +32,8 @@ def _train_step(model: torch.nn.Module, forward, x: torch.Tensor) -> tuple[torch
 
 def _assert_compiled_equals_eager(name: str, kwargs: dict, batches: tuple[int, ...], resolution: int) -> None:
     torch._dynamo.reset()
-    model = timm.create_model(name, **kwargs, num_classes=10, drop_path_rate=0.0)
-    assert use_fast_path()  # eager runs the fast path; compiled, the plain graph it steps aside for
+    # the fast form eager; compiled, the plain graph it steps aside for
+    model = in_form(timm.create_model(name, **kwargs, num_classes=10, drop_path_rate=0.0), True)
     compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break is an error
     inputs = [torch.randn(batch, 3, resolution, resolution) for batch in batches]
     for x in inputs:

@@ -1,8 +1,8 @@
 """The GPU checks in one command, ``python -m pytest tests/test_cuda.py`` (every test skips without CUDA).
 
-Both families at their default size (224): forward and backward through the blocks' fast form (on for CUDA by default,
-:data:`lipsformer.fastpath.switch.DEFAULT_DEVICES`), in float32 and under bf16 autocast, equal to the plain path
-(``lipsformer.layers.set_fast_path(False)``), the Triton normalisation kernels against PyTorch's, ``torch.compile``
+Both families at their default size (224): forward and backward through their fast form
+(``lipsformer.fastpath.to_fast_form`` for CUDA), in float32 and under bf16 autocast, equal to the plain module graph
+``timm.create_model`` returns, the Triton normalisation kernels against PyTorch's, ``torch.compile``
 equal to eager, a 20-step training run through ``lipsformer.training`` whose loss falls (compiled:
 ``model.compile=auto``), a run with CUDA graphs (``reduce-overhead``) and gradient accumulation that ends with eager's
 weights, such a run stopped by Ctrl-C mid-epoch and resumed, the benchmark's CUDA path, and at 256x320 (padded windows
@@ -20,12 +20,12 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from forms_support import form
 from image_data import make_image_folder
 from padding_support import assert_no_gradient_at_the_padding, recording_padding, zero_lepe
-from tool_support import FAMILIES, plain_path
+from tool_support import FAMILIES
 from training_support import tiny_overrides
 
-from lipsformer.fastpath import set_fast_path
 from lipsformer.training import load_config, train
 from lipsformer.weights.weight_files import load_file
 
@@ -84,10 +84,9 @@ def _assert_same_step(actual, expected, tolerance: float) -> None:
 def test_forward_backward_equal_the_plain_path(name, precision):
     model = _default_model(name).train()
     x, y = _batch()
-    with set_fast_path(True):
+    with form(model, True, 'cuda'):
         fast = _step(model, x, y, precision)
-    with plain_path():
-        plain = _step(model, x, y, precision)
+    plain = _step(model, x, y, precision)
     _assert_same_step(fast, plain, TOLERANCES[precision])
 
 
@@ -188,7 +187,7 @@ def _gradient_norm_at(model: torch.nn.Module, size: tuple[int, int]) -> float:
 def test_padded_size_keeps_the_gradient_norm_and_finite_half_precision_logits(name, fast):
     """At 256x320 Swin pads its 7x7 windows (maps 64x80, 32x40, 16x20, 8x10) and CSwin its 7-wide stripes."""
     model = _default_model(name).train()
-    with set_fast_path(fast):
+    with form(model, fast, 'cuda'):
         unpadded, padded = _gradient_norm_at(model, (224, 224)), _gradient_norm_at(model, (256, 320))
         assert unpadded / 3 < padded < unpadded * 3
         x = torch.randn(2, 3, 256, 320, device=DEVICE)
@@ -213,7 +212,7 @@ def test_no_gradient_reaches_the_padded_tokens_through_cuda_attention(name, dtyp
     model = _default_model(name).to(dtype).train()
     zero_lepe(model)
     torch.manual_seed(0)
-    with set_fast_path(fast), recording_padding() as padded_tensors:
+    with form(model, fast, 'cuda'), recording_padding() as padded_tensors:
         model(torch.randn(2, 3, 256, 320, device=DEVICE, dtype=dtype)).float().logsumexp(-1).mean().backward()
     assert_no_gradient_at_the_padding(padded_tensors)
 
@@ -270,14 +269,13 @@ def test_triton_depthwise_conv2d_equals_cudnn(shape, kernel_size, dtype):
 
 @pytest.mark.parametrize('name', FAMILIES)
 def test_torch_compile_with_the_depthwise_op_equals_eager(name):
-    """The fast path forced on: the compiled plain graph runs lipsformer::depthwise_conv2d (the eager step its fast
-    form), equal to the eager plain path with cuDNN's convolutions."""
+    """A fast form given with the fast path forced on: compiled, the blocks' plain forward runs
+    lipsformer::depthwise_conv2d, equal to the eager plain model with cuDNN's convolutions."""
     torch._dynamo.reset()
     model = _default_model(name).train()
     x, y = _batch()
-    with plain_path():
-        eager = _step(model, x, y)
-    with set_fast_path(True):
+    eager = _step(model, x, y)
+    with form(model, True, 'cuda'):
         compiled = _step(model, x, y, forward=torch.compile(model, fullgraph=True))
     _assert_same_step(compiled, eager, TOLERANCES['fp32'])
 

@@ -4,14 +4,16 @@ Its Triton kernels run here on CPU tensors under Triton's interpreter (``TRITON_
 before Triton is imported: those checks run in a subprocess) against ``F.conv2d``; its PyTorch form, fake-tensor
 registrations, autograd formula, compilation and export are checked in this process.
 """
+import copy
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from forms_support import form, in_form
 from process_support import assert_runs_under_triton_interpreter
 
-from lipsformer.fastpath import depthwise_conv_op
+from lipsformer.fastpath import depthwise_conv_op, to_plain_form
 from lipsformer.fastpath.depthwise_conv_op import depthwise_conv2d_op
 
 
@@ -309,8 +311,8 @@ def _tiny(name: str) -> torch.nn.Module:
 @pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
 def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_compiled_plain_graph(
         name, kernel_on_cpu):
-    from lipsformer.fastpath import set_fast_path
-    model = _tiny(name)
+    model = in_form(_tiny(name), True)
+    plain = to_plain_form(copy.deepcopy(model))
     x = torch.randn(2, 3, 64, 64)
     convs = _depthwise_modules(model)
     # every conv shortcut's dw and, in CSwin, every branch's LePE
@@ -322,14 +324,12 @@ def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_co
     assert recorder.count('lipsformer::depthwise_conv2d_backward') == len(convs)
     assert not any(recorder.convolutions((k, k), depthwise=True) for k in (3, 7))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    with set_fast_path(False):
-        plain_logits = model(x)
-        plain_logits.logsumexp(-1).sum().backward()
+    plain_logits = plain(x)
+    plain_logits.logsumexp(-1).sum().backward()
     torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
-    for n, p in model.named_parameters():
+    for n, p in plain.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
-    # compiled, the plain module graph runs (the fast form steps aside) and the graphs keep one op per conv
+    # compiled, the blocks' plain forward runs (the fast form steps aside), its convolutions the op: one op per conv
     graphs = []
 
     def backend(graph_module, example_inputs):
@@ -344,14 +344,14 @@ def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_co
 
 
 def test_cswin_merges_are_not_depthwise_and_keep_their_convolution(kernel_on_cpu):
-    model = _tiny('lipsformer_cswin_tiny').eval()
+    model = in_form(_tiny('lipsformer_cswin_tiny').eval(), True)
     with _OpRecorder() as recorder, torch.no_grad():
         model(torch.randn(1, 3, 64, 64))
     assert recorder.convolutions((2, 2), depthwise=False) == 3
 
 
 def test_a_hooked_or_wrapped_depthwise_conv_is_called_as_its_module(kernel_on_cpu):
-    model = _tiny('lipsformer_cswin_tiny').eval()
+    model = in_form(_tiny('lipsformer_cswin_tiny').eval(), True)
     convs = _depthwise_modules(model)
     seen = []
     hooked = model.stages[0].blocks[0].conv_shortcuts[0].dw
@@ -363,18 +363,24 @@ def test_a_hooked_or_wrapped_depthwise_conv_is_called_as_its_module(kernel_on_cp
     assert recorder.count('lipsformer::depthwise_conv2d') == len(convs) - 1
 
 
-def test_the_kernel_steps_aside_for_fx_tracing_and_timms_exportable_config(kernel_on_cpu):
+def test_the_kernel_is_the_fast_form_s_and_timms_exportable_config_keeps_it_out(kernel_on_cpu):
+    """The plain shortcut, as FX traces it, calls its modules; a fast form given under timm's exportable config is
+    the plain module graph; a fast form given otherwise runs the op."""
     from timm.layers import set_layer_config
 
+    from lipsformer.fastpath import to_fast_form
     from lipsformer.layers import ConvShortcut
     shortcut = ConvShortcut(8, pointwise=True, alpha_init=0.1).eval()
     traced = torch.fx.symbolic_trace(shortcut)
     assert not any('lipsformer' in str(node.target) for node in traced.graph.nodes)
     assert {node.target for node in traced.graph.nodes if node.op == 'call_module'} >= {'dw', 'pw'}
     x = torch.randn(1, 5, 5, 8)
-    with set_layer_config(exportable=True), _OpRecorder() as recorder:
+    with set_layer_config(exportable=True):
+        to_fast_form(shortcut, 'cpu')
+    with _OpRecorder() as recorder:
         shortcut(x)
     assert recorder.count('lipsformer::depthwise_conv2d') == 0
+    to_fast_form(shortcut, 'cpu')
     with _OpRecorder() as recorder:
         shortcut(x)
     assert recorder.count('lipsformer::depthwise_conv2d') == 1
@@ -382,32 +388,31 @@ def test_the_kernel_steps_aside_for_fx_tracing_and_timms_exportable_config(kerne
 
 @pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
 def test_the_kernel_is_off_by_default_where_no_gpu_measured_it(name, monkeypatch):
-    """Without ``set_fast_path(True)`` the models call the modules: the op becomes a device's default only once
+    """Without ``set_fast_path(True)`` a fast form calls the modules: the op becomes a device's default only once
     docs/performance.md measures it faster there (``KERNEL_DEFAULT_DEVICES``)."""
-    from lipsformer.fastpath import KERNEL_DEFAULT_DEVICES
+    from lipsformer.fastpath import KERNEL_DEFAULT_DEVICES, to_fast_form
     monkeypatch.setattr(depthwise_conv_op, '_INTERPRETED', True)
     monkeypatch.setattr(depthwise_conv_op, '_TRITON_INSTALLED', True)
     assert 'cpu' not in KERNEL_DEFAULT_DEVICES['depthwise_conv2d']
     with _OpRecorder() as recorder, torch.no_grad():
-        _tiny(name).eval()(torch.randn(1, 3, 64, 64))
+        to_fast_form(_tiny(name).eval(), 'cpu')(torch.randn(1, 3, 64, 64))
     assert recorder.count('lipsformer::depthwise_conv2d') == 0
 
 
 @pytest.mark.parametrize('fast', [True, False])
 def test_the_pointwise_conv_is_a_product_over_channels_and_a_hook_still_reaches_the_module(fast):
-    from lipsformer.fastpath import set_fast_path
     from lipsformer.layers import ConvShortcut
     torch.manual_seed(0)
     shortcut = ConvShortcut(8, pointwise=True, alpha_init=0.3)
     x = torch.randn(2, 5, 6, 8)
     nchw = x.permute(0, 3, 1, 2)
     expected = x + shortcut.alpha(F.gelu(shortcut.pw(F.gelu(shortcut.dw(nchw)))).permute(0, 2, 3, 1))
-    with set_fast_path(fast), _OpRecorder() as recorder:
+    with form(shortcut, fast), _OpRecorder() as recorder:
         torch.testing.assert_close(shortcut(x), expected)
     convolutions = [args for op, args in recorder.ops if op == 'aten::convolution']
     assert [tuple(args[1].shape[-2:]) for args in convolutions] in ([(7, 7)], [])  # the depthwise conv alone
     seen = []
     shortcut.pw.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape))
-    with set_fast_path(fast):
+    with form(shortcut, fast):
         torch.testing.assert_close(shortcut(x), expected)
     assert seen == [torch.Size([2, 8, 5, 6])]

@@ -166,7 +166,7 @@ def test_python_example_runs(block, doc_world, one_thread):
 
 def test_the_examples_leave_the_fast_path_switch_as_they_found_it():
     """Runs after the examples above (pytest keeps a file's order), one of which switches the fast path off "for the
-    rest of the process": the tests after this file must not run on the plain path unknowingly."""
+    rest of the process": the tests after this file must not run without the fast form unknowingly."""
     assert any('set_fast_path(False)' in block.body for block in PYTHON_BLOCKS)
     assert fast_path_switch._enabled == fast_path_switch._from_environment()
 

@@ -1,5 +1,6 @@
-"""The fast paths (lipsformer.fastpath) against the plain module graph: one switch, the same values and gradients,
-and stepping aside wherever a module is hooked, wrapped or parametrized."""
+"""A model's fast form (lipsformer.fastpath.to_fast_form) against its plain module graph: given and taken back once,
+one switch for where the package gives it, the same values and gradients, and stepping aside wherever a module is
+hooked, wrapped or parametrized."""
 import os
 import subprocess
 import sys
@@ -8,12 +9,13 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from forms_support import form, in_form
 from timm.layers import set_layer_config
 from tiny_models import TINY_MODELS
 
 from lipsformer import fastpath
-from lipsformer.fastpath import blocks
-from lipsformer.layers import set_fast_path, use_fast_path
+from lipsformer.fastpath import blocks, forms, in_fast_form, set_fast_path, to_fast_form, to_plain_form, use_fast_path
+from lipsformer.layers import is_plain_module
 
 
 def _model(name: str, dtype: torch.dtype = torch.float32, drop_path_rate: float = 0.3) -> nn.Module:
@@ -37,16 +39,16 @@ def _step(model: nn.Module, x: torch.Tensor, seed: int = 5) -> tuple[torch.Tenso
 
 def _both_paths(model: nn.Module, x: torch.Tensor, autocast: bool = False):
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-        fast = _step(model, x)
-        with set_fast_path(False):
-            plain = _step(model, x)
+        with form(model, True):
+            fast = _step(model, x)
+        plain = _step(model, x)
     return fast, plain
 
 
 def test_one_switch_as_a_call_and_as_a_context_manager():
     assert use_fast_path()
     with set_fast_path(False):
-        assert not use_fast_path() and not fastpath.active()
+        assert not use_fast_path()
         with set_fast_path(True):
             assert use_fast_path()
         assert not use_fast_path()
@@ -63,7 +65,7 @@ def test_one_switch_as_a_call_and_as_a_context_manager():
 
 @pytest.mark.parametrize('value, expected', [('0', 'False'), ('off', 'False'), ('1', 'True'), ('bad', 'error')])
 def test_the_environment_variable_sets_the_switch_at_import(value, expected):
-    result = subprocess.run([sys.executable, '-c', 'import lipsformer.layers as l; print(l.use_fast_path())'],
+    result = subprocess.run([sys.executable, '-c', 'import lipsformer.fastpath as f; print(f.use_fast_path())'],
                             capture_output=True, text=True, env=dict(os.environ, LIPSFORMER_FAST_PATH=value))
     if expected == 'error':
         assert result.returncode != 0
@@ -115,16 +117,16 @@ def test_fast_and_plain_paths_agree_under_bfloat16_autocast(name):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts the fast path's fused compositions, by name."""
+    """Counts the fast form's fused compositions, by name."""
     calls = {'mlp': 0, 'conv_shortcut': 0, 'weighted_residual': 0}
     for name in calls:
-        original = getattr(fastpath, name)
+        original = getattr(forms, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(fastpath, name, counted)
+        monkeypatch.setattr(forms, name, counted)
     return calls
 
 
@@ -135,10 +137,10 @@ def test_a_hooked_module_is_called_and_its_hook_sees_what_the_plain_path_compute
     blocks_count = sum(len(stage.blocks) for stage in model.stages)
     shortcuts = sum(len(block.conv_shortcuts) for stage in model.stages for block in stage.blocks)
     with torch.no_grad():
-        reference = model(x)
+        plain = model(x)
+        assert fused_calls == {'mlp': 0, 'conv_shortcut': 0, 'weighted_residual': 0}  # timm's model is plain
+        reference = in_form(model, True)(x)
         assert fused_calls == {'mlp': blocks_count, 'conv_shortcut': shortcuts, 'weighted_residual': 2 * blocks_count}
-        with set_fast_path(False):
-            plain = model(x)
     block = model.stages[0].blocks[0]
     seen = {}
     hooks = [block.mlp.fc2.register_forward_hook(lambda m, i, o: seen.setdefault('fc2', o)),
@@ -156,7 +158,7 @@ def test_a_hooked_module_is_called_and_its_hook_sees_what_the_plain_path_compute
     assert seen['dw'].shape[1] == block.conv_shortcuts[0].dw.in_channels  # NCHW, as nn.Conv2d takes it
     torch.testing.assert_close(hooked, reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hooked, plain, rtol=1e-5, atol=1e-6)
-    with set_fast_path(False), torch.no_grad():
+    with form(model, False), torch.no_grad():
         block.mlp.fc2.register_forward_hook(lambda m, i, o: seen.__setitem__('plain_fc2', o))
         model(x)
     torch.testing.assert_close(seen['fc2'], seen['plain_fc2'], rtol=1e-5, atol=1e-6)
@@ -173,11 +175,10 @@ def test_a_parametrized_weight_is_used():
         before = model(x)
     nn.utils.parametrizations.spectral_norm(block.attn.proj)
     nn.utils.parametrizations.spectral_norm(block.mlp.fc2)
-    assert not fastpath.plain(block.attn.proj, nn.Linear) and not blocks.mlp_is_plain(block.mlp)
+    assert not is_plain_module(block.attn.proj, nn.Linear) and not blocks.mlp_is_plain(block.mlp)
     with torch.no_grad():
-        fast = model(x)
-        with set_fast_path(False):
-            plain = model(x)
+        plain = model(x)
+        fast = in_form(model, True)(x)
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
     assert (fast - before).abs().max() > 1e-4  # the normalised weights changed the output
 
@@ -191,7 +192,7 @@ def test_gradient_penalties_differentiate_the_backward(name):
     results = []
     for fast in (True, False):
         # PyTorch's fused CPU attention kernels have no double backward: the plain path's is SDPA's math backend.
-        with set_fast_path(fast), sdpa_kernel(SDPBackend.MATH):
+        with form(model, fast), sdpa_kernel(SDPBackend.MATH):
             torch.manual_seed(1)
             x = torch.randn(2, 3, 64, 64, dtype=torch.float64, requires_grad=True)
             (input_grad,) = torch.autograd.grad(model(x).logsumexp(-1).sum(), x, create_graph=True)
@@ -224,23 +225,46 @@ def test_the_environment_variable_overrides_the_device_defaults(value, cpu, mps)
 
 
 @pytest.mark.parametrize('name', TINY_MODELS)
-def test_the_block_decides_once_and_its_layers_read_the_decision(name):
-    """The block's fast form engages the layers' faster kernels (SCSA's normalisation); the plain path, a block
-    called outside its fast form and a model whose fast path is off leave them unengaged."""
+def test_the_fast_form_is_given_once_and_taken_back(name):
+    """``to_fast_form`` gives the blocks and SCSA their fast classes (and, for the CPU, the mixers' oneDNN product),
+    nothing else of the model changes, and ``to_plain_form``
+    gives back exactly what timm built; with the switch off for the device the model is left as it is."""
     model = _model(name, drop_path_rate=0.0).eval()
-    seen = []
-    for module in model.modules():
-        if type(module).__name__ == 'ScaledCosineAttention':
-            module.register_forward_pre_hook(lambda m, i: seen.append(fastpath.engaged()))
-    x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
-        model(x)
-        assert seen and all(seen)
-        seen.clear()
-        with set_fast_path(False):
-            model(x)
-        assert seen and not any(seen)
-    assert not fastpath.engaged()
+    plain_types = {key: type(module) for key, module in model.named_modules()}
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    assert not in_fast_form(model)
+    with set_fast_path(False):
+        assert to_fast_form(model, 'cpu') is model and not in_fast_form(model)
+    assert to_fast_form(model, 'mps') is model and not in_fast_form(model)  # not a default device
+    assert to_fast_form(model, 'cpu') is model and in_fast_form(model)
+    changed = {key: type(module) for key, module in model.named_modules() if type(module) is not plain_types[key]}
+    assert {cls.__name__ for cls in changed.values()} >= {'FastLipsFormerBlock', 'FastScaledCosineAttention'}
+    assert all(isinstance(model.get_submodule(key), plain_types[key]) for key in changed)
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+    assert to_plain_form(model) is model and not in_fast_form(model)
+    assert {key: type(module) for key, module in model.named_modules()} == plain_types
+
+
+def test_the_models_and_layers_know_nothing_of_the_fast_form():
+    """Read from the source: the models and the layers neither import the fast path nor ask whether one runs."""
+    import inspect
+
+    import lipsformer.layers
+    import lipsformer.models._base
+    for module in (lipsformer.models._base, *(getattr(lipsformer.layers, name) for name in dir(lipsformer.layers)
+                                               if inspect.ismodule(getattr(lipsformer.layers, name)))):
+        source = inspect.getsource(module)
+        assert 'import fastpath' not in source and 'from ..fastpath' not in source, module.__name__
+        assert 'def _fast_' not in source and 'engaged' not in source, module.__name__
+    forward_lines = inspect.getsource(lipsformer.models._base.LipsFormerBlock.forward).strip().splitlines()
+    assert len(forward_lines) <= 12
+
+
+def test_a_fast_form_refuses_torchscript_naming_the_plain_form():
+    model = in_form(_model('lipsformer_swin_tiny', drop_path_rate=0.0).eval(), True)
+    scripted = torch.jit.script(model)
+    with pytest.raises(Exception, match=r'lipsformer\.fastpath\.to_plain_form\(model\)'):
+        scripted(torch.randn(1, 3, 64, 64))
 
 
 def test_model_families_know_nothing_of_the_fast_path():
@@ -261,18 +285,17 @@ def test_model_families_know_nothing_of_the_fast_path():
 def test_a_batch_of_zero_images_gives_zero_logits_rows(name, fast):
     """oneDNN's 1x1 convolution refuses an empty map (``padded input size per channel: (1 x 0)``); the plain graph
     returns (0, classes)."""
-    model = _model(name).eval()
-    with set_fast_path(fast), torch.no_grad():
+    model = in_form(_model(name).eval(), fast)
+    with torch.no_grad():
         assert model(torch.randn(0, 3, 64, 64)).shape == (0, model.num_classes)
 
 
 @pytest.mark.parametrize('fast', [True, False], ids=['fast', 'plain'])
 @pytest.mark.parametrize('name', list(TINY_MODELS))
 def test_a_training_step_on_a_batch_of_zero_images(name, fast):
-    model = _model(name).train()
-    with set_fast_path(fast):
-        logits = model(torch.randn(0, 3, 64, 64))
-        logits.logsumexp(-1).sum().backward()
+    model = in_form(_model(name).train(), fast)
+    logits = model(torch.randn(0, 3, 64, 64))
+    logits.logsumexp(-1).sum().backward()
     assert logits.shape == (0, model.num_classes)
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # no image: no gradient
 

@@ -159,16 +159,15 @@ def _train_step_gradients(model, x, seed):
 @pytest.mark.parametrize('name', TINY_MODELS)
 def test_whole_models_train_with_the_gradients_of_the_plain_expressions(name):
     import timm
-
-    from lipsformer.layers import set_fast_path
+    from forms_support import form
     model = timm.create_model(name, drop_path_rate=0.3, **TINY_MODELS[name]).train()
     x = torch.randn(3, 3, 64, 96)  # cut windows and stripes
-    lean = _train_step_gradients(model, x, seed=5)
     config = BenchmarkConfig()
-    lean_mb = saved_activations_mb(model, x, config)
-    with set_fast_path(False):
-        plain = _train_step_gradients(model, x, seed=5)
-        assert saved_activations_mb(model, x, config) > 1.3 * lean_mb
+    with form(model, True):
+        lean = _train_step_gradients(model, x, seed=5)
+        lean_mb = saved_activations_mb(model, x, config)
+    plain = _train_step_gradients(model, x, seed=5)
+    assert saved_activations_mb(model, x, config) > 1.3 * lean_mb
     assert lean.keys() == plain.keys()
     for key in lean:  # float32 sums in another order: close relative to the largest entry of each gradient
         torch.testing.assert_close(lean[key], plain[key], rtol=1e-4, atol=1e-5 * plain[key].abs().max().item(),

@@ -4,12 +4,13 @@ import math
 import pytest
 import timm
 import torch
+from forms_support import form
 from timm.layers import set_fused_attn
 from timm.optim import create_optimizer_v2
 from tiny_models import TINY_MODELS
 
 from lipsformer import LipsFormerCSwin, LipsFormerSwin
-from lipsformer.layers import CenterNorm, ResidualAlpha, ScaledCosineAttention, set_fast_path
+from lipsformer.layers import CenterNorm, ResidualAlpha, ScaledCosineAttention
 
 ALL_MODELS = timm.list_models('lipsformer*')
 
@@ -317,7 +318,7 @@ def test_fx_trace_gives_eager_bits(name, fast):
     _, eval_nodes = get_graph_node_names(model, tracer_kwargs=tracer_kwargs)
     fx_model = create_feature_extractor(model, return_nodes=[eval_nodes[-1]], tracer_kwargs=tracer_kwargs)
     x = torch.randn(2, 3, 64, 64)
-    with set_fast_path(fast), torch.no_grad():
+    with form(model, fast), torch.no_grad():
         assert torch.equal(next(iter(fx_model(x).values())), model(x))
 
 
@@ -369,6 +370,6 @@ def test_every_depthwise_conv_and_linear_layer_gets_a_contiguous_nhwc_map(name, 
         if isinstance(module, torch.nn.Conv2d) and module.groups == module.in_channels > 1 or isinstance(
                 module, torch.nn.Linear):
             module.register_forward_pre_hook(record)
-    with set_fast_path(fast), torch.no_grad():
+    with form(model, fast), torch.no_grad():
         model(torch.randn(2, 3, 64, 64))
     assert len(layouts) > 10 and [path for path, ok in layouts if not ok] == []

@@ -5,16 +5,16 @@ padded token must not reach a valid token's output (it attends over its valid to
 q or k, through the l2 normalisation, would otherwise bring a 1 / eps factor), and a zero row must normalise to zero
 in float16, where the authors' eps of 1e-12 rounds to zero.
 """
-import contextlib
 
 import pytest
 import timm
 import torch
+from forms_support import form, in_form
 from padding_support import assert_no_gradient_at_the_padding, recording_padding, zero_lepe
 from tiny_models import EXPORT_MODELS, TINY_CSWIN, TINY_SWIN
 
-import lipsformer.fastpath
-from lipsformer.fastpath import l2_normalize_op, lean_autograd, set_fast_path
+import lipsformer.fastpath.forms
+from lipsformer.fastpath import l2_normalize_op, lean_autograd
 from lipsformer.layers import ATTENTION_TYPES, ScaledCosineAttention, create_attention_kernel
 from lipsformer.models.lipsformer_cswin import StripeAttention
 from lipsformer.models.lipsformer_swin import WindowAttention
@@ -49,7 +49,7 @@ def _gradient_norm(model: torch.nn.Module, size: tuple[int, int]) -> float:
 @pytest.mark.parametrize('family', MODELS)
 def test_padding_leaves_the_gradient_norm_at_its_unpadded_scale(family, fast):
     model = _model(family).train()
-    with set_fast_path(fast):
+    with form(model, fast):
         unpadded, padded = _gradient_norm(model, UNPADDED), _gradient_norm(model, PADDED)
     assert unpadded / 3 < padded < unpadded * 3
 
@@ -57,13 +57,13 @@ def test_padding_leaves_the_gradient_norm_at_its_unpadded_scale(family, fast):
 @pytest.fixture
 def fast_path_calls(monkeypatch) -> list[torch.dtype]:
     """The dtypes SCSA's fast normalisation was called with."""
-    calls, normalize = [], lipsformer.fastpath.l2_normalize
+    calls, normalize = [], lipsformer.fastpath.forms.l2_normalize
 
     def spy(x, *args, **kwargs):
         calls.append(x.dtype)
         return normalize(x, *args, **kwargs)
 
-    monkeypatch.setattr(lipsformer.fastpath, 'l2_normalize', spy)
+    monkeypatch.setattr(lipsformer.fastpath.forms, 'l2_normalize', spy)
     return calls
 
 
@@ -72,7 +72,7 @@ def fast_path_calls(monkeypatch) -> list[torch.dtype]:
 @pytest.mark.parametrize('family', MODELS)
 def test_padded_sizes_give_finite_half_precision_logits_and_gradients(family, dtype, fast, fast_path_calls):
     model = _model(family).to(dtype).train()
-    with set_fast_path(fast):
+    with form(model, fast):
         with torch.no_grad():
             logits = model.eval()(torch.randn(2, 3, *PADDED, dtype=dtype))
         assert torch.isfinite(logits).all()
@@ -94,7 +94,7 @@ def test_half_precision_logits_are_finite_at_every_size(name, size, fast):
     torch.manual_seed(0)
     model = timm.create_model(name, img_size=img_size, **EXPORT_MODELS[name]).eval()
     x = torch.randn(1, 3, *input_size)
-    with set_fast_path(fast), torch.no_grad():
+    with form(model, fast), torch.no_grad():
         reference = model(x)
         for dtype in (torch.float16, torch.bfloat16):
             logits = model.to(dtype)(x.to(dtype)).float()
@@ -114,7 +114,7 @@ def test_no_gradient_reaches_the_padded_tokens(family, dtype, fast):
     and a padded query's output is cut off. (CSwin's LePE, zeroed here, is tested against a narrower stripe below.)"""
     model = _model(family).to(dtype).train()
     zero_lepe(model)
-    with set_fast_path(fast), recording_padding() as padded_tensors:
+    with form(model, fast), recording_padding() as padded_tensors:
         model(torch.randn(2, 3, *PADDED, dtype=dtype)).float().logsumexp(-1).mean().backward()
     assert_no_gradient_at_the_padding(padded_tensors)
 
@@ -186,11 +186,10 @@ def test_scsa_with_a_zero_query_and_a_masked_zero_key_is_finite_and_gives_them_n
         t.requires_grad_()
     mask = torch.zeros(1, 1, 1, 5, dtype=dtype)
     mask[..., 4] = float('-inf')
-    kernel = ScaledCosineAttention(tau=10.0, v_norm=True)
-    with lipsformer.fastpath.engage() if fast else contextlib.nullcontext():
-        out = kernel(q, k, v, mask)
+    kernel = in_form(ScaledCosineAttention(tau=10.0, v_norm=True), fast)
+    out = kernel(q, k, v, mask)
     assert torch.isfinite(out).all()
-    reference = kernel(*(t.detach()[..., :4, :].double() for t in (q, k, v)))
+    reference = ScaledCosineAttention(tau=10.0, v_norm=True)(*(t.detach()[..., :4, :].double() for t in (q, k, v)))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[..., :4, :].double(), reference, rtol=0, atol=tolerance)
     grad = torch.randn_like(out)

@@ -20,25 +20,23 @@ import timm
 import torch
 import torch.nn.functional as F
 from tiny_models import TIMM_SWIN
-from tool_support import FAMILIES, assert_close_to, build, plain_path
+from tool_support import FAMILIES, FORMS, assert_close_to, build, plain_path
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-import lipsformer.layers
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
 CASES = [
-    *[pytest.param(name, mode, dtype, id=f'{name}-{mode}-{str(dtype)[6:]}')
-      for name in FAMILIES for mode, dtype in (('train', torch.float32), ('eval', torch.float64))],
-    pytest.param(TIMM_SWIN, 'train', torch.float32, id='timm_swin-train-float32'),
+    *[pytest.param(name, mode, dtype, form, id=f'{name}-{form}-{mode}-{str(dtype)[6:]}')
+      for name in FAMILIES for form in FORMS for mode, dtype in (('train', torch.float32), ('eval', torch.float64))],
+    pytest.param(TIMM_SWIN, 'train', torch.float32, 'plain', id='timm_swin-train-float32'),
 ]
 SEED = 1
 NUM_CLASSES = 5  # a short Jacobian
 
 
-def _model(name: str, mode: str, drop_path_rate: float) -> torch.nn.Module:
-    return build(name, num_classes=NUM_CLASSES, drop_path_rate=drop_path_rate).train(mode == 'train')
+def _model(name: str, mode: str, drop_path_rate: float, form: str) -> torch.nn.Module:
+    return build(name, form, num_classes=NUM_CLASSES, drop_path_rate=drop_path_rate).train(mode == 'train')
 
 
 def _images(batch: int = 2) -> torch.Tensor:
@@ -53,9 +51,9 @@ def _assert_equal_to_plain_path(model, dtype, compute, inputs, names, reference_
     actual = compute(copy.deepcopy(model).to(dtype), *[t.to(dtype) for t in inputs])
     # PyTorch's fused CPU attention kernels have neither a double backward nor forward AD: the reference is the
     # plain path with SDPA's math backend, the explicit expression.
-    with plain_path(), sdpa_kernel(SDPBackend.MATH):
+    with plain_path(copy.deepcopy(model).double()) as plain_model, sdpa_kernel(SDPBackend.MATH):
         torch.manual_seed(SEED)
-        reference = (reference_compute or compute)(copy.deepcopy(model).double(), *inputs)
+        reference = (reference_compute or compute)(plain_model, *inputs)
     assert len(reference) == len(names)
     gradient_scale = max((r.abs().max().item() for n, r in zip(names, reference)
                           if n.startswith('grad ') and r is not None), default=None)
@@ -67,9 +65,9 @@ def _parameter_names(model: torch.nn.Module) -> list[str]:
     return [f'grad {n}' for n, _ in model.named_parameters()]
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_gradient_penalty_double_backward(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.2)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_gradient_penalty_double_backward(name, mode, dtype, form):
+    model = _model(name, mode, 0.2, form)
     weights = torch.randn(2, NUM_CLASSES, dtype=torch.float64)
 
     def penalty(model, x, weights):
@@ -84,24 +82,24 @@ def test_gradient_penalty_double_backward(name, mode, dtype):
     _assert_equal_to_plain_path(model, dtype, penalty, [_images(), weights], names)
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_autograd_functional_jvp(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.2)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_autograd_functional_jvp(name, mode, dtype, form):
+    model = _model(name, mode, 0.2, form)
     _assert_equal_to_plain_path(model, dtype, lambda m, x, v: list(torch.autograd.functional.jvp(m, x, v)),
                                 [_images(), _images()], ['logits', 'jvp'])
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_autograd_functional_vjp(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.2)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_autograd_functional_vjp(name, mode, dtype, form):
+    model = _model(name, mode, 0.2, form)
     cotangent = torch.randn(2, NUM_CLASSES, dtype=torch.float64)
     _assert_equal_to_plain_path(model, dtype, lambda m, x, u: list(torch.autograd.functional.vjp(m, x, u)),
                                 [_images(), cotangent], ['logits', 'vjp'])
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_autograd_functional_hvp(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.2)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_autograd_functional_hvp(name, mode, dtype, form):
+    model = _model(name, mode, 0.2, form)
     targets = torch.tensor([1, 3])
 
     def hvp(model, x, v):
@@ -110,9 +108,9 @@ def test_autograd_functional_hvp(name, mode, dtype):
     _assert_equal_to_plain_path(model, dtype, hvp, [_images(), _images()], ['loss', 'hvp'])
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_func_jvp(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.0)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_func_jvp(name, mode, dtype, form):
+    model = _model(name, mode, 0.0, form)
 
     def jvp(model, x, v):
         # On the module (its parameters require grad), and through functional_call with detached parameters, as
@@ -129,17 +127,17 @@ def test_func_jvp(name, mode, dtype):
                                 reference_compute=reference)
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_func_jacrev(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.0)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_func_jacrev(name, mode, dtype, form):
+    model = _model(name, mode, 0.0, form)
     _assert_equal_to_plain_path(
         model, dtype, lambda m, x: [torch.func.jacrev(m)(x)], [_images(1)], ['jacobian'],
         reference_compute=lambda m, x: [torch.autograd.functional.jacobian(m, x)])
 
 
-@pytest.mark.parametrize(('name', 'mode', 'dtype'), CASES)
-def test_func_vmap_over_images_and_per_sample_gradients(name, mode, dtype):
-    model = _model(name, mode, drop_path_rate=0.0)
+@pytest.mark.parametrize(('name', 'mode', 'dtype', 'form'), CASES)
+def test_func_vmap_over_images_and_per_sample_gradients(name, mode, dtype, form):
+    model = _model(name, mode, 0.0, form)
     targets = torch.tensor([1, 3])
 
     def per_image(model, x):
@@ -169,12 +167,9 @@ def test_func_vmap_over_images_and_per_sample_gradients(name, mode, dtype):
 
 
 def test_one_switch_turns_the_fast_paths_off():
-    """``lipsformer.layers.set_fast_path(False)`` (a call, and a context manager restoring the previous state),
+    """``lipsformer.fastpath.set_fast_path(False)`` (a call, and a context manager restoring the previous state),
     ``use_fast_path()``, ``LIPSFORMER_FAST_PATH=0`` and timm's exportable / scriptable layer config."""
-    set_fast_path = getattr(lipsformer.layers, 'set_fast_path', None)
-    use_fast_path = getattr(lipsformer.layers, 'use_fast_path', None)
-    assert set_fast_path is not None and use_fast_path is not None, \
-        'lipsformer.layers has no set_fast_path / use_fast_path switch'
+    from lipsformer.fastpath import set_fast_path, use_fast_path
     assert use_fast_path() == (os.environ.get('LIPSFORMER_FAST_PATH') != '0')
     with set_fast_path(True):
         with set_fast_path(False):
@@ -190,7 +185,7 @@ def test_one_switch_turns_the_fast_paths_off():
             with timm.layers.set_layer_config(**config):
                 assert not use_fast_path(), config
         assert use_fast_path()
-    code = 'import lipsformer.layers as layers; print(layers.use_fast_path())'
+    code = 'import lipsformer.fastpath as fastpath; print(fastpath.use_fast_path())'
     env = {**os.environ, 'LIPSFORMER_FAST_PATH': '0'}
     out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == 'False', (out.stdout, out.stderr)

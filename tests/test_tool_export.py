@@ -10,11 +10,13 @@ The shapes are tiny (one block per stage) but keep the real windows and stripes.
 size per family runs by default; the other combinations, the controls and the dynamo ONNX exporter (slower than
 any other tool here, most of its time going to decompositions) are marked slow.
 """
+import copy
 import warnings
 
 import pytest
 import timm
 import torch
+from forms_support import in_form
 from tiny_models import EXPORT_MODELS, TIMM_SWIN
 from torch.export import Dim
 
@@ -102,6 +104,23 @@ def test_torch_export_keeps_the_batch_dynamic(name, size, exported):
             expected = model(x)
         assert out.shape == (batch_size, 10)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def _operations(program: torch.export.ExportedProgram) -> list[str]:
+    return sorted(str(node.target) for node in program.graph.nodes if node.op == 'call_function')
+
+
+@pytest.mark.parametrize(('name', 'size'), CASES[:2])
+def test_a_fast_form_exports_its_plain_graph(name, size, exported):
+    """``torch.export`` of a model in its fast form (``lipsformer.fastpath.to_fast_form``) traces the plain module
+    graph: the same operations as the plain model's program, and the fast form's eager values."""
+    model, program = exported(name, size)
+    fast = in_form(copy.deepcopy(model), True, 'cpu')
+    fast_program = torch.export.export(fast, (_images(SAMPLE_BATCH, size),), dynamic_shapes={'x': {0: _batch_dim()}})
+    assert _operations(fast_program) == _operations(program)
+    x = _images(3, size)
+    with torch.no_grad():
+        torch.testing.assert_close(fast_program.module()(x), fast(x), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(('name', 'size'), CASES)

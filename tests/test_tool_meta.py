@@ -5,7 +5,7 @@ equals one built the ordinary way."""
 import pytest
 import torch
 from timm.models._manipulate import reinit_non_persistent_buffers
-from tool_support import WITH_CONTROL, build
+from tool_support import FORMS_WITH_CONTROL, build
 
 pytestmark = pytest.mark.usefixtures('one_thread')
 
@@ -33,16 +33,16 @@ def _assert_same_logits(model: torch.nn.Module, ordinary: torch.nn.Module) -> No
         torch.testing.assert_close(model(x), ordinary(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_built_under_the_meta_device_context_then_loaded_equals_ordinary_construction(name):
-    ordinary = build(name).eval()
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_built_under_the_meta_device_context_then_loaded_equals_ordinary_construction(name, form):
+    ordinary = build(name, form).eval()
     with torch.device('meta'):
-        model = build(name)
+        model = build(name, form)
     _assert_same_logits(_materialise_and_load(model, ordinary), ordinary)
 
 
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_create_model_takes_the_meta_device(name):
-    ordinary = build(name).eval()
-    model = build(name, device='meta')
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_create_model_takes_the_meta_device(name, form):
+    ordinary = build(name, form).eval()
+    model = build(name, form, device='meta')
     _assert_same_logits(_materialise_and_load(model, ordinary), ordinary)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tool_support import WITH_CONTROL, build
+from tool_support import FORMS_WITH_CONTROL, build
 
 peft = pytest.importorskip('peft')
 
@@ -32,9 +32,9 @@ def _lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if 'lora_' in name}
 
 
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_lora_on_qkv_proj_fc1_fc2_gives_every_adapter_a_gradient(name):
-    model = build(name, drop_path_rate=0.0)
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_lora_on_qkv_proj_fc1_fc2_gives_every_adapter_a_gradient(name, form):
+    model = build(name, form, drop_path_rate=0.0)
     # Random A and B (not LoRA's zero B): every adapter then changes the output, and A's gradient is not zero.
     config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=LORA_TARGETS, init_lora_weights=False)
     lora = peft.get_peft_model(model, config)
@@ -47,9 +47,9 @@ def test_lora_on_qkv_proj_fc1_fc2_gives_every_adapter_a_gradient(name):
     assert not silent, f'{len(silent)} of {len(adapters)} LoRA parameters got no gradient, e.g. {silent[:4]}'
 
 
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_lora_merge_and_unload_keeps_the_logits(name):
-    model = build(name).eval()
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_lora_merge_and_unload_keeps_the_logits(name, form):
+    model = build(name, form).eval()
     x = _images()
     with torch.no_grad():
         base = model(x)
@@ -65,9 +65,9 @@ def test_lora_merge_and_unload_keeps_the_logits(name):
     torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_lora_on_fc1_alone_trains(name):
-    model = build(name, drop_path_rate=0.0)
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_lora_on_fc1_alone_trains(name, form):
+    model = build(name, form, drop_path_rate=0.0)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=['fc1']))  # LoRA's own init: B = 0
     trainable = [p for p in lora.parameters() if p.requires_grad]
     assert trainable and all('lora_' in n for n, p in lora.named_parameters() if p.requires_grad)
@@ -91,9 +91,9 @@ def _parameterised_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
 
 
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_hooks_and_pre_hooks_fire_once_on_every_parameterised_module(name):
-    model = build(name, drop_path_rate=0.0)
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_hooks_and_pre_hooks_fire_once_on_every_parameterised_module(name, form):
+    model = build(name, form, drop_path_rate=0.0)
     modules = _parameterised_modules(model)
     layers = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     assert set(layers) <= set(modules)
@@ -115,11 +115,11 @@ def test_hooks_and_pre_hooks_fire_once_on_every_parameterised_module(name):
 
 
 @pytest.mark.parametrize('kind', ['pre', 'post'])
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_hooks_that_double_every_linear_and_conv_act_as_doubled_weights(name, kind):
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_hooks_that_double_every_linear_and_conv_act_as_doubled_weights(name, form, kind):
     """A pre-hook doubling each layer's input is the layer with its weight doubled; a hook doubling its output, with
     weight and bias doubled. Doubling is exact in floating point, so the models must agree to rounding."""
-    model = build(name).eval()
+    model = build(name, form).eval()
     reference = copy.deepcopy(model)
     layers = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     with torch.no_grad():
@@ -178,9 +178,9 @@ PARAMETRIZED = ('attn.proj', 'mlp.fc2', 'conv_shortcuts.0.dw', 'conv_shortcuts.0
 
 
 @pytest.mark.parametrize('kind', ['parametrize', 'spectral_norm', 'spectral_norm_hook'])
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_a_parametrized_weight_is_the_weight_the_model_uses(name, kind):
-    model = build(name).eval()
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_a_parametrized_weight_is_the_weight_the_model_uses(name, form, kind):
+    model = build(name, form).eval()
     targets = [n for n, _ in model.named_modules() if n.endswith(PARAMETRIZED)]
     assert targets
     with torch.no_grad():  # spectral init leaves norms at 1: scaled, spectral norm has something to normalise
@@ -198,9 +198,9 @@ def test_a_parametrized_weight_is_the_weight_the_model_uses(name, kind):
 
 
 @pytest.mark.filterwarnings('ignore::DeprecationWarning')  # torch.ao.quantization points to torchao in new releases
-@pytest.mark.parametrize('name', WITH_CONTROL)
-def test_quantize_dynamic_replaces_every_linear_and_keeps_the_logits(name):
-    model = build(name).eval()
+@pytest.mark.parametrize(('name', 'form'), FORMS_WITH_CONTROL)
+def test_quantize_dynamic_replaces_every_linear_and_keeps_the_logits(name, form):
+    model = build(name, form).eval()
     linears = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
     quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
     left = [n for n, m in quantized.named_modules() if isinstance(m, nn.Linear)]

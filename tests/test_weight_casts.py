@@ -5,6 +5,7 @@ import os
 import pytest
 import timm
 import torch
+from forms_support import form
 from safetensors.torch import load_file
 from tiny_models import TINY_MODELS
 from training_support import tiny_overrides
@@ -58,7 +59,7 @@ def test_the_fast_form_stays_within_bfloat16_s_rounding(name):
     model = _model(name)
     images = torch.randn(2, 3, 64, 64)
     casts = GroupedWeightCasts(model)
-    with set_fast_path(True):
+    with form(model, True):
         loss, grads = _step(model, images, None)
         grouped_loss, grouped_grads = _step(model, images, casts)
     torch.testing.assert_close(grouped_loss, loss, rtol=2e-2, atol=2e-2)

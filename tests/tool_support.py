@@ -4,18 +4,19 @@
   own Swin at Swin's tiny shape. A tool test must pass on timm's Swin, a plain module graph: that shows the test
   itself is right, whatever the LipsFormer models do.
 - :func:`build`: a tiny model by name, on the CPU, 10 classes.
-- :func:`plain_path`: the models' plain path (every fast path off), the reference fast paths are compared with.
+- :func:`plain_path`: a model as its plain module graph (``lipsformer.fastpath.to_plain_form``) inside a block, the
+  reference a fast form is compared with; :data:`FORMS`, the forms a tool test runs a model in.
 - :func:`assert_close_to`: a comparison whose tolerance follows the dtype and the reference's scale.
 """
 import contextlib
 from collections.abc import Iterator
 
+import forms_support
 import pytest
 import timm
 import torch
+from forms_support import in_form
 from tiny_models import TIMM_SWIN, TINY_MODELS, TINY_SWIN
-
-import lipsformer.layers
 
 FAMILIES = list(TINY_MODELS)
 # The shape of each name in WITH_CONTROL; timm's Swin takes TINY_SWIN's keyword arguments as they are.
@@ -24,16 +25,25 @@ WITH_CONTROL = [*FAMILIES, pytest.param(TIMM_SWIN, id='timm_swin')]
 NUM_CLASSES = 10
 
 
-def build(name: str, **kwargs) -> torch.nn.Module:
-    """``timm.create_model(name)`` at its tiny shape (``SHAPES``), 10 classes, ``kwargs`` overriding."""
-    return timm.create_model(name, **{**SHAPES[name], 'num_classes': NUM_CLASSES, **kwargs})
+# The forms a tool test runs a model in: what timm.create_model returns, and its fast form on the CPU.
+FORMS = ['plain', 'fast']
+# Each family in each form, and timm's Swin (plain: it has no fast form), as (name, form).
+FORMS_WITH_CONTROL = [*[pytest.param(name, form, id=f'{name}-{form}') for name in FAMILIES for form in FORMS],
+                      pytest.param(TIMM_SWIN, 'plain', id='timm_swin')]
+
+
+def build(name: str, form: str = 'plain', **kwargs) -> torch.nn.Module:
+    """``timm.create_model(name)`` at its tiny shape (``SHAPES``), 10 classes, ``kwargs`` overriding, in ``form``
+    (``'fast'``: given its fast form for the CPU)."""
+    model = timm.create_model(name, **{**SHAPES[name], 'num_classes': NUM_CLASSES, **kwargs})
+    return in_form(model, form == 'fast', 'cpu')
 
 
 @contextlib.contextmanager
-def plain_path() -> Iterator[None]:
-    """Run the models on their plain path: ``lipsformer.layers.set_fast_path(False)``, the package's one switch."""
-    with lipsformer.layers.set_fast_path(False):
-        yield
+def plain_path(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` as its plain module graph inside the block, in its own form after it."""
+    with forms_support.form(model, False):
+        yield model
 
 
 # Relative to the reference's largest magnitude: float64 leaves room for summation order only; float32 against a

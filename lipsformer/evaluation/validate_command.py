@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from timm.data import resolve_input_data_config
 
+from ..fastpath import to_fast_form
 from ..training.compilation import COMPILE_SCOPES, CUDA_GRAPH_MODES, compile_model, effective_mode
 from ..utils.cli import ModelKwargs, command_name
 from ..utils.io import unwritable_file_reason
@@ -242,6 +243,8 @@ def _evaluate_model(model_name: str | None, checkpoint: ResolvedCheckpoint | Non
     compiled_scope = None
     if args.torchcompile:
         model, compiled_scope = _compiled(model, args, accelerator.device.type)
+    else:
+        to_fast_form(model, accelerator.device.type)  # where the fast path is on for the device
     inference = InferenceSettings(args.batch_size, args.workers, args.channels_last, args.log_every)
     results = evaluate(model, passes, data_config, accelerator, inference)
     settings = dict(data_config, batch_size=args.batch_size, amp=args.amp, channels_last=args.channels_last,

@@ -9,18 +9,18 @@ Each function computes what calling the modules would, in fewer passes and keepi
 - :func:`mlp`: timm's ``Mlp`` with exact GELU, alpha folded into fc2, keeping fc1's input and output but not GELU's;
 - :func:`conv_shortcut`: ``x + DropPath(alpha (.) GELU(PW(GELU(DW(x)))))`` keeping x, DW(x) and PW(GELU(DW(x))).
 
-The callers decide that a fast path applies (``switch.active`` and ``switch.plain`` for every module read here);
-these functions only compute.
+The callers (:mod:`.forms`) decide that a fast path applies (``is_plain_module`` for every module read here); these
+functions only compute.
 """
 import torch
 import torch.nn as nn
 from timm.layers import DropPath, Mlp
 
+from ..layers import is_plain_module
 from . import lean_autograd
 from .depthwise_conv import depthwise_conv2d
 from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
 from .onednn_linear import onednn_linear
-from .switch import plain
 
 __all__ = ['conv_shortcut', 'linear', 'mlp', 'mlp_is_plain', 'weighted_residual']
 
@@ -53,7 +53,7 @@ def weighted_residual(x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor
 def linear(module: nn.Linear, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``module(x) * scale`` (``scale=None``: ``module(x)``), read from the module where it is a plain ``nn.Linear``,
     called as a module where it is not (a LoRA wrapper, a hook, a parametrization)."""
-    if plain(module, nn.Linear):
+    if is_plain_module(module, nn.Linear):
         if scale is None and not lean_autograd.lean_backward(x, module.weight, module.bias):
             return onednn_linear(x, module.weight, module.bias)
         return lean_autograd.scaled_linear(x, module.weight, module.bias, scale)
@@ -63,10 +63,11 @@ def linear(module: nn.Linear, x: torch.Tensor, scale: torch.Tensor | None = None
 
 def mlp_is_plain(module: nn.Module) -> bool:
     """Whether ``module`` is a plain timm ``Mlp`` with exact GELU and nothing between GELU and fc2 that trains."""
-    return (plain(module, Mlp) and plain(module.fc1, nn.Linear) and plain(module.fc2, nn.Linear)
-            and plain(module.act, nn.GELU) and module.act.approximate == 'none' and plain(module.norm, nn.Identity)
-            and plain(module.drop1, nn.Dropout) and (module.drop1.p == 0.0 or not module.training)
-            and plain(module.drop2, nn.Dropout))
+    return (is_plain_module(module, Mlp) and is_plain_module(module.fc1, nn.Linear)
+            and is_plain_module(module.fc2, nn.Linear) and is_plain_module(module.act, nn.GELU)
+            and module.act.approximate == 'none' and is_plain_module(module.norm, nn.Identity)
+            and is_plain_module(module.drop1, nn.Dropout) and (module.drop1.p == 0.0 or not module.training)
+            and is_plain_module(module.drop2, nn.Dropout))
 
 
 def mlp(module: Mlp, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -37,12 +37,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layers import is_plain_module
 from .lean_autograd import differentiate_plain
-from .switch import kernel_enabled, plain, traced
 from .triton_device import TRITON_DTYPES, triton_device
 
-__all__ = ['KERNEL_SIZES', 'DepthwiseTiling', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 'triton_available',
-           'using_tiling']
+__all__ = ['KERNEL_SIZES', 'DepthwiseConvOp', 'DepthwiseTiling', 'depthwise_conv2d_op', 'depthwise_kernel_applies',
+           'triton_available', 'using_tiling']
 
 KERNEL_SIZES = (3, 5, 7)
 
@@ -114,22 +114,20 @@ _TRITON_INSTALLED = importlib.util.find_spec('triton') is not None
 _INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1'
 
 
-def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor) -> bool:
-    """Whether :func:`depthwise_conv2d_op` stands in for ``conv`` on the NHWC map ``x``: the kernel switched on for
-    x's device (``switch.kernel_enabled``), Triton kernels there (a GPU, or the CPU under Triton's interpreter), x in
-    a dtype they take, and ``conv`` a plain ``nn.Conv2d`` (no hooks, wrapper or parametrization) that is a stride-1
-    depthwise convolution with 'same' zero padding and a square kernel of :data:`KERNEL_SIZES`."""
-    if not _TRITON_INSTALLED or traced():  # a traced map is a proxy: nothing may be read of it
+def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor, channels_dim: int = -1) -> bool:
+    """Whether :func:`depthwise_conv2d_op` stands in for ``conv`` on the NHWC map ``x``: ``conv`` a
+    :class:`DepthwiseConvOp` without hooks (what a fast form given where the kernel is switched on makes of a
+    depthwise convolution: decided then), that is a stride-1 depthwise convolution with 'same' zero padding and a
+    square kernel of :data:`KERNEL_SIZES`, Triton kernels on x's device (a GPU, or the CPU under Triton's
+    interpreter), and x in a dtype they take (``channels_dim``: x's channel dimension, 1 for the NCHW view of the
+    map)."""
+    if not _TRITON_INSTALLED or not is_plain_module(conv, DepthwiseConvOp):
         return False
     device_type = x.device.type
-    if not (device_type == 'cuda' or device_type == 'cpu' and _INTERPRETED):
-        return False
-    if x.dtype not in TRITON_DTYPES or not kernel_enabled('depthwise_conv2d', device_type):
-        return False
-    if not plain(conv, nn.Conv2d):
+    if not (device_type == 'cuda' or device_type == 'cpu' and _INTERPRETED) or x.dtype not in TRITON_DTYPES:
         return False
     size = conv.kernel_size[0]
-    return (conv.groups == conv.in_channels == conv.out_channels == x.shape[-1] and size in KERNEL_SIZES
+    return (conv.groups == conv.in_channels == conv.out_channels == x.shape[channels_dim] and size in KERNEL_SIZES
             and tuple(conv.kernel_size) == (size, size) and tuple(conv.stride) == (1, 1)
             and tuple(conv.dilation) == (1, 1) and tuple(conv.padding) == (size // 2, size // 2)
             and conv.padding_mode == 'zeros')
@@ -399,3 +397,17 @@ def depthwise_conv2d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         raise TypeError(f'depthwise_conv2d_op needs one dtype for the map ({x.dtype}), the weight ({weight.dtype}) and '
                         f'the bias ({None if bias is None else bias.dtype}); cast them, or run under autocast')
     return torch.ops.lipsformer.depthwise_conv2d(x, weight, bias)
+
+
+class DepthwiseConvOp(nn.Conv2d):
+    """A depthwise convolution in a fast form given where its kernel is switched on (``switch.kernel_enabled``): the
+    ``lipsformer::depthwise_conv2d`` custom op on a channels-last map where its kernel applies, so that eager,
+    ``torch.compile`` and ``torch.export`` run one op a pass; the convolution otherwise. Called as its module, as the
+    convolution it stands for (hooks fire, the state dict is the convolution's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            # the NCHW view of an NHWC map (channels-last in memory): the op takes that map
+            if depthwise_kernel_applies(self, x, channels_dim=1) and x.is_contiguous(memory_format=torch.channels_last):
+                return depthwise_conv2d_op(x.permute(0, 2, 3, 1), self.weight, self.bias).permute(0, 3, 1, 2)
+        return self._conv_forward(x, self.weight, self.bias)

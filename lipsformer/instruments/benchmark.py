@@ -113,7 +113,8 @@ def _build(spec: ModelSpec, config: BenchmarkConfig) -> tuple[nn.Module, torch.T
     """Build the model and a fixed random input batch on the benchmark device."""
     kwargs = {key: value for key, value in spec.kwargs.items() if key != 'img_size'}
     img_size = _input_size(spec, config)
-    model = build_model(spec.factory(), img_size=img_size, device=config.device, **kwargs)
+    model = spec.in_form(build_model(spec.factory(), img_size=img_size, device=config.device, **kwargs),
+                         torch.device(config.device).type)
     in_chans = kwargs.get('in_chans', (getattr(model, 'pretrained_cfg', None) or {}).get('input_size', (3,))[0])
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(config.batch_size, in_chans, img_size, img_size, generator=generator).to(config.device)

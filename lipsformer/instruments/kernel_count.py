@@ -694,7 +694,7 @@ def _stack_part(module_names: dict[int, str], outside: str) -> str:
 
 def _build_fake(spec: ModelSpec, img_size: int, fake_mode: FakeTensorMode, device: torch.device) -> nn.Module:
     kwargs = {key: value for key, value in spec.kwargs.items() if key != 'img_size'}
-    model = build_model(spec.factory(), img_size=img_size, device='meta', **kwargs)
+    model = spec.in_form(build_model(spec.factory(), img_size=img_size, device='meta', **kwargs), device.type)
     _fakify(model, fake_mode, device)
     return model
 

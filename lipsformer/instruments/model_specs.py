@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lipsformer.fastpath import set_fast_path
+from lipsformer.fastpath import set_fast_path, to_fast_form
 from lipsformer.training.compilation import COMPILE_SCOPES  # a compile key may name a scope instead of a mode
 from lipsformer.utils import write_json
 from lipsformer.utils.cli import usage_error
@@ -50,6 +50,12 @@ class ModelSpec:
     mode: str | None = None  # torch.compile's mode from compile_mode= (None: the compile key's, else --compile-mode)
     # an eager training step's autocast weight casts made together (lipsformer.training.weight_casts; None: on)
     grouped_weight_casts: bool | None = None
+
+    def in_form(self, model: nn.Module, device_type: str) -> nn.Module:
+        """``model`` in the form this spec asks for on ``device_type``: its fast form where the fast path is switched
+        on there (the spec's ``fast_path=``, else the device's default), else its plain module graph."""
+        with set_fast_path(self.fast_path):
+            return to_fast_form(model, device_type)
 
     def running(self, step: Callable[[], Any]) -> Callable[[], Any]:
         """``step`` with the fast paths switched as this spec asks."""

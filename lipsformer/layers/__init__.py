@@ -8,20 +8,19 @@
 - Convolutions of NHWC maps through their modules (depthwise, pointwise): ``nhwc_conv``.
 - Initialisation: ``spectral_init``.
 
-Every layer here is the plain module graph; where ``lipsformer.fastpath`` may stand in for it (its switch,
-:func:`set_fast_path`, is re-exported here), the layer's forward says so.
+Every layer here is the plain module graph, on torch and timm alone; ``lipsformer.fastpath`` gives a built model its
+fast form from above.
 """
 from collections.abc import Callable
 
 import torch.nn as nn
 
-from ..fastpath import set_fast_path, use_fast_path
 from .center_norm import CenterNorm
 from .conv_shortcut import CONV_CONFIGS, ConvShortcut, create_conv_shortcuts
 from .dot_product_attention import DotProductAttention
 from .l2_attention import L2Attention
 from .lipschitz_norm_attention import LipschitzNormAttention
-from .nhwc_conv import depthwise_conv_nhwc, pointwise_conv_nhwc
+from .nhwc_conv import depthwise_conv_nhwc, is_plain_module, pointwise_conv_nhwc
 from .residual_alpha import ResidualAlpha
 from .scaled_cosine_attention import ScaledCosineAttention
 from .spectral_init import WEIGHT_INITS, init_weights_, spectral_norm, spectral_normalize_
@@ -89,7 +88,7 @@ def create_attention_kernel(
 __all__ = [
     'ATTENTION_TYPES', 'CONV_CONFIGS', 'CenterNorm', 'ConvShortcut', 'DotProductAttention', 'L2Attention',
     'LipschitzNormAttention', 'NORM_LAYERS', 'ResidualAlpha', 'ScaledCosineAttention', 'WEIGHT_INITS',
-    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'resolve_norm_layer', 'init_weights_',
-    'pad_to_multiple', 'padded_size', 'padding_key_mask', 'pointwise_conv_nhwc', 'set_fast_path', 'spectral_norm',
-    'spectral_normalize_', 'split_heads', 'use_fast_path', 'window_partition', 'window_reverse',
+    'create_attention_kernel', 'create_conv_shortcuts', 'depthwise_conv_nhwc', 'init_weights_', 'is_plain_module',
+    'pad_to_multiple', 'padded_size', 'padding_key_mask', 'pointwise_conv_nhwc', 'resolve_norm_layer',
+    'spectral_norm', 'spectral_normalize_', 'split_heads', 'window_partition', 'window_reverse',
 ]

@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath
 
-from .. import fastpath
 from .nhwc_conv import depthwise_conv_nhwc, pointwise_conv_nhwc
 from .residual_alpha import ResidualAlpha
 
@@ -27,18 +26,11 @@ __all__ = ['CONV_CONFIGS', 'ConvShortcut', 'create_conv_shortcuts']
 CONV_CONFIGS = {'A': (), 'B': (False,), 'C': (True,), 'D': (True, False)}
 
 
-def _exact_gelu(module: nn.Module) -> bool:
-    return fastpath.plain(module, nn.GELU) and module.approximate == 'none'
-
-
 class ConvShortcut(nn.Module):
     """x + DropPath(alpha * act(pw(act(dw(x))))) on NHWC feature maps.
 
-    The depthwise conv runs on the NCHW view of the NHWC map, which is channels-last in memory (no layout copies), or
-    as ``lipsformer::depthwise_conv2d`` where the fast path runs that kernel; the pointwise conv is a product over
-    channels, a GEMM (``layers.nhwc_conv``). With exact GELUs and plain modules the block's fast form
-    (``lipsformer.fastpath.conv_shortcut``) computes the same with a faster CPU weight gradient for the depthwise conv
-    and a backward that keeps x, dw(x) and pw(GELU(dw(x))), not the GELUs' outputs (:meth:`fusable`).
+    The depthwise conv runs on the NCHW view of the NHWC map, which is channels-last in memory (no layout copies); the
+    pointwise conv is a product over channels, a GEMM (``layers.nhwc_conv``).
     """
 
     def __init__(
@@ -71,14 +63,6 @@ class ConvShortcut(nn.Module):
         if self.pw is not None:
             y = self.act2(self.pw(y))
         return y.permute(0, 2, 3, 1)
-
-    def fusable(self) -> bool:
-        """Whether the fast form (``lipsformer.fastpath.conv_shortcut``) computes this shortcut: exact GELUs and
-        plain parts."""
-        pointwise_plain = (fastpath.plain(self.act2, nn.Identity) if self.pw is None
-                           else fastpath.plain(self.pw, nn.Conv2d) and _exact_gelu(self.act2))
-        return (pointwise_plain and fastpath.plain(self.dw, nn.Conv2d) and _exact_gelu(self.act1)
-                and fastpath.plain(self.alpha, ResidualAlpha) and fastpath.plain(self.drop_path, DropPath))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop_path(self.alpha(self.branch(x)))

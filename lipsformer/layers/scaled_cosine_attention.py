@@ -17,7 +17,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import use_fused_attn
 
-from .. import fastpath
 from .softmax_attention import softmax_attention
 
 __all__ = ['ScaledCosineAttention', 'norm_floor']
@@ -78,31 +77,26 @@ class ScaledCosineAttention(nn.Module):
                 ) -> torch.Tensor:
         """(..., heads, tokens, head_dim) q, k, v and an additive bias (a relative-position bias, a -inf/-100 mask)
         broadcastable to the logits -> (..., heads, tokens, head_dim)."""
-        # A fixed tau scales the logits inside the attention (SDPA's scale) or, in the fast form, inside q's
-        # normalisation: no pass of its own. A learned one scales q, not the (tokens x tokens) logits.
-        fast = False
-        if not torch.jit.is_scripting():
-            fast = fastpath.engaged()  # inside a LipsFormer block's fast form
-        scale = 1.0 if self.tau_learnable else self.tau_init
-        eps = norm_floor(self.eps, q.dtype)
-        if torch.jit.is_scripting() or not fast:
-            q = F.normalize(q, dim=-1, eps=eps)
-            k = F.normalize(k, dim=-1, eps=eps)
-            if self.v_norm:
-                v = F.normalize(v, dim=-1, eps=eps)
-        else:
-            # The normalised q, k (and v) as autograd's only saved copies.
-            q = fastpath.l2_normalize(q, eps, scale)
-            scale = 1.0
-            k = fastpath.l2_normalize(k, eps)
-            if self.v_norm:
-                v = fastpath.l2_normalize(v, eps)
+        # A fixed tau scales the logits inside the attention (SDPA's scale); a learned one scales q, not the
+        # (tokens x tokens) logits.
+        q, k, v, scale = self.normalize(q, k, v, 1.0 if self.tau_learnable else self.tau_init)
         if self.tau_learnable:
             q = q * self.tau
         x = softmax_attention(q, k, v, attn_bias, self.attn_drop.p if self.training else 0.0, self.fused_attn, scale)
         if self.v_norm:
             x = x * self.nu
         return x
+
+    def normalize(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """q, k (and v with ``v_norm``) l2-normalised, and the scale of the logits left to apply (``scale``; a fast
+        form may fold it into q's normalisation and return 1)."""
+        eps = norm_floor(self.eps, q.dtype)
+        q = F.normalize(q, dim=-1, eps=eps)
+        k = F.normalize(k, dim=-1, eps=eps)
+        if self.v_norm:
+            v = F.normalize(v, dim=-1, eps=eps)
+        return q, k, v, scale
 
     def extra_repr(self) -> str:
         return (f'tau={self.tau_init}, tau_learnable={self.tau_learnable}, v_norm={self.v_norm}, nu={self.nu}, '

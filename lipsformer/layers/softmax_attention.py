@@ -4,17 +4,29 @@
 
 on (..., heads, tokens, head_dim) tensors, with B an additive bias (a relative-position bias, a key mask) and
 dropout on the probabilities. PyTorch's fused ``scaled_dot_product_attention`` computes it where timm's fused-attention
-switch says so (``timm.layers.use_fused_attn``), except where the fast path knows the explicit expression is faster.
+switch says so (``timm.layers.use_fused_attn``), except where its kernels cannot serve the call: under ``torch.func``
+transforms and forward-mode AD (:func:`transformed`), and on the CPU where a backward will run.
 """
 
 import torch
 import torch.nn.functional as F
 from timm.models import register_notrace_function
+from torch.autograd import forward_ad
 
-from .. import fastpath
-from ..fastpath.lean_autograd import needs_backward
+__all__ = ['needs_backward', 'softmax_attention', 'transformed']
 
-__all__ = ['softmax_attention']
+
+def needs_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will record an operation on these tensors."""
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp, jacrev, ...) or forward-mode AD is running (outside
+    dynamo, which reads nothing after its ``is_compiling()``). PyTorch has no public test for either; SDPA's fused
+    kernels have no forward AD, so the attention must know."""
+    return not torch.compiler.is_compiling() and (torch._C._functorch.peek_interpreter_stack() is not None
+                                                  or getattr(forward_ad, '_current_level', -1) >= 0)
 
 
 @register_notrace_function  # picks its kernel from the tensors' device and autograd state at run time
@@ -29,15 +41,14 @@ def softmax_attention(
 ) -> torch.Tensor:
     """softmax(scale q k^T + bias) v, with dropout ``dropout_p`` on the probabilities (pass 0.0 outside training).
 
-    ``fused`` uses PyTorch's SDPA, except under ``torch.func`` transforms and forward-mode AD, which its fused
-    kernels do not support (forward AD), and, in a block's fast form (``lipsformer.fastpath.engaged``), on CPU where
-    a backward will run: for windows and stripes (tens to a few hundred tokens) SDPA's CPU backward is slower, and
-    with a bias that needs a gradient (a learned relative-position bias) SDPA falls back to an unfused math path slower
-    than the one below; the explicit expression is also twice differentiable, which SDPA's fused kernels are not.
+    ``fused`` uses PyTorch's SDPA, except under ``torch.func`` transforms and forward-mode AD, which its fused kernels
+    do not support, and on the CPU where a backward will run: for windows and stripes (tens to a few hundred tokens)
+    SDPA's CPU backward is slower, and with a bias that needs a gradient (a learned relative-position bias) SDPA falls
+    back to an unfused math path slower than the one below; the explicit expression is also twice differentiable
+    (gradient penalties, ``torch.autograd.functional.jvp``), which SDPA's fused CPU kernels are not.
     """
-    if not torch.jit.is_scripting():
-        if fused and (fastpath.transformed() or q.device.type == 'cpu' and fastpath.engaged()
-                      and needs_backward(q, k, v, attn_bias)):
+    if not torch.jit.is_scripting():  # TorchScript compiles neither test
+        if fused and (transformed() or q.device.type == 'cpu' and needs_backward(q, k, v, attn_bias)):
             fused = False
     if fused:
         if q.dim() > 4:

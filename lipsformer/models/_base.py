@@ -20,10 +20,7 @@ from timm.models import build_model_with_cfg, checkpoint_seq, register_notrace_f
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_input_size
 
-from .. import fastpath
 from ..layers import (
-    CenterNorm,
-    ConvShortcut,
     ResidualAlpha,
     create_attention_kernel,
     create_conv_shortcuts,
@@ -54,8 +51,8 @@ class TokenMixer(nn.Module):
 
     A family implements :meth:`attend`, its attention before the output projection (the ``qkv`` projection through
     :meth:`project_qkv`, windows or stripes, the attention kernel, positional terms), and nothing else; ``proj`` (an
-    ``nn.Linear`` over channels) and ``proj_drop`` follow here, so that the block's fast form can fold its alpha into
-    ``proj`` (``lipsformer.fastpath.linear``).
+    ``nn.Linear`` over channels) and ``proj_drop`` follow here, so that a block's fast form can fold its alpha into
+    ``proj`` and give ``project_qkv`` a faster product (``lipsformer.fastpath``).
     """
 
     qkv: nn.Linear
@@ -63,11 +60,7 @@ class TokenMixer(nn.Module):
     proj_drop: nn.Module
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """``qkv(x)``: the module called, except inside a block's fast form on the CPU, where a plain ``nn.Linear``'s
-        parameters go through ``lipsformer.fastpath.linear`` (oneDNN's product, a backward that keeps x alone)."""
-        if not torch.jit.is_scripting():
-            if x.device.type == 'cpu' and fastpath.engaged():
-                return fastpath.linear(self.qkv, x)
+        """``qkv(x)``, the input projection of :meth:`attend`."""
         return self.qkv(x)
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,9 +93,8 @@ class LipsFormerBlock(nn.Module):
     With ``norm_position='pre'`` (the standard pre-norm Transformer, for ablations) the norms move into the branches:
     x <- x + DropPath(alpha1 (.) attn(norm1(x))), x <- x + DropPath(alpha2 (.) mlp(norm2(x))), norm1 always present.
 
-    ``forward`` decides once per call whether the block's fast form runs (``lipsformer.fastpath.active`` for the
-    input's device): the same function through faster kernels, part by part where the part's modules are plain.
-    timm's FX tracer keeps the block as a leaf, so a traced model runs what eager runs.
+    ``lipsformer.fastpath.to_fast_form`` gives a built model's blocks a fast form of this forward (the same function
+    through faster kernels); the block itself is this plain module graph.
     """
 
     def __init__(
@@ -136,9 +128,6 @@ class LipsFormerBlock(nn.Module):
         self.norm2 = norm_layer(dim, **dd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.jit.is_scripting():
-            if fastpath.active(x.device.type):
-                return self._fast_forward(x)
         for shortcut in self.conv_shortcuts:
             x = shortcut(x)
         if self.pre_norm:
@@ -147,61 +136,9 @@ class LipsFormerBlock(nn.Module):
         x = self.norm1(x + self.drop_path1(self.alpha1(self.attn(x))))
         return self.norm2(x + self.drop_path2(self.alpha2(self.mlp(x))))
 
-    @torch.jit.unused
-    def _fast_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's fast form: the same function as :meth:`forward`'s plain path, each part through
-        ``lipsformer.fastpath`` where its modules are plain (no hooks, wrappers or parametrizations) and called as its
-        modules where not."""
-        with fastpath.engage():
-            x = x.contiguous()  # a permuted view (timm's PatchEmbed output) would reach the convolutions channels-first
-            for shortcut in self.conv_shortcuts:
-                x = _fast_conv_shortcut(shortcut, x)
-            if self.pre_norm:
-                x = self._attention_residual(x, _fast_norm(self.norm1, x))
-                return self._mlp_residual(x, _fast_norm(self.norm2, x))
-            x = _fast_norm(self.norm1, self._attention_residual(x, x))
-            return _fast_norm(self.norm2, self._mlp_residual(x, x))
-
-    @torch.jit.unused
-    def _attention_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
-        """``x + drop_path1(alpha1(attn(branch_input)))`` with alpha folded into the attention's output projection,
-        drop path and sum one multiply-add."""
-        if not (fastpath.plain(self.alpha1, ResidualAlpha) and fastpath.plain(self.drop_path1, DropPath)):
-            return x + self.drop_path1(self.alpha1(self.attn(branch_input)))
-        if isinstance(self.attn, TokenMixer) and fastpath.plain(self.attn, type(self.attn)):
-            branch = self.attn.proj_drop(fastpath.linear(self.attn.proj, self.attn.attend(branch_input),
-                                                         self.alpha1.gamma))
-            return fastpath.weighted_residual(x, branch, None, self.drop_path1)
-        return fastpath.weighted_residual(x, self.attn(branch_input), self.alpha1.gamma, self.drop_path1)
-
-    @torch.jit.unused
-    def _mlp_residual(self, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
-        """``x + drop_path2(alpha2(mlp(branch_input)))`` with alpha folded into fc2, GELU's output not kept, drop path
-        and sum one multiply-add."""
-        if not (fastpath.plain(self.alpha2, ResidualAlpha) and fastpath.plain(self.drop_path2, DropPath)):
-            return x + self.drop_path2(self.alpha2(self.mlp(branch_input)))
-        if fastpath.mlp_is_plain(self.mlp):
-            return fastpath.weighted_residual(x, fastpath.mlp(self.mlp, branch_input, self.alpha2.gamma), None,
-                                              self.drop_path2)
-        return fastpath.weighted_residual(x, self.mlp(branch_input), self.alpha2.gamma, self.drop_path2)
-
-
-def _fast_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A block's norm in its fast form: CenterNorm through LayerNorm's fused kernel where it is a plain CenterNorm."""
-    if fastpath.plain(norm, CenterNorm):
-        return fastpath.center_norm(x, norm.weight, norm.bias, norm.scale)
-    return norm(x)
-
-
-def _fast_conv_shortcut(shortcut: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A conv shortcut in its fast form where it and its parts are plain, else called as its module."""
-    if fastpath.plain(shortcut, ConvShortcut) and shortcut.fusable():
-        return fastpath.conv_shortcut(x, shortcut.dw, shortcut.pw, shortcut.alpha.gamma, shortcut.drop_path)
-    return shortcut(x)
-
 
 # The block is a leaf of timm's FX tracer: a traced model calls it as a module, so that the traced graph runs the
-# same code as eager, fast form included, and gives the same bits.
+# same code as eager (a block's fast form included) and gives the same bits.
 register_notrace_module(LipsFormerBlock)
 
 

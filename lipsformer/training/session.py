@@ -34,6 +34,7 @@ from accelerate.utils.other import is_compiled_module  # exported from accelerat
 from timm.utils import ModelEmaV3
 
 from ..data import class_map_of, class_names_of, num_classes_of
+from ..fastpath import to_fast_form
 from ..utils.cpu_memory import retain_freed_memory
 from ..utils.processes import check_process_group, select_device, set_cudnn_benchmark, wants_cpu_group
 from ..weights.model_names import (
@@ -233,6 +234,8 @@ def create_session(config: Config, run_dir: str, accelerator: Accelerator,
     model, model_kwargs = create_run_model(config, num_classes, spec)
     set_seed(config.train.seed + rank, deterministic=config.train.deterministic)  # per-process augmentation
     model.to(accelerator.device)
+    if not compiles(config, cpu=accelerator.device.type == 'cpu') and not is_sharded(accelerator):
+        to_fast_form(model, accelerator.device.type)  # where the fast path is on for the device; the EMA copies it
     global_batch = global_batch_size(config, world)
     ema = None
     if config.ema.enabled:
