@@ -245,6 +245,26 @@ def test_the_fast_form_is_given_once_and_taken_back(name):
     assert {key: type(module) for key, module in model.named_modules()} == plain_types
 
 
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_a_fast_form_pickles_and_copies_in_its_form(name):
+    """``torch.save`` of the whole module and ``copy.deepcopy`` give the fast form again (the CPU mixers' classes are
+    made at run time), with the same values; an unpickled model goes back to its plain form."""
+    import copy
+    import io
+    model = to_fast_form(_model(name, drop_path_rate=0.0).eval(), 'cpu')
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = model(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for restored in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert [type(module) for module in restored.modules()] == [type(module) for module in model.modules()]
+        with torch.no_grad():
+            assert torch.equal(restored(x), expected)
+        assert not in_fast_form(to_plain_form(restored))
+
+
 def test_the_models_and_layers_know_nothing_of_the_fast_form():
     """Read from the source: the models and the layers neither import the fast path nor ask whether one runs."""
     import inspect

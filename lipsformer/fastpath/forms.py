@@ -139,6 +139,16 @@ class _OneDnnProjection:
             return self.qkv(x)
         return linear(self.qkv, x)
 
+    def __reduce_ex__(self, protocol: int):
+        """Pickled and copied as its family class made fast again on loading (a class made at run time has no name
+        to import)."""
+        _, _, *state = super().__reduce_ex__(protocol)
+        return (_new_cpu_mixer, (_PLAIN_CLASSES[type(self)],), *state)
+
+
+def _new_cpu_mixer(cls: type) -> nn.Module:
+    return object.__new__(_cpu_mixer_class(cls))
+
 
 _FAST_CLASSES: dict[type, type] = {LipsFormerBlock: FastLipsFormerBlock,
                                    ScaledCosineAttention: FastScaledCosineAttention}
@@ -164,8 +174,8 @@ def _device_type(model: nn.Module) -> str:
 def to_fast_form(model: nn.Module, device_type: str | None = None) -> nn.Module:
     """Give ``model``'s LipsFormer blocks their fast form for ``device_type`` (None: the device of the model's
     parameters), where the fast path is switched on for it (:func:`~.switch.use_fast_path`); ``model`` itself,
-    changed in place, is returned. A model without LipsFormer layers is returned unchanged. Save a fast form's
-    ``state_dict`` (the plain model's); pickling the module itself wants :func:`to_plain_form` first."""
+    changed in place, is returned. A model without LipsFormer layers is returned unchanged; a fast form's
+    ``state_dict`` is the plain model's."""
     device_type = device_type or _device_type(model)
     if not use_fast_path(device_type):
         return model
