@@ -8,7 +8,11 @@ because pyproject sets pytest's pythonpath to tests/, each for one purpose:
   (:func:`probe_model`);
 - ``process_support``: one torch thread, subprocess environments, a lock held by another process, a free port;
 - ``synthetic_weights`` / ``validate_reference``: weights and timm's own validation, for comparisons.
+
+The suite runs in parallel with pytest-xdist (``python -m pytest -n auto``): a worker a core, at most
+:data:`MAX_WORKERS`, each with its share of the cores for torch's threads.
 """
+import os
 import signal
 
 import pytest
@@ -19,6 +23,17 @@ from probe_models import register_probe_model
 from process_support import single_thread
 
 import lipsformer  # noqa: F401  (registers the models with timm)
+
+# Each worker holds torch, timm and a few models (about 1 GB); most tests spend their time in one thread.
+MAX_WORKERS = 8
+
+if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):  # torch's threads shared out among the workers, not each taking all
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker a core, at most :data:`MAX_WORKERS`."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 # A suite started in the background by a shell without job control (`bash script &`, nohup) inherits SIGINT ignored,
 # which Python then keeps: a Ctrl-C raises nothing, and every child process inherits the ignoring. The Ctrl-C tests

@@ -382,7 +382,7 @@ def test_ci_runs_the_readme_set_up_commands():
     (block,) = [b for b in FENCE.finditer(section)]
     commands = [shlex.join(c) for c in _command_lines(Block(ROOT, 0, 'bash', block['body'], None))]
     assert commands == ['bash scripts/quickstart.sh', 'python3 -m venv .venv', '. .venv/bin/activate',
-                        "pip install -e '.[dev]'", 'python -m pytest'], commands
+                        "pip install -e '.[dev]'", 'python -m pytest -n auto'], commands
     ci = (ROOT / '.ci' / 'run').read_text()
     assert re.search(r'pip install --quiet -e "\.\[dev\]" "\$@"', ci)
-    assert 'run_suite newest .venv' in ci and 'python -m pytest' in ci
+    assert 'run_suite newest .venv' in ci and 'python -m pytest -n auto' in ci
