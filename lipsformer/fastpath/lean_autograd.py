@@ -23,8 +23,8 @@ form, as ``nn.GELU()``. Every backward is itself differentiable: when autograd r
 gradient penalties, ``torch.autograd.functional.jvp`` / ``hvp``), it differentiates the plain expression again
 instead of running its in-place arithmetic, so second derivatives are the plain expression's. Each
 Function runs its backward under the autocast state of its forward (``torch.amp.custom_fwd`` / ``custom_bwd`` for
-the device of its inputs, CPU and CUDA alike). ``torch.func`` transforms never reach these Functions: the fast
-paths step aside under them (``switch.active``).
+the device of its inputs, CPU and CUDA alike). ``torch.func`` transforms never reach these Functions: a fast form
+runs the plain module graph under them (:mod:`.forms`).
 """
 import functools
 from collections.abc import Callable, Sequence
@@ -32,16 +32,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..layers.softmax_attention import needs_backward
 from . import l2_normalize_op
 from .onednn_linear import linear_backward, onednn_linear
 
 __all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize',
-           'lean_backward', 'lean_mlp', 'needs_backward', 'scaled_linear']
-
-
-def needs_backward(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will record an operation on these tensors."""
-    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+           'lean_backward', 'lean_mlp', 'scaled_linear']
 
 
 def lean_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
