@@ -1,11 +1,12 @@
 """The fast path's CPU backwards, its PyTorch code against the plain path's float64 gradients: the conv shortcut's
-depthwise weight gradient (lipsformer.fastpath.depthwise_conv, an image at a time) and the GELU residual's backward
-(lipsformer.fastpath.lean_autograd), on the shapes where a reordered sum or a tail of GELU would show."""
+depthwise weight gradient (the ``lipsformer::depthwise_conv2d`` op's on the CPU, an image at a time) and the GELU
+residual's backward (lipsformer.fastpath.lean_autograd), on the shapes where a reordered sum or a tail of GELU would
+show."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lipsformer.fastpath import depthwise_conv
+from lipsformer.fastpath import depthwise_conv_op
 from lipsformer.fastpath.lean_autograd import gelu_residual
 
 
@@ -33,8 +34,8 @@ def test_the_depthwise_conv_gives_the_float64_gradients_of_the_plain_convolution
     x = torch.randn(shape, requires_grad=True)
     weight = torch.randn(shape[-1], 1, kernel, kernel, requires_grad=True)
     bias = torch.randn(shape[-1], requires_grad=True)
-    out = depthwise_conv.depthwise_conv2d(x, weight, bias)
-    assert type(out.grad_fn).__name__ == '_DepthwiseConv2dBackward'  # the fast path ran, not the plain convolution
+    assert depthwise_conv_op.cpu_weight_grad_applies(x, weight)  # the op's CPU weight gradient, not the plain one
+    out = depthwise_conv_op.depthwise_conv2d_op(x, weight, bias)
     grad = torch.randn(shape).transpose(1, 2).contiguous().transpose(1, 2)  # a non-contiguous gradient, as autograd's
     got = torch.autograd.grad(out, (x, weight, bias), grad)
     inputs64 = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
@@ -49,9 +50,9 @@ def test_the_depthwise_conv_gives_the_float64_gradients_of_the_plain_convolution
 def test_the_depthwise_weight_gradient_sums_the_images_and_takes_an_empty_batch(height, width):
     x, grad = torch.randn(3, height, width, 32), torch.randn(3, height, width, 32)
     with torch.no_grad():  # as in a backward
-        whole = depthwise_conv._weight_grad(x, grad, (3, 3), (7, 7))
-        per_image = sum(depthwise_conv._weight_grad(x[i:i + 1], grad[i:i + 1], (3, 3), (7, 7)) for i in range(3))
-        empty = depthwise_conv._weight_grad(x[:0], grad[:0], (3, 3), (7, 7))
+        whole = depthwise_conv_op._cpu_weight_grad(x, grad, 3)
+        per_image = sum(depthwise_conv_op._cpu_weight_grad(x[i:i + 1], grad[i:i + 1], 3) for i in range(3))
+        empty = depthwise_conv_op._weight_grad(x[:0], grad[:0], 7)[0]
     assert whole.shape == (32, 1, 7, 7)
     torch.testing.assert_close(whole, per_image)
     assert torch.equal(empty, torch.zeros(32, 1, 7, 7))
@@ -66,7 +67,7 @@ def test_a_double_backward_gets_the_second_derivatives_of_the_convolution():
         (weight_grad,) = torch.autograd.grad(conv(x, weight).square().sum(), weight, create_graph=True)
         return torch.autograd.grad(weight_grad.sum(), x)[0]
 
-    got = second_order(lambda x, weight: depthwise_conv._DepthwiseConv2d.apply(x, weight, None, (3, 3)))
+    got = second_order(lambda x, weight: depthwise_conv_op.depthwise_conv2d_op(x, weight))
     expected = second_order(lambda x, weight: _plain_conv(x, weight, None))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 

@@ -38,6 +38,18 @@ def test_a_row_below_eps_is_divided_by_eps_as_f_normalize_does():
     torch.testing.assert_close(ours.grad, x.grad)
 
 
+def test_l2_normalize_passes_gradcheck_also_where_the_norm_is_clamped():
+    x = torch.randn(3, 4, 6, 5, dtype=torch.float64)
+    x[0, 0, :2] *= 1e-3  # norms below eps: the clamped, linear branch
+    x.requires_grad_(True)
+    for scale in (10.0, 1.0):
+        # Both outputs (the normalised x and the clamped squared norm), and twice: the backward is written in the
+        # saved outputs, which autograd differentiates through the op again.
+        assert torch.autograd.gradcheck(lambda t: torch.ops.lipsformer.l2_normalize(t, 1e-2, scale), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: torch.ops.lipsformer.l2_normalize(t, 1e-2, scale), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: torch.ops.lipsformer.l2_normalize(t, 1e-2, scale)[0], (x,))
+
+
 def test_the_op_checks_out_under_torch_library_opcheck():
     """Fake-tensor registration, autograd registration and schema agree with the implementation."""
     x = torch.randn(4, 2, 6, 8, requires_grad=True)

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.functional import jacobian
 
-from lipsformer.fastpath import blocks
-from lipsformer.fastpath.lean_autograd import l2_normalize, scaled_linear
+from lipsformer.fastpath import blocks, l2_normalize
+from lipsformer.fastpath.lean_autograd import scaled_linear
 from lipsformer.layers import (
     CenterNorm,
     ConvShortcut,

@@ -15,16 +15,15 @@ This room stands above the models: they know nothing of it.
 - ``onednn_linear``: token-wise products on CPU through oneDNN's 1x1 convolution;
 - ``triton_device``: where the Triton kernels run (a GPU, or the CPU under Triton's interpreter);
 - ``depthwise_conv_op``: the conv shortcuts' depthwise convolutions as the ``lipsformer::depthwise_conv2d`` custom
-  op, one Triton kernel a pass on a GPU where its switch (``KERNEL_DEFAULT_DEVICES``) is on;
-- ``depthwise_conv``: the 7x7 depthwise conv with a faster CPU weight gradient (oneDNN's forward kernel, an image
-  at a time);
+  op, one Triton kernel a pass on a GPU where its switch (``KERNEL_DEFAULT_DEVICES``) is on, and on the CPU a weight
+  gradient through oneDNN's forward kernel;
 - ``fused_center_norm``: CenterNorm through LayerNorm's fused kernel (:func:`center_norm`).
 """
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
 from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
 from .forms import FastLipsFormerBlock, FastScaledCosineAttention, in_fast_form, to_fast_form, to_plain_form
 from .fused_center_norm import center_norm
-from .lean_autograd import l2_normalize
+from .l2_normalize_op import l2_normalize
 from .switch import DEFAULT_DEVICES, KERNEL_DEFAULT_DEVICES, kernel_enabled, set_fast_path, use_fast_path
 
 __all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'FastLipsFormerBlock', 'FastScaledCosineAttention',

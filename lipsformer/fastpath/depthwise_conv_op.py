@@ -20,8 +20,14 @@ It is a ``torch.library`` custom op with fake-tensor registrations and an autogr
 and ``torch.export`` see one operation forward and one backward (``lipsformer::depthwise_conv2d_backward``, which
 runs the kernels of the gradients asked for, as ATen's ``convolution_backward`` does). A recorded backward
 (``create_graph=True``) differentiates PyTorch's convolution instead, so second derivatives are the plain
-expression's. Where Triton cannot run (no Triton, a CPU
-tensor outside Triton's interpreter) each op is PyTorch's convolution on the channels-last view.
+expression's. Where Triton cannot run (no Triton, a CPU tensor outside Triton's interpreter) each op is PyTorch's
+convolution on the channels-last view, but for the weight gradient on the CPU in float32: oneDNN computes it for
+channels-last maps with its generic grouped-convolution kernel, far slower than its forward (docs/performance.md),
+while the sum over (h, w) of ``g[b, h, w, c] x_pad[b, h + i, w + j, c]`` is itself a depthwise convolution, of x_pad
+by a kernel g[b] the size of the map, with a (K, K) output, which oneDNN's forward kernel computes (an image at a
+time where x_pad[b] and g[b] stay in cache, or for small maps all images in one call, their channels side by side as
+the groups of one convolution). The conv shortcuts' fast form takes the op for that on the CPU
+(:func:`cpu_weight_grad_applies`).
 
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """
@@ -38,13 +44,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import is_plain_module
-from .lean_autograd import differentiate_plain
+from .lean_autograd import differentiate_plain, lean_backward
 from .triton_device import TRITON_DTYPES, triton_device
 
-__all__ = ['KERNEL_SIZES', 'DepthwiseConvOp', 'DepthwiseTiling', 'depthwise_conv2d_op', 'depthwise_kernel_applies',
-           'triton_available', 'using_tiling']
+__all__ = ['KERNEL_SIZES', 'DepthwiseConvOp', 'DepthwiseTiling', 'cpu_weight_grad_applies', 'depthwise_conv2d_op',
+           'depthwise_kernel_applies', 'triton_available', 'using_tiling']
 
 KERNEL_SIZES = (3, 5, 7)
+# Above this many pixels a map, the CPU weight gradient runs one image at a time (its map and gradient stay in cache);
+# at or below it, one call for the whole batch (a call per image would cost more than the image's arithmetic).
+_PER_IMAGE_MIN_PIXELS = 256
 
 
 def _power_of_two(value: int) -> bool:
@@ -131,6 +140,14 @@ def depthwise_kernel_applies(conv: nn.Module, x: torch.Tensor, channels_dim: int
             and tuple(conv.kernel_size) == (size, size) and tuple(conv.stride) == (1, 1)
             and tuple(conv.dilation) == (1, 1) and tuple(conv.padding) == (size // 2, size // 2)
             and conv.padding_mode == 'zeros')
+
+
+def cpu_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the op's CPU weight gradient (the module docstring) serves a training step of a depthwise convolution
+    of ``x`` by ``weight``: float32 on the CPU outside autocast, a square kernel of :data:`KERNEL_SIZES`, a backward
+    to run."""
+    return (x.dtype == weight.dtype == torch.float32 and lean_backward(x, weight)
+            and not torch.is_autocast_enabled('cpu') and weight.shape[-1] == weight.shape[-2] in KERNEL_SIZES)
 
 
 def triton_available(x: torch.Tensor) -> bool:
@@ -302,12 +319,44 @@ def _input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _convolve(grad, weight, None, flip=True)
 
 
+def _cpu_weight_grad(x: torch.Tensor, grad: torch.Tensor, padding: int) -> torch.Tensor:
+    """dL/dW (C, 1, K, K) from NHWC input and output gradient through oneDNN's forward kernel (the module docstring):
+    one image at a time for large maps, the images side by side as channels of one convolution for small ones.
+
+    Taps further from the centre than the map is wide see only the zero padding, so their gradient is zero: they are
+    left out of the convolution and padded back with zeros. A 1x1 map leaves only the centre tap, a product summed over
+    the images (a convolution by a 1x1 kernel of a single image would take PyTorch's slow unfolding path on one thread).
+    """
+    batch, height, width, channels = x.shape
+    reach = (min(padding, height - 1), min(padding, width - 1))
+    if reach == (0, 0):  # a 1x1 map: the one tap left is a product summed over the images
+        weight_grad = (x * grad).sum((0, 1, 2)).view(channels, 1, 1)
+    elif height * width <= _PER_IMAGE_MIN_PIXELS:
+        # (1, B*C, H, W) channels-last input and (B*C, 1, H, W) kernels: every image's channels are groups of one
+        # convolution, whose outputs (a tap each) are summed over the images.
+        images = x.permute(1, 2, 0, 3).reshape(1, height, width, batch * channels).permute(0, 3, 1, 2)
+        kernels = grad.permute(0, 3, 1, 2).reshape(batch * channels, 1, height, width)
+        per_image = F.conv2d(images, kernels, padding=reach, groups=batch * channels)
+        weight_grad = per_image.view(batch, channels, 2 * reach[0] + 1, 2 * reach[1] + 1).sum(0)
+    else:
+        weight_grad = x.new_zeros(channels, 2 * reach[0] + 1, 2 * reach[1] + 1)
+        for image, image_grad in zip(x.unbind(0), grad.unbind(0)):
+            # (1, C, H, W) and (C, 1, H, W) views of NHWC memory, channels-last as oneDNN takes them; with the
+            # forward's zero padding the output is a tap each.
+            weight_grad += F.conv2d(image.permute(2, 0, 1).unsqueeze(0), image_grad.permute(2, 0, 1).unsqueeze(1),
+                                    padding=reach, groups=channels)[0]
+    border = (padding - reach[0], padding - reach[1])
+    return F.pad(weight_grad, (border[1], border[1], border[0], border[0])).unsqueeze(1)
+
+
 def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dW (C, 1, K, K), dL/dbias (C,)) in x's dtype, summed in float32."""
     batch, height, width, channels = x.shape
     taps = kernel_size * kernel_size
     if x.numel() == 0:
         return x.new_zeros(channels, 1, kernel_size, kernel_size), x.new_zeros(channels)
+    if x.device.type == 'cpu' and x.dtype == torch.float32 and not triton_available(x):
+        return _cpu_weight_grad(x, grad, kernel_size // 2), grad.sum((0, 1, 2))
     if not triton_available(x):
         weight_grad = torch.nn.grad.conv2d_weight(
             x.permute(0, 3, 1, 2).float(), (channels, 1, kernel_size, kernel_size), grad.permute(0, 3, 1, 2).float(),

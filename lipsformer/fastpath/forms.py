@@ -30,7 +30,7 @@ from ..models._base import LipsFormerBlock, TokenMixer
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
 from .depthwise_conv_op import DepthwiseConvOp
 from .fused_center_norm import center_norm
-from .lean_autograd import l2_normalize
+from .l2_normalize_op import l2_normalize
 from .switch import kernel_enabled, use_fast_path
 
 __all__ = ['DepthwiseConvOp', 'FastLipsFormerBlock', 'FastScaledCosineAttention', 'in_fast_form', 'to_fast_form',

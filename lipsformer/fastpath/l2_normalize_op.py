@@ -11,8 +11,10 @@ float32), and one kernel computes the backward from y, r^2 and the output gradie
 It is a ``torch.library`` custom op with a fake-tensor registration and an autograd formula, so that
 ``torch.compile``, ``torch.export`` and the kernel counter of :mod:`lipsformer.instruments.kernel_count` see one
 operation. Where Triton cannot run (no Triton, a CPU tensor outside Triton's interpreter) the op computes the same in
-PyTorch. A recorded backward (``create_graph=True``) is written in y and r^2 with differentiable PyTorch operations, so
-second derivatives are those of the plain expression, as in :mod:`.lean_autograd`.
+PyTorch; either way its backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared
+norm, not x (q and k are views of the qkv projection, which x would keep whole). A recorded backward
+(``create_graph=True``) is written in y and r^2 with differentiable PyTorch operations, so second derivatives are those
+of the plain expression, as in :mod:`.lean_autograd`.
 
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """
@@ -21,9 +23,10 @@ from types import SimpleNamespace
 
 import torch
 
+from ..layers.softmax_attention import needs_backward
 from .triton_device import triton_device
 
-__all__ = ['l2_normalize_op', 'triton_available']
+__all__ = ['l2_normalize', 'l2_normalize_op', 'triton_available']
 
 _MAX_WIDTH = 1024  # the widest rows one program reduces (head dims are 32 to 128)
 _TILE = 4096  # elements a program loads: rows of one head are too short to keep a program's threads busy alone
@@ -117,8 +120,12 @@ def _norm_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _squared_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.to(_norm_dtype(x)).square().sum(-1, keepdim=True).clamp_min(eps * eps)
+
+
 def _plain(x: torch.Tensor, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    squared_norm = x.to(_norm_dtype(x)).square().sum(-1, keepdim=True).clamp_min(eps * eps)
+    squared_norm = _squared_norm(x, eps)
     # multiplied in r^2's dtype, as the kernel: s / r overflows float16 for a zero row (s / eps), and 0 * inf is NaN
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return torch.mul(x, squared_norm.rsqrt() * scale, out=y), squared_norm
@@ -204,3 +211,16 @@ def l2_normalize_op(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Te
     """``scale * x / max(||x||, eps)`` over the last dimension, contiguous, through the custom op (one kernel forward
     and one backward where :func:`triton_available`)."""
     return torch.ops.lipsformer.l2_normalize(x, eps, scale)[0]
+
+
+def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+    """``scale * x / max(||x||, eps)`` over the last dimension (``F.normalize`` times ``scale``), the norm and the
+    product taken in at least float32 (so that a zero row is zero in float16 too, where ``scale / eps`` overflows).
+
+    The custom op where its Triton kernels run, or on the CPU where a backward will run (the op keeps the output and
+    the squared norms for it, not x); the plain expression elsewhere, and for ``scale=0`` (the op's backward divides
+    by the scale).
+    """
+    if scale != 0.0 and (triton_available(x) or x.device.type == 'cpu' and needs_backward(x)):
+        return l2_normalize_op(x, eps, scale)
+    return (x * (_squared_norm(x, eps).rsqrt() * scale)).to(x.dtype)

@@ -4,15 +4,12 @@ For each operation autograd keeps what that operation's own backward needs, so a
 
 - ``F.linear(F.gelu(u), W)`` keeps u (GELU's derivative) and gelu(u) (the weight's gradient);
 - ``x + alpha * gelu(z)`` keeps z and gelu(z) (alpha's gradient);
-- ``F.linear(x, alpha[:, None] * W, alpha * b)`` keeps x and the scaled weight, a weight-sized tensor per call;
-- ``q / max(||q||, eps)`` keeps q (and, q being a view, the whole projection it was cut from) beside the normalised
-  q that attention keeps.
+- ``F.linear(x, alpha[:, None] * W, alpha * b)`` keeps x and the scaled weight, a weight-sized tensor per call.
 
 The Functions below compute the same values and gradients keeping one activation each: GELU is evaluated again
-from its saved input in backward (one elementwise pass over a tensor the backward reads anyway), the scaled weight
-is formed again from the parameters, and the l2 normalisation differentiates through its outputs:
-
-    y = s x / r,  r^2 = max(||x||^2, eps^2):    dL/dx = (s g - <g, y> y / s) / r    (second term only if ||x|| > eps)
+from its saved input in backward (one elementwise pass over a tensor the backward reads anyway) and the scaled weight
+is formed again from the parameters. (SCSA's l2 normalisation, which keeps its output and not its input, is the
+``lipsformer::l2_normalize`` op of :mod:`.l2_normalize_op` on every device.)
 
 Each public function takes its Function only on the CPU and where a backward will run (grad enabled, an input
 requiring grad); elsewhere it evaluates the plain expression, which is also what the tests compare it with. On a GPU
@@ -33,11 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.softmax_attention import needs_backward
-from . import l2_normalize_op
 from .onednn_linear import linear_backward, onednn_linear
 
-__all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'l2_normalize',
-           'lean_backward', 'lean_mlp', 'scaled_linear']
+__all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'lean_backward',
+           'lean_mlp', 'scaled_linear']
 
 
 def lean_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
@@ -234,65 +230,3 @@ def gelu_residual(x: torch.Tensor, z: torch.Tensor, scale: torch.Tensor) -> torc
     if lean_backward(x, z, scale):
         return _GeluResidual.apply(x, z, scale)
     return torch.addcmul(x, F.gelu(z), scale)
-
-
-def _squared_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """max(||x||^2, eps^2) over the last dimension, in at least float32 so that float16 squares cannot overflow."""
-    return x.to(torch.promote_types(x.dtype, torch.float32)).square().sum(-1, keepdim=True).clamp_min(eps * eps)
-
-
-class _L2Normalize(torch.autograd.Function):
-    """(s x / r, r^2) with r^2 = max(||x||^2, eps^2) over the last dimension, keeping its two outputs and not x.
-
-    The backward is written in those outputs alone, so that autograd can differentiate it again: a recorded
-    backward (``create_graph=True``) reaches x through the saved outputs, whose own gradients this backward gives.
-    """
-
-    @staticmethod
-    @autocast_forward
-    def forward(ctx, x, eps: float, scale: float):
-        squared_norm = _squared_norm(x, eps)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
-        # The product in r^2's dtype, rounded once: s / r itself can overflow float16 (a zero row's s / eps), 0 * inf
-        torch.mul(x, squared_norm.rsqrt() * scale, out=out)
-        ctx.eps, ctx.scale = eps, scale
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(out, squared_norm)
-        return out, squared_norm
-
-    @staticmethod
-    @autocast_backward
-    def backward(ctx, grad, grad_squared_norm):
-        out, squared_norm = ctx.saved_tensors
-        eps, scale = ctx.eps, ctx.scale
-        unclamped = squared_norm > eps * eps  # where the clamp is active y = s x / eps is linear in x
-        inverse_norm = squared_norm.rsqrt()
-        grad_x = None
-        if grad is not None:
-            # (s g - <g, y> y / s) / r
-            radial = ((grad * out).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale) * unclamped
-            # 1 / r multiplied in r^2's dtype, as in the forward (a zero row's 1 / eps overflows float16)
-            if torch.is_grad_enabled():
-                grad_x = ((grad * scale - out * radial.to(out.dtype)) * inverse_norm).to(out.dtype)
-            else:
-                grad_x = (grad * scale).addcmul_(out, -radial.to(out.dtype)).mul_(inverse_norm)
-        if grad_squared_norm is not None:
-            # d(r^2)/dx = 2 x = 2 r y / s where unclamped
-            radial_norm = (grad_squared_norm * unclamped * 2.0 / (scale * inverse_norm)).to(out.dtype)
-            grad_x = out * radial_norm if grad_x is None else grad_x + out * radial_norm
-        return grad_x, None, None
-
-
-def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """``scale * x / max(||x||, eps)`` over the last dimension (``F.normalize`` times ``scale``), the norm and the
-    product taken in at least float32 (so that a zero row is zero in float16 too, where ``scale / eps`` overflows).
-
-    On a GPU, the ``lipsformer::l2_normalize`` custom op (:mod:`.l2_normalize_op`: one Triton kernel a direction). On
-    the CPU, the backward keeps the (contiguous) output, which attention keeps anyway, and the (..., 1) squared norm:
-    not x.
-    """
-    if l2_normalize_op.triton_available(x):
-        return l2_normalize_op.l2_normalize_op(x, eps, scale)
-    if scale != 0.0 and lean_backward(x):
-        return _L2Normalize.apply(x, eps, scale)[0]
-    return (x * (_squared_norm(x, eps).rsqrt() * scale)).to(x.dtype)
