@@ -11,17 +11,16 @@ from its saved input in backward (one elementwise pass over a tensor the backwar
 is formed again from the parameters. (SCSA's l2 normalisation, which keeps its output and not its input, is the
 ``lipsformer::l2_normalize`` op of :mod:`.l2_normalize_op` on every device.)
 
-Each public function takes its Function only on the CPU and where a backward will run (grad enabled, an input
-requiring grad); elsewhere it evaluates the plain expression, which is also what the tests compare it with. On a GPU
-a Function's Python forward and backward cost host time on every call, which a step already bound by kernel launches
-cannot spare, and its backward's extra passes cost kernels: there the plain expressions' kernels run, alpha still
-folded into the weights (docs/performance.md counts both). GELU is the exact (erf)
-form, as ``nn.GELU()``. Every backward is itself differentiable: when autograd records it (``create_graph=True``:
-gradient penalties, ``torch.autograd.functional.jvp`` / ``hvp``), it differentiates the plain expression again
-instead of running its in-place arithmetic, so second derivatives are the plain expression's. Each
-Function runs its backward under the autocast state of its forward (``torch.amp.custom_fwd`` / ``custom_bwd`` for
-the device of its inputs, CPU and CUDA alike). ``torch.func`` transforms never reach these Functions: a fast form
-runs the plain module graph under them (:mod:`.forms`).
+Each public function takes its Function only on the CPU and where a backward will run (grad enabled, an input requiring
+grad); elsewhere it evaluates the plain expression, which is also what the tests compare it with. On a GPU a Function's
+Python forward and backward cost host time on every call, which a step already bound by kernel launches cannot spare,
+and its backward's extra passes cost kernels: there the plain expressions' kernels run, alpha still folded into the
+weights (docs/performance.md counts both). GELU is the exact (erf) form, as ``nn.GELU()``. Every backward is itself
+differentiable: when autograd records it (``create_graph=True``: gradient penalties, ``torch.autograd.functional.jvp`` /
+``hvp``), it differentiates the plain expression again instead of running its in-place arithmetic, so second derivatives
+are the plain expression's. Each Function runs its backward under the CPU autocast state of its forward
+(``torch.amp.custom_fwd`` / ``custom_bwd``). ``torch.func`` transforms never reach these Functions: a fast form runs the
+plain module graph under them (:mod:`.forms`).
 """
 import functools
 from collections.abc import Callable, Sequence
@@ -32,8 +31,7 @@ import torch.nn.functional as F
 from ..layers.softmax_attention import needs_backward
 from .onednn_linear import linear_backward, onednn_linear
 
-__all__ = ['autocast_backward', 'autocast_forward', 'differentiate_plain', 'gelu_residual', 'lean_backward',
-           'lean_mlp', 'scaled_linear']
+__all__ = ['differentiate_plain', 'gelu_residual', 'lean_backward', 'lean_mlp', 'scaled_linear']
 
 
 def lean_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
@@ -42,50 +40,20 @@ def lean_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
     return x.device.type == 'cpu' and needs_backward(x, *tensors)
 
 
-def _without_autocast_cache(function: Callable, device_type: str) -> Callable:
-    """``function`` under the autocast state it is called in, with autocast's cast cache off.
-
-    Inside a Function grad mode is off, so a weight autocast casts there has no autograd history; cached, that cast
-    would be what a later use of the same weight in the same autocast region gets, and its gradient would be lost.
-    """
+def _cpu_autocast(function: Callable, backward: bool = False) -> Callable:
+    """A Function's forward (``backward=True``: backward) under ``torch.amp.custom_fwd`` (``custom_bwd``) for the CPU,
+    where the Functions run, with autocast's cast cache off: inside a Function grad mode is off, so a weight autocast
+    casts there has no autograd history; cached, that cast would be what a later use of the same weight in the same
+    autocast region gets, and its gradient would be lost."""
 
     @functools.wraps(function)
     def uncached(ctx, *args):
-        if not torch.is_autocast_enabled(device_type):
+        if not torch.is_autocast_enabled('cpu'):
             return function(ctx, *args)
-        with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False):
+        with torch.autocast('cpu', dtype=torch.get_autocast_dtype('cpu'), cache_enabled=False):
             return function(ctx, *args)
 
-    return uncached
-
-
-@functools.cache
-def _autocast_declared(function: Callable, device_type: str, backward: bool) -> Callable:
-    if not torch.amp.is_autocast_available(device_type):
-        return function
-    declare = torch.amp.custom_bwd if backward else torch.amp.custom_fwd
-    return declare(_without_autocast_cache(function, device_type), device_type=device_type)
-
-
-def autocast_forward(forward: Callable) -> Callable:
-    """A Function's forward under ``torch.amp.custom_fwd`` for the device of its first tensor argument."""
-
-    @functools.wraps(forward)
-    def declared(ctx, *args):
-        ctx.device_type = next(arg.device.type for arg in args if isinstance(arg, torch.Tensor))
-        return _autocast_declared(forward, ctx.device_type, False)(ctx, *args)
-
-    return declared
-
-
-def autocast_backward(backward: Callable) -> Callable:
-    """A Function's backward under ``torch.amp.custom_bwd`` for the device its forward ran on."""
-
-    @functools.wraps(backward)
-    def declared(ctx, *grads):
-        return _autocast_declared(backward, ctx.device_type, True)(ctx, *grads)
-
-    return declared
+    return (torch.amp.custom_bwd if backward else torch.amp.custom_fwd)(uncached, device_type='cpu')
 
 
 def differentiate_plain(expression: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor | None],
@@ -124,7 +92,7 @@ class _ScaledLinear(torch.autograd.Function):
     """linear(act(x), scale[:, None] W, scale b) keeping only x (and the parameters)."""
 
     @staticmethod
-    @autocast_forward
+    @_cpu_autocast
     def forward(ctx, x, weight, bias, scale, gelu: bool):
         weight_scaled, bias_scaled = _scaled_weights(weight, bias, scale)
         out = onednn_linear(F.gelu(x) if gelu else x, weight_scaled, bias_scaled)
@@ -133,7 +101,7 @@ class _ScaledLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    @autocast_backward
+    @functools.partial(_cpu_autocast, backward=True)
     def backward(ctx, grad):
         x, weight, bias, scale = ctx.saved_tensors
         need_x, need_weight, need_bias, need_scale, _ = ctx.needs_input_grad
@@ -199,7 +167,7 @@ class _GeluResidual(torch.autograd.Function):
     """x + scale * gelu(z) keeping only z (and scale)."""
 
     @staticmethod
-    @autocast_forward
+    @_cpu_autocast
     def forward(ctx, x, z, scale):
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(z, scale)
@@ -209,7 +177,7 @@ class _GeluResidual(torch.autograd.Function):
         return torch.addcmul(x, branch, scale)
 
     @staticmethod
-    @autocast_backward
+    @functools.partial(_cpu_autocast, backward=True)
     def backward(ctx, grad):
         z, scale = ctx.saved_tensors
         _, need_z, need_scale = ctx.needs_input_grad
