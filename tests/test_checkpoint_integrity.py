@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import yaml
@@ -37,7 +38,6 @@ def finished_run(data_dir, tmp_path_factory) -> str:
 
 
 def _copy(run_dir: str, tmp_path) -> str:
-    import shutil
     copy = str(tmp_path / 'copy')
     shutil.copytree(run_dir, copy, symlinks=True)
     return copy
@@ -261,3 +261,32 @@ def test_a_new_run_refused_by_the_file_system_is_not_told_to_resume(tmp_path, ca
     message = caplog.records[-1].getMessage()
     assert 'Read-only file system' in message and '--resume auto' not in message
     assert 'start the run again' in message
+
+
+def test_folders_of_the_user_in_checkpoints_are_never_taken_pruned_or_set_aside(data_dir, finished_run, tmp_path,
+                                                                                caplog):
+    """A folder not named as the trainer names its checkpoints counted as one: a copy of a checkpoint was pruned
+    with the run's (keep_last) or resumed from, and a folder of notes was moved to checkpoints/unreadable/."""
+    run_dir = _copy(finished_run, tmp_path)
+    root = os.path.join(run_dir, 'checkpoints')
+    backup = os.path.join(root, 'epoch_0002-backup')
+    shutil.copytree(os.path.join(root, 'epoch_0002'), backup)
+    with open(os.path.join(backup, 'meta.json')) as f:  # it would be the newest of the run, were it counted
+        meta = json.load(f)
+    meta['progress']['step'] += 100
+    with open(os.path.join(backup, 'meta.json'), 'w') as f:
+        json.dump(meta, f)
+    notes = os.path.join(root, 'notes')
+    os.makedirs(notes)
+    with open(os.path.join(notes, 'todo.txt'), 'w') as f:
+        f.write('compare with the authors\' run\n')
+    before = {name: sorted(os.listdir(os.path.join(root, name))) for name in ('epoch_0002-backup', 'notes')}
+    argv = [*_overrides(data_dir, **{'checkpoint.keep_last': 1, 'train.epochs': 3}), '--output', run_dir,
+            '--resume', 'auto']
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    assert 'resumed from ' + os.path.join(root, 'epoch_0002') + ':' in caplog.text
+    assert not os.path.exists(os.path.join(root, 'unreadable'))
+    assert {name: sorted(os.listdir(os.path.join(root, name))) for name in before} == before
+    assert _names(run_dir)[-1] == 'epoch_0003'  # the run's own pruned down to keep_last (and the best)
+    assert 'epoch_0002-backup' not in _names(run_dir)

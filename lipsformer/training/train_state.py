@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ META_FILE = 'meta.json'
 FORMAT_VERSION = 1
 # The folders inside checkpoints/ that hold checkpoints set aside (set_aside), not checkpoints themselves.
 ASIDE_DIRS = ('unreadable', 'abandoned')
+# The names the trainer gives its checkpoints: any other folder in checkpoints/ (a copy, notes) is the user's, and is
+# never taken for a checkpoint of the run, pruned or set aside.
+CHECKPOINT_NAME = re.compile(r'^(?:epoch_\d{4,}|step_\d{8,})$')
 # The files of a checkpoint the main process writes, whose SHA-256 meta.json records.
 HASHED_FILES = ('model.safetensors', 'ema.safetensors', 'optimizer.pt', 'trainer_state.pt')
 
@@ -286,12 +290,13 @@ def check_file_hashes(checkpoint_dir: str, meta: dict[str, Any], files: tuple[st
 
 
 def _checkpoint_folders(run_dir: str) -> list[str]:
-    """The folders of ``checkpoints/`` that are checkpoints, complete or damaged (not temporaries, not set aside)."""
+    """The folders of ``checkpoints/`` that are the run's checkpoints, complete or damaged: named as the trainer names
+    them (:data:`CHECKPOINT_NAME`; not temporaries, not set aside, not a folder of the user's)."""
     root = checkpoints_root(run_dir)
     if not os.path.isdir(root):
         return []
-    return [os.path.join(root, name) for name in sorted(os.listdir(root)) if not name.startswith('.')
-            and name not in ASIDE_DIRS and os.path.isdir(os.path.join(root, name))]
+    return [os.path.join(root, name) for name in sorted(os.listdir(root))
+            if CHECKPOINT_NAME.match(name) and os.path.isdir(os.path.join(root, name))]
 
 
 def list_checkpoints(run_dir: str) -> list[tuple[tuple[int, int, int], str]]:
