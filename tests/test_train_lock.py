@@ -170,6 +170,20 @@ def test_a_dead_holders_lock_is_taken_over_and_said(tmp_path, caplog):
     assert open(os.path.join(run_dir, LOCK_FILE)).read() == ''  # released: nobody named
 
 
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_kept(data_dir, tmp_path, caplog):
+    """The lock was opened through the link and the holder's name written over the file it pointed to."""
+    run_dir, target = tmp_path / 'run', tmp_path / 'notes.txt'
+    run_dir.mkdir()
+    target.write_text('results of another run\n')
+    os.symlink(target, run_dir / LOCK_FILE)
+    with pytest.raises(RunFolderInUseError, match='is a symbolic link'):
+        RunLock(str(run_dir)).acquire()
+    assert main([*tiny_overrides(data_dir), '--output', str(run_dir)]) == 2
+    assert f'{run_dir / LOCK_FILE} is a symbolic link' in caplog.records[-1].getMessage()
+    assert f'rm {run_dir / LOCK_FILE}' in caplog.records[-1].getMessage()
+    assert target.read_text() == 'results of another run\n' and os.listdir(run_dir) == [LOCK_FILE]
+
+
 # Takes the run folder's lock as a run does, starts a DataLoader worker (forked, as on Linux by default), prints the
 # worker's pid and waits to be killed.
 _HOLDER_WITH_LOADER_WORKER = """

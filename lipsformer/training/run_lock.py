@@ -46,7 +46,8 @@ os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class RunFolderInUseError(RuntimeError):
-    """Another process holds the run folder; the message names it (host, pid, since when) and what to do.
+    """The run folder cannot be taken: another process holds it (the message names it: host, pid, since when), or its
+    lock file is a symbolic link; the message says what to do.
 
     Attributes:
         holder: The holder alone, in words (``process PID on host HOST (since ...)``), where the refusal knows it.
@@ -90,7 +91,17 @@ class RunLock:
             RunFolderInUseError: Another process holds it (still, after ``wait_s``).
         """
         os.makedirs(self.run_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # as open() makes any file
+        # Not through a symbolic link: the holder's name would be written over the file it points to. 0o666 as open()
+        # makes any file.
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise RunFolderInUseError(
+                f'{self.path} is a symbolic link (to {os.readlink(self.path)!r}), not the run\'s lock file: taking '
+                f'the lock would write over what it points to. Remove the link (rm {self.path}) and start again',
+                holder='a symbolic link') from None
         _HELD.add(fd)  # before the lock is taken: a fork from another thread meanwhile must not inherit it
         try:
             previous = self._take(fd)
