@@ -62,7 +62,7 @@ FORMAT_VERSION = 1
 ASIDE_DIRS = ('unreadable', 'abandoned')
 # The names the trainer gives its checkpoints: any other folder in checkpoints/ (a copy, notes) is the user's, and is
 # never taken for a checkpoint of the run, pruned or set aside.
-CHECKPOINT_NAME = re.compile(r'^(?:epoch_\d{4,}|step_\d{8,})$')
+CHECKPOINT_NAME = re.compile(r'^(?:epoch|step)_\d+$')
 # The files of a checkpoint the main process writes, whose SHA-256 meta.json records.
 HASHED_FILES = ('model.safetensors', 'ema.safetensors', 'optimizer.pt', 'trainer_state.pt')
 
