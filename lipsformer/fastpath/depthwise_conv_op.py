@@ -355,9 +355,9 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple
     taps = kernel_size * kernel_size
     if x.numel() == 0:
         return x.new_zeros(channels, 1, kernel_size, kernel_size), x.new_zeros(channels)
-    if x.device.type == 'cpu' and x.dtype == torch.float32 and not triton_available(x):
-        return _cpu_weight_grad(x, grad, kernel_size // 2), grad.sum((0, 1, 2))
     if not triton_available(x):
+        if x.device.type == 'cpu' and x.dtype == torch.float32:
+            return _cpu_weight_grad(x, grad, kernel_size // 2), grad.sum((0, 1, 2))
         weight_grad = torch.nn.grad.conv2d_weight(
             x.permute(0, 3, 1, 2).float(), (channels, 1, kernel_size, kernel_size), grad.permute(0, 3, 1, 2).float(),
             padding=kernel_size // 2, groups=channels)

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..layers.softmax_attention import needs_backward
+from .lean_autograd import lean_backward
 from .triton_device import triton_device
 
 __all__ = ['l2_normalize', 'l2_normalize_op', 'triton_available']
@@ -221,6 +221,6 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
     the squared norms for it, not x); the plain expression elsewhere, and for ``scale=0`` (the op's backward divides
     by the scale).
     """
-    if scale != 0.0 and (triton_available(x) or x.device.type == 'cpu' and needs_backward(x)):
+    if scale != 0.0 and (triton_available(x) or lean_backward(x)):
         return l2_normalize_op(x, eps, scale)
     return (x * (_squared_norm(x, eps).rsqrt() * scale)).to(x.dtype)

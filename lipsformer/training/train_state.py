@@ -58,10 +58,8 @@ CHECKPOINTS_DIR = 'checkpoints'
 BEST_POINTER = 'best.json'
 META_FILE = 'meta.json'
 FORMAT_VERSION = 1
-# The folders inside checkpoints/ that hold checkpoints set aside (set_aside), not checkpoints themselves.
-ASIDE_DIRS = ('unreadable', 'abandoned')
 # The names the trainer gives its checkpoints: any other folder in checkpoints/ (a copy, notes) is the user's, and is
-# never taken for a checkpoint of the run, pruned or set aside.
+# never taken for a checkpoint of the run, pruned or set aside (nor are the folders set_aside moves checkpoints into).
 CHECKPOINT_NAME = re.compile(r'^(?:epoch|step)_\d+$')
 # The files of a checkpoint the main process writes, whose SHA-256 meta.json records.
 HASHED_FILES = ('model.safetensors', 'ema.safetensors', 'optimizer.pt', 'trainer_state.pt')
