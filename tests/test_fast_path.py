@@ -10,7 +10,7 @@ import timm
 import torch
 import torch.nn as nn
 from forms_support import form, in_form
-from timm.layers import set_layer_config
+from timm.layers import DropPath, set_layer_config
 from tiny_models import TINY_MODELS
 
 from lipsformer import fastpath
@@ -113,6 +113,26 @@ def test_fast_and_plain_paths_agree_under_bfloat16_autocast(name):
         scale = plain_grad.abs().max().item()
         torch.testing.assert_close(fast_grads[key], plain_grad, rtol=0.1, atol=0.03 * scale,
                                    msg=lambda m: f'{key}: {m}')
+
+
+@pytest.mark.parametrize('alpha', ['folded', 'after the branch'])
+def test_a_kept_path_is_scaled_as_the_plain_graph_scales_it_under_autocast(alpha):
+    """Under bfloat16 autocast the plain graph's drop path follows a float32 alpha: it draws its keep mask in float32
+    and divides it by the keep probability there. The fast form's residual drops the same samples from the same seed
+    and scales a kept branch by the same float32 factor (1 / 0.9, not its 8-bit rounding 1.109375)."""
+    drop = DropPath(0.1).train()
+    x = torch.randn(64, 5, 16)
+    branch = torch.randn(64, 5, 16).bfloat16()
+    gamma = torch.ones(16) if alpha == 'folded' else torch.rand(16) + 0.5
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        torch.manual_seed(3)
+        plain = x + drop(branch * gamma)  # ResidualAlpha, then DropPath
+        torch.manual_seed(3)
+        fast = blocks.weighted_residual(x, branch, None if alpha == 'folded' else gamma, drop)
+    assert fast.dtype == plain.dtype == torch.float32
+    dropped = (plain == x).flatten(1).all(1)
+    assert 0 < dropped.sum() < len(dropped)  # both kinds of sample, the same ones
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture

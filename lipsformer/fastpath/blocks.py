@@ -3,7 +3,8 @@
 Each function computes what calling the modules would, in fewer passes and keeping fewer activations:
 
 - :func:`weighted_residual`: ``x + DropPath(scale (.) branch)``, the keep mask drawn exactly as timm's ``drop_path``
-  draws it (the same seed drops the same samples), mask and scale one small factor, the sum one multiply-add;
+  draws it (the same seed drops the same samples), mask and scale one small factor, the sum one multiply-add
+  (:func:`.lean_autograd.multiply_add`);
 - :func:`linear`: a token-wise ``nn.Linear`` (through oneDNN on CPU), optionally times a per-channel scale folded
   into its weight and bias (alpha of a weighted residual whose branch ends in that layer);
 - :func:`mlp`: timm's ``Mlp`` with exact GELU, alpha folded into fc2, keeping fc1's input and output but not GELU's;
@@ -24,29 +25,43 @@ from .onednn_linear import onednn_linear
 __all__ = ['conv_shortcut', 'linear', 'mlp', 'mlp_is_plain', 'weighted_residual']
 
 
-def _residual_scale(branch: torch.Tensor, scale: torch.Tensor | None, drop_path: DropPath) -> torch.Tensor | None:
-    """The factor ``drop_path(branch * scale)`` multiplies ``branch`` by: ``scale`` (None: 1) times, in training,
-    the per-sample keep mask (B, 1, ..., 1) over the keep probability."""
-    if drop_path.training and drop_path.drop_prob > 0.0:
-        keep_prob = 1.0 - drop_path.drop_prob
-        keep = branch.new_empty([branch.shape[0]] + [1] * (branch.dim() - 1)).bernoulli_(keep_prob)
-        if keep_prob > 0.0 and drop_path.scale_by_keep:
-            keep = keep / keep_prob
-        scale = keep if scale is None else keep * scale
-    return scale
+def _keep_mask(x: torch.Tensor, branch: torch.Tensor, drop_path: DropPath) -> torch.Tensor | None:
+    """The keep mask timm's ``drop_path`` draws for the residual ``x + drop_path(branch)``: (B, 1, ..., 1), 0 or 1 (not
+    yet scaled by 1 / keep probability), drawn by the same call on a tensor of the dtype the plain graph draws it in
+    (that of ``x`` and ``branch`` together: under autocast the float32 stream's); None where no path is dropped."""
+    if not (drop_path.training and drop_path.drop_prob > 0.0):
+        return None
+    dtype = torch.promote_types(x.dtype, branch.dtype)
+    return branch.new_empty([branch.shape[0]] + [1] * (branch.dim() - 1), dtype=dtype).bernoulli_(
+        1.0 - drop_path.drop_prob)
+
+
+def _kept_path_factor(drop_path: DropPath) -> float:
+    """What timm's ``drop_path`` multiplies a kept path by."""
+    keep_prob = 1.0 - drop_path.drop_prob
+    return 1.0 / keep_prob if keep_prob > 0.0 and drop_path.scale_by_keep else 1.0
+
+
+def _residual_scale(x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor, drop_path: DropPath) -> torch.Tensor:
+    """The factor ``drop_path(branch * scale)`` multiplies ``branch`` by: ``scale`` times, in training, the keep mask
+    over the keep probability."""
+    mask = _keep_mask(x, branch, drop_path)
+    if mask is None:
+        return scale
+    if _kept_path_factor(drop_path) != 1.0:
+        mask = mask / (1.0 - drop_path.drop_prob)  # as timm divides it
+    return mask * scale
 
 
 def weighted_residual(x: torch.Tensor, branch: torch.Tensor, scale: torch.Tensor | None,
                       drop_path: DropPath) -> torch.Tensor:
     """``x + drop_path(branch * scale)`` (``scale=None``: no scale, as where alpha was folded into the branch)."""
-    scale = _residual_scale(branch, scale, drop_path)
-    if scale is None:
+    if scale is not None:
+        return lean_autograd.multiply_add(x, branch, _residual_scale(x, branch, scale, drop_path))
+    mask = _keep_mask(x, branch, drop_path)
+    if mask is None:
         return x + branch
-    if x.dtype == branch.dtype == scale.dtype:
-        return torch.addcmul(x, branch, scale)
-    # Under autocast a float32 stream meets a low-precision branch: addcmul would have each operand cast to float32
-    # first (autocast promotes its arguments), where a product and a sum read them as they are.
-    return x + branch * scale
+    return lean_autograd.multiply_add(x, branch, mask, _kept_path_factor(drop_path))
 
 
 def linear(module: nn.Linear, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +102,4 @@ def conv_shortcut(x: torch.Tensor, dw: nn.Conv2d, pw: nn.Conv2d | None, scale: t
         z = dw(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
     if pw is not None:
         z = lean_autograd.scaled_linear(z, pw.weight.flatten(1), pw.bias, gelu=True)
-    scale = _residual_scale(z, scale, drop_path)
-    assert scale is not None  # alpha is always there
-    return lean_autograd.gelu_residual(x, z, scale)
+    return lean_autograd.gelu_residual(x, z, _residual_scale(x, z, scale, drop_path))

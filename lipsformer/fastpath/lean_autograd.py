@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..layers.softmax_attention import needs_backward
 from .onednn_linear import linear_backward, onednn_linear
 
-__all__ = ['differentiate_plain', 'gelu_residual', 'lean_backward', 'lean_mlp', 'scaled_linear']
+__all__ = ['differentiate_plain', 'gelu_residual', 'lean_backward', 'lean_mlp', 'multiply_add', 'scaled_linear']
 
 
 def lean_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
@@ -197,4 +197,21 @@ def gelu_residual(x: torch.Tensor, z: torch.Tensor, scale: torch.Tensor) -> torc
     """``x + scale * F.gelu(z)``, scale broadcasting over z; the backward keeps z alone, not gelu(z)."""
     if lean_backward(x, z, scale):
         return _GeluResidual.apply(x, z, scale)
-    return torch.addcmul(x, F.gelu(z), scale)
+    return multiply_add(x, F.gelu(z), scale)
+
+
+def multiply_add(x: torch.Tensor, branch: torch.Tensor, factor: torch.Tensor, value: float = 1.0) -> torch.Tensor:
+    """``x + value * branch * factor`` in x's dtype or wider, factor broadcasting over branch.
+
+    One ``addcmul`` where factor takes no gradient, run outside autocast, whose promotion of its operands would cast a
+    low-precision branch to float32 first (the op reads mixed dtypes itself). Where factor's gradient is wanted, a
+    product and a sum: autograd's formula for ``addcmul`` multiplies a whole operand by ``value`` (one pass more,
+    whatever the value) for each gradient it gives.
+    """
+    if torch.is_grad_enabled() and factor.requires_grad:
+        return x + branch * (factor * value if value != 1.0 else factor)
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return torch.addcmul(x, branch, factor, value=value)
+    return torch.addcmul(x, branch, factor, value=value)
