@@ -26,6 +26,39 @@ def test_the_pytorch_form_is_f_normalize_to_first_and_second_order(scale):
     assert torch.autograd.gradgradcheck(lambda t: l2_normalize_op.l2_normalize_op(t, 1e-12, scale), (x,))
 
 
+_LAYOUTS = {  # q (windows, heads, tokens, head_dim) from a (windows, tokens, q/k/v, heads, head_dim) projection
+    'contiguous': lambda qkv: qkv[:, :, 0].transpose(1, 2).contiguous(),
+    'heads of a projection': lambda qkv: qkv[:, :, 0].contiguous().transpose(1, 2),
+    'a slice of a projection': lambda qkv: qkv[:, :, 0].transpose(1, 2),
+}
+
+
+@pytest.mark.parametrize('layout', _LAYOUTS)
+def test_on_a_gpu_the_output_is_laid_out_as_the_input_s_strides(layout):
+    """On a GPU a head's view of a projection normalises into memory laid out as the projection's (tokens before
+    heads), so that fused attention writes its output in that layout and merging the heads back is a view (meta
+    tensors, as on any device but the CPU: the op's fake registration)."""
+    x = _LAYOUTS[layout](torch.empty(2, 7, 3, 4, 8, device='meta'))
+    y = l2_normalize_op.l2_normalize_op(x, 1e-12, 3.0)
+    order = sorted(range(3), key=lambda dim: -x.stride(dim))
+    assert y.shape == x.shape and y.permute(*order, 3).is_contiguous()
+    assert y.is_contiguous() == (layout == 'contiguous')
+
+
+@pytest.mark.parametrize('layout', _LAYOUTS)
+def test_on_the_cpu_the_output_is_contiguous_for_the_explicit_attention_product(layout):
+    """On the CPU the op serves training, whose attention is a batched product reading each head contiguous; values
+    and gradients are F.normalize's whatever the layout."""
+    x = _LAYOUTS[layout](torch.randn(2, 7, 3, 4, 8, dtype=torch.float64)).requires_grad_()
+    y = l2_normalize_op.l2_normalize_op(x, 1e-12, 3.0)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, _reference(x, 1e-12, 3.0))
+    grad = torch.randn_like(y)
+    (ours,) = torch.autograd.grad(y, x, grad)
+    (expected,) = torch.autograd.grad(_reference(x, 1e-12, 3.0), x, grad)
+    torch.testing.assert_close(ours, expected)
+
+
 def test_a_row_below_eps_is_divided_by_eps_as_f_normalize_does():
     x = torch.zeros(3, 8, dtype=torch.float64)
     x[1] = 1.0

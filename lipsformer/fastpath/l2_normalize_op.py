@@ -208,9 +208,23 @@ _l2_normalize.register_autograd(_backward, setup_context=_setup_context)
 
 
 def l2_normalize_op(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
-    """``scale * x / max(||x||, eps)`` over the last dimension, contiguous, through the custom op (one kernel forward
-    and one backward where :func:`triton_available`)."""
-    return torch.ops.lipsformer.l2_normalize(x, eps, scale)[0]
+    """``scale * x / max(||x||, eps)`` over the last dimension through the custom op (one kernel forward and one
+    backward where :func:`triton_available`): contiguous on the CPU, elsewhere dense with its leading dimensions laid
+    out in the order of x's strides.
+
+    Off the CPU the output is laid out as x, as an elementwise op's would be: a (N, heads, L, C) view of a
+    (N, L, heads * C) projection normalises into (N, L, heads, C) memory, fused attention writes its output in that
+    layout, and merging the heads back is a view, not a copy. On the CPU the op serves training steps, whose attention
+    is the explicit product (``lipsformer.layers.softmax_attention``): a batched product reads each head contiguous,
+    and would copy (and keep for backward) a head laid out otherwise.
+    """
+    order = list(range(x.dim()))
+    if x.device.type != 'cpu':
+        order = sorted(range(x.dim() - 1), key=lambda dim: -x.stride(dim)) + [x.dim() - 1]
+    if order == list(range(x.dim())):
+        return torch.ops.lipsformer.l2_normalize(x, eps, scale)[0]
+    y = torch.ops.lipsformer.l2_normalize(x.permute(order), eps, scale)[0]
+    return y.permute([order.index(dim) for dim in range(x.dim())])
 
 
 def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:

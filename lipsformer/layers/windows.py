@@ -54,8 +54,15 @@ def window_reverse(windows: torch.Tensor, window_h: int, window_w: int, height: 
 
 
 def split_heads(x: torch.Tensor, parts: int, num_heads: int) -> list[torch.Tensor]:
-    """(N, L, parts * C) projections stacked along channels -> ``parts`` views (N, heads, L, C / heads)."""
-    return x.unflatten(-1, (parts, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+    """(N, L, parts * C) projections stacked along channels -> ``parts`` views (N, heads, L, C / heads).
+
+    The parts are split before the heads are moved: the gradients of the parts are then stacked straight into the
+    layout of x (one copy, none for a single part), not stacked and copied again into it.
+    """
+    x = x.unflatten(-1, (parts, num_heads, -1))
+    if parts == 1:
+        return [x.squeeze(2).transpose(1, 2)]
+    return [part.transpose(1, 2) for part in x.unbind(2)]
 
 
 @register_notrace_function  # data-dependent on the traced size
