@@ -4,13 +4,16 @@ The authors (IDEA-Research/LipsFormer, commit 00acb80, models/cswin.py; CSWin's 
 branch cuts its half of q, k and v into stripes and convolves v with LePE's 3x3 kernel stripe by stripe, zero-padded
 at each stripe's edges. The model runs both branches of a square map as one attention call (the vertical stripes
 transposed into rows) and LePE as one convolution over the map with zero lines between the stripes: the same values
-and gradients, at square, non-square and padded sizes.
+and gradients, at square, non-square and padded sizes. So does its fast form, which on a square map convolves both
+branches' halves of v at once.
 """
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from forms_support import in_form
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lipsformer.layers import DotProductAttention, ScaledCosineAttention
 from lipsformer.models.lipsformer_cswin import CrossStripeAttention
@@ -80,11 +83,13 @@ def _values_and_gradients(mixer, attend, x):
     return out, grads
 
 
+@pytest.mark.parametrize('fast', [False, True])
 @pytest.mark.parametrize('size', [(6, 6), (5, 5), (6, 4), (5, 7), (4, 6)])
 @pytest.mark.parametrize('variant', ['scsa', 'dot', 'learned_tau', 'one_branch', 'split_1'])
-def test_attention_and_lepe_equal_the_authors_per_stripe_form(variant, size):
+def test_attention_and_lepe_equal_the_authors_per_stripe_form(variant, size, fast):
     mixer = _mixer(two_branches=variant != 'one_branch', split=1 if variant == 'split_1' else 2,
                    attn_type='dot' if variant == 'dot' else 'scsa', tau_learnable=variant == 'learned_tau')
+    in_form(mixer, fast, 'cpu')
     x = torch.randn(2, *size, 8, dtype=torch.float64)
     ours, our_grads = _values_and_gradients(mixer, mixer.attend, x)
     theirs, their_grads = _values_and_gradients(mixer, lambda t: _authors_attend(mixer, t), x)
@@ -121,10 +126,35 @@ def test_kernels_with_parameters_of_their_own_keep_a_call_each():
     assert [len(calls) for calls in kernels] == [1, 1]
 
 
-def test_a_wrapped_lepe_is_used_on_the_whole_map():
-    """A LePE wrapped by a tool (here a forward hook that doubles its output) changes the result as it would change
-    the authors' per-stripe form: the module's own output is what is added."""
+class _Convolutions(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.name() == 'aten::convolution'
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('size, convolutions', [((6, 6), 1), ((5, 5), 1), ((6, 4), 2)])
+def test_the_fast_form_convolves_both_halves_of_v_at_once_on_a_square_map(size, convolutions):
+    """Both branches' LePE kernels side by side, the vertical one transposed as its half of v is: one convolution a
+    square map (padded or not), one a branch elsewhere, the plain form's values either way."""
     mixer = _mixer()
+    x = torch.randn(2, *size, 8, dtype=torch.float64)
+    plain = mixer.attend(x)
+    in_form(mixer, True, 'cpu')
+    with _Convolutions() as counted:
+        fast = mixer.attend(x)
+    assert counted.count == convolutions
+    torch.testing.assert_close(fast, plain)
+
+
+@pytest.mark.parametrize('fast', [False, True])
+def test_a_wrapped_lepe_is_used_on_the_whole_map(fast):
+    """A LePE wrapped by a tool (here a forward hook that doubles its output) changes the result as it would change
+    the authors' per-stripe form: the module's own output is what is added, in the fast form too."""
+    mixer = in_form(_mixer(), fast, 'cpu')
     x = torch.randn(1, 6, 6, 8, dtype=torch.float64)
     for branch in mixer.branches:
         branch.lepe.register_forward_hook(lambda module, args, out: out * 2)

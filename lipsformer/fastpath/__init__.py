@@ -3,8 +3,8 @@ saved activations, given once and taken back (``to_fast_form`` / ``to_plain_form
 
 This room stands above the models: they know nothing of it.
 
-- ``forms``: the fast form of a LipsFormer block, of SCSA, of a mixer's qkv product on the CPU, and the calls that
-  give and take it back;
+- ``forms``: the fast form of a LipsFormer block, of CenterNorm, of SCSA, of CSwin's attention on a square map, of a
+  mixer's qkv product on the CPU, and the calls that give and take it back;
 - ``switch``: :func:`set_fast_path` / :func:`use_fast_path`, the device types on which the package gives its models
   their fast form (on by default for :data:`DEFAULT_DEVICES`; ``LIPSFORMER_FAST_PATH=0`` turns it off, ``1`` on
   everywhere; timm's exportable and scriptable layer configs turn it off);
@@ -21,12 +21,22 @@ This room stands above the models: they know nothing of it.
 """
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
 from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
-from .forms import FastLipsFormerBlock, FastScaledCosineAttention, in_fast_form, to_fast_form, to_plain_form
+from .forms import (
+    FastCenterNorm,
+    FastCrossStripeAttention,
+    FastLipsFormerBlock,
+    FastScaledCosineAttention,
+    folded_alphas,
+    in_fast_form,
+    to_fast_form,
+    to_plain_form,
+)
 from .fused_center_norm import center_norm
 from .l2_normalize_op import l2_normalize
 from .switch import DEFAULT_DEVICES, KERNEL_DEFAULT_DEVICES, kernel_enabled, set_fast_path, use_fast_path
 
-__all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'FastLipsFormerBlock', 'FastScaledCosineAttention',
-           'center_norm', 'conv_shortcut', 'depthwise_conv2d_op', 'depthwise_kernel_applies', 'in_fast_form',
-           'kernel_enabled', 'l2_normalize', 'linear', 'mlp', 'mlp_is_plain', 'set_fast_path', 'to_fast_form',
-           'to_plain_form', 'use_fast_path', 'weighted_residual']
+__all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'FastCenterNorm', 'FastCrossStripeAttention',
+           'FastLipsFormerBlock', 'FastScaledCosineAttention', 'center_norm', 'conv_shortcut', 'depthwise_conv2d_op',
+           'depthwise_kernel_applies', 'folded_alphas', 'in_fast_form', 'kernel_enabled', 'l2_normalize', 'linear',
+           'mlp', 'mlp_is_plain', 'set_fast_path', 'to_fast_form', 'to_plain_form', 'use_fast_path',
+           'weighted_residual']

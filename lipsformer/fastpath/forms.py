@@ -2,11 +2,12 @@
 
 :func:`to_fast_form` gives a model's LipsFormer blocks (exactly ``LipsFormerBlock``) the class
 :class:`FastLipsFormerBlock`, whose forward computes the block's function through :mod:`.blocks` (alpha folded into
-the last linear layer of each branch, drop path and sum one multiply-add, CenterNorm through LayerNorm's kernel, the
-conv shortcuts in one Function), its SCSA kernels a q/k normalisation that keeps only its output for backward, its
-depthwise convolutions the ``lipsformer::depthwise_conv2d`` op where that kernel is switched on for the device
-(:class:`DepthwiseConvOp`, which ``torch.compile`` and ``torch.export`` see too), and, for the CPU, its mixers' qkv
-product through oneDNN.
+the last linear layer of each branch, drop path and sum one multiply-add, the conv shortcuts in one Function); its
+CenterNorms (:class:`FastCenterNorm`, in blocks, merges and stems) run LayerNorm's kernel, its SCSA kernels a q/k
+normalisation that keeps only its output for backward, CSwin's attention on a square map both branches' LePE as one
+convolution (:class:`FastCrossStripeAttention`), its depthwise convolutions the ``lipsformer::depthwise_conv2d`` op
+where that kernel is switched on for the device (:class:`DepthwiseConvOp`, which ``torch.compile`` and
+``torch.export`` see too), and, for the CPU, its mixers' qkv product goes through oneDNN.
 :func:`to_plain_form` gives the classes back. Nothing else changes: parameters, buffers, state-dict keys, module
 names and hooks are the model's own.
 
@@ -21,20 +22,22 @@ What may run is decided when the form is given, for the device type it is given 
 """
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import DropPath
 
 from ..layers import CenterNorm, ConvShortcut, ResidualAlpha, ScaledCosineAttention, is_plain_module
 from ..layers.scaled_cosine_attention import norm_floor
 from ..layers.softmax_attention import transformed
 from ..models._base import LipsFormerBlock, TokenMixer
+from ..models.lipsformer_cswin import CrossStripeAttention, StripeAttention, lepe_input, lepe_sum
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
-from .depthwise_conv_op import DepthwiseConvOp
+from .depthwise_conv_op import DepthwiseConvOp, depthwise_conv2d_op, depthwise_kernel_applies
 from .fused_center_norm import center_norm
 from .l2_normalize_op import l2_normalize
 from .switch import kernel_enabled, use_fast_path
 
-__all__ = ['DepthwiseConvOp', 'FastLipsFormerBlock', 'FastScaledCosineAttention', 'in_fast_form', 'to_fast_form',
-           'to_plain_form']
+__all__ = ['DepthwiseConvOp', 'FastCenterNorm', 'FastCrossStripeAttention', 'FastLipsFormerBlock',
+           'FastScaledCosineAttention', 'folded_alphas', 'in_fast_form', 'to_fast_form', 'to_plain_form']
 
 
 def _plain_graph_only() -> bool:
@@ -43,14 +46,19 @@ def _plain_graph_only() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or transformed()
 
 
-class FastLipsFormerBlock(LipsFormerBlock):
-    """A LipsFormer block in its fast form (:func:`to_fast_form`): the same parameters and the same function."""
+class _NotScripted:
+    """A fast-form module class whose forward is its ``_forward_eager``: TorchScript, which compiles the stem's norm
+    before any block, is refused with a message naming :func:`to_plain_form`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.jit.is_scripting():  # a literal: TorchScript reads no global strings
             raise RuntimeError('a LipsFormer model in its fast form cannot be scripted: '
                                'lipsformer.fastpath.to_plain_form(model) gives it its plain module graph first')
         return self._forward_eager(x)
+
+
+class FastLipsFormerBlock(_NotScripted, LipsFormerBlock):
+    """A LipsFormer block in its fast form (:func:`to_fast_form`): the same parameters and the same function."""
 
     @torch.jit.unused
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,10 +68,10 @@ class FastLipsFormerBlock(LipsFormerBlock):
         for shortcut in self.conv_shortcuts:
             x = _conv_shortcut(shortcut, x)
         if self.pre_norm:
-            x = _attention_residual(self, x, _norm(self.norm1, x))
-            return _mlp_residual(self, x, _norm(self.norm2, x))
-        x = _norm(self.norm1, _attention_residual(self, x, x))
-        return _norm(self.norm2, _mlp_residual(self, x, x))
+            x = _attention_residual(self, x, self.norm1(x))
+            return _mlp_residual(self, x, self.norm2(x))
+        x = self.norm1(_attention_residual(self, x, x))
+        return self.norm2(_mlp_residual(self, x, x))
 
 
 def _attention_residual(block: LipsFormerBlock, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
@@ -72,7 +80,7 @@ def _attention_residual(block: LipsFormerBlock, x: torch.Tensor, branch_input: t
     if not (is_plain_module(block.alpha1, ResidualAlpha) and is_plain_module(block.drop_path1, DropPath)):
         return x + block.drop_path1(block.alpha1(block.attn(branch_input)))
     attn = block.attn
-    if isinstance(attn, TokenMixer) and is_plain_module(attn, type(attn)):
+    if _mixer_is_plain(attn):
         branch = attn.proj_drop(linear(attn.proj, attn.attend(branch_input), block.alpha1.gamma))
         return weighted_residual(x, branch, None, block.drop_path1)
     return weighted_residual(x, attn(branch_input), block.alpha1.gamma, block.drop_path1)
@@ -88,11 +96,25 @@ def _mlp_residual(block: LipsFormerBlock, x: torch.Tensor, branch_input: torch.T
     return weighted_residual(x, block.mlp(branch_input), block.alpha2.gamma, block.drop_path2)
 
 
-def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A block's norm: CenterNorm through LayerNorm's fused kernel where it is a plain CenterNorm."""
-    if is_plain_module(norm, CenterNorm):
-        return center_norm(x, norm.weight, norm.bias, norm.scale)
-    return norm(x)
+def _mixer_is_plain(attn: nn.Module) -> bool:
+    return isinstance(attn, TokenMixer) and is_plain_module(attn, type(attn))
+
+
+def folded_alphas(block: nn.Module) -> list[ResidualAlpha]:
+    """The alphas that ``block``, a LipsFormer block in its fast form, folds into the weight of a plain linear layer
+    (attention's output projection, the MLP's fc2), where they multiply the weight in its dtype; none for a block in
+    its plain form or any other module. (Under autocast the package's training step casts them with the weights:
+    ``lipsformer.training.weight_casts``.)"""
+    if type(block) is not FastLipsFormerBlock:
+        return []
+    alphas = []
+    if (is_plain_module(block.alpha1, ResidualAlpha) and is_plain_module(block.drop_path1, DropPath)
+            and _mixer_is_plain(block.attn) and is_plain_module(block.attn.proj, nn.Linear)):
+        alphas.append(block.alpha1)
+    if (is_plain_module(block.alpha2, ResidualAlpha) and is_plain_module(block.drop_path2, DropPath)
+            and mlp_is_plain(block.mlp)):
+        alphas.append(block.alpha2)
+    return alphas
 
 
 def _exact_gelu(module: nn.Module) -> bool:
@@ -117,6 +139,17 @@ def _is_depthwise(module: nn.Module) -> bool:
     return type(module) is nn.Conv2d and module.groups == module.in_channels == module.out_channels > 1
 
 
+class FastCenterNorm(_NotScripted, CenterNorm):
+    """CenterNorm in a fast form: through LayerNorm's fused kernel, one pass forward and one backward
+    (:func:`.fused_center_norm.center_norm`)."""
+
+    @torch.jit.unused
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        if _plain_graph_only():
+            return CenterNorm.forward(self, x)
+        return center_norm(x, self.weight, self.bias, self.scale)
+
+
 class FastScaledCosineAttention(ScaledCosineAttention):
     """SCSA in a fast form: q, k (and v) normalised keeping only their outputs for backward, tau folded into q's."""
 
@@ -128,6 +161,51 @@ class FastScaledCosineAttention(ScaledCosineAttention):
         eps = norm_floor(self.eps, q.dtype)
         q, k = l2_normalize(q, eps, scale), l2_normalize(k, eps)
         return q, k, l2_normalize(v, eps) if self.v_norm else v, 1.0
+
+
+def _lepe_merges(branches: nn.ModuleList) -> bool:
+    """Whether two CSwin branches' LePE convolutions can run as one: plain branches with plain depthwise 3x3
+    convolutions ('same' zero padding, stride 1) of one class (``nn.Conv2d``, or :class:`DepthwiseConvOp` where the
+    form gives it) and dtype, with biases or without, and the same head scale."""
+    for branch in branches:
+        lepe = branch.lepe
+        if not (is_plain_module(branch, StripeAttention) and is_plain_module(lepe, type(branches[0].lepe))
+                and type(lepe) in (nn.Conv2d, DepthwiseConvOp) and lepe.groups == lepe.in_channels == lepe.out_channels
+                and tuple(lepe.kernel_size) == (3, 3)
+                and tuple(lepe.stride) == (1, 1) and tuple(lepe.padding) == (1, 1)
+                and tuple(lepe.dilation) == (1, 1) and lepe.padding_mode == 'zeros'):
+            return False
+    first, second = branches[0], branches[1]
+    return (first.lepe.weight.dtype == second.lepe.weight.dtype and first.head_scale == second.head_scale
+            and (first.lepe.bias is None) == (second.lepe.bias is None))
+
+
+class FastCrossStripeAttention(CrossStripeAttention):
+    """CSwin's attention in a fast form: on a square map, where both branches' LePE convolutions are plain
+    (:func:`_lepe_merges`), the two are one depthwise convolution over the stacked v, the vertical half's kernel
+    transposed as its map is. The same sums: each branch's kernel over its own channels, zeros at the stripes'
+    borders."""
+
+    @torch.jit.unused  # the blocks of a fast form refuse TorchScript
+    def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
+        if _plain_graph_only() or not _lepe_merges(self.branches):
+            return CrossStripeAttention._attend_square(self, qkv, size)
+        split = self.split_size
+        qk, v = self.stack_square(qkv)
+        v = v.flatten(3)
+        attended = self.branches[0].attend(qk, v, split, size, size, size, self.num_heads)
+        vertical, horizontal = self.branches[0].lepe, self.branches[1].lepe
+        weight = torch.cat([vertical.weight.transpose(2, 3), horizontal.weight])
+        bias = None if vertical.bias is None else torch.cat([vertical.bias, horizontal.bias])
+        positional_input, apart, stripe = lepe_input(v, split, size)
+        if depthwise_kernel_applies(vertical, positional_input[..., :vertical.in_channels]):  # as the module would
+            positional = depthwise_conv2d_op(positional_input, weight, bias)
+        else:
+            positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias, padding=1,
+                                  groups=weight.shape[0]).permute(0, 2, 3, 1)
+        x = lepe_sum(attended, positional, apart, stripe, self.branches[0].head_scale, size, size)
+        x_vertical, x_horizontal = x.unflatten(-1, [2, -1]).unbind(3)
+        return torch.cat([x_vertical.transpose(1, 2), x_horizontal], dim=-1)
 
 
 class _OneDnnProjection:
@@ -147,10 +225,11 @@ class _OneDnnProjection:
 
 
 def _new_cpu_mixer(cls: type) -> nn.Module:
-    return object.__new__(_cpu_mixer_class(cls))
+    return object.__new__(_cpu_mixer_class(_FAST_CLASSES.get(cls, cls)))
 
 
-_FAST_CLASSES: dict[type, type] = {LipsFormerBlock: FastLipsFormerBlock,
+_FAST_CLASSES: dict[type, type] = {LipsFormerBlock: FastLipsFormerBlock, CenterNorm: FastCenterNorm,
+                                   CrossStripeAttention: FastCrossStripeAttention,
                                    ScaledCosineAttention: FastScaledCosineAttention}
 _CPU_MIXER_CLASSES: dict[type, type] = {}
 _PLAIN_CLASSES: dict[type, type] = {**{fast: plain for plain, fast in _FAST_CLASSES.items()},
@@ -158,11 +237,12 @@ _PLAIN_CLASSES: dict[type, type] = {**{fast: plain for plain, fast in _FAST_CLAS
 
 
 def _cpu_mixer_class(cls: type) -> type:
-    """The family mixer ``cls`` with :class:`_OneDnnProjection`'s ``project_qkv`` (one class per family, kept)."""
+    """The family mixer ``cls`` (or its fast form) with :class:`_OneDnnProjection`'s ``project_qkv`` (one class per
+    family, kept)."""
     if cls not in _CPU_MIXER_CLASSES:
         fast = type(cls.__name__, (_OneDnnProjection, cls), {'__module__': __name__, '__doc__': cls.__doc__})
         _CPU_MIXER_CLASSES[cls] = fast
-        _PLAIN_CLASSES[fast] = cls
+        _PLAIN_CLASSES[fast] = _PLAIN_CLASSES.get(cls, cls)
     return _CPU_MIXER_CLASSES[cls]
 
 
@@ -182,12 +262,13 @@ def to_fast_form(model: nn.Module, device_type: str | None = None) -> nn.Module:
     depthwise_op = kernel_enabled('depthwise_conv2d', device_type)
     for module in model.modules():
         cls = type(module)
-        if cls in _FAST_CLASSES:
-            module.__class__ = _FAST_CLASSES[cls]
+        fast = _FAST_CLASSES.get(cls)
+        if device_type == 'cpu' and isinstance(module, TokenMixer) and cls not in _PLAIN_CLASSES:
+            fast = _cpu_mixer_class(fast or cls)
+        if fast is not None:
+            module.__class__ = fast
         elif depthwise_op and _is_depthwise(module):
             module.__class__ = DepthwiseConvOp
-        elif device_type == 'cpu' and isinstance(module, TokenMixer) and cls not in _PLAIN_CLASSES:
-            module.__class__ = _cpu_mixer_class(cls)
     return model
 
 

@@ -11,10 +11,14 @@ LayerNorm, by contrast, divides by the standard deviation, and its Jacobian grow
 """
 import torch
 import torch.nn as nn
+from timm.models import register_notrace_module
 
 __all__ = ['CenterNorm']
 
 
+# A leaf of timm's FX tracer, as torch's own norms are of FX's: a traced model calls it as a module, so that the
+# traced graph runs the same code as eager (its fast form included) and gives the same bits.
+@register_notrace_module
 class CenterNorm(nn.Module):
     """Centre each token over its last (channel) dimension and rescale by D / (D - 1), with a learnable affine.
 

@@ -27,7 +27,7 @@ from ..layers import (
 )
 from ._base import LipsFormer, MixerArgs, TokenMixer, build_lipsformer, check_checkpoint_depths, default_cfg
 
-__all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention']
+__all__ = ['ConvMerge', 'CrossStripeAttention', 'LipsFormerCSwin', 'StripeAttention', 'lepe_input', 'lepe_sum']
 
 
 def _stripes_apart(x: torch.Tensor, dim: int, stripe: int) -> torch.Tensor:
@@ -36,6 +36,32 @@ def _stripes_apart(x: torch.Tensor, dim: int, stripe: int) -> torch.Tensor:
     sees, at every token of a stripe, what it sees over that stripe alone."""
     x = x.unflatten(dim, [-1, stripe])
     return F.pad(x, [0, 0] * (x.dim() - dim - 2) + [0, 1]).flatten(dim, dim + 1)
+
+
+def lepe_input(v: torch.Tensor, stripe_h: int, stripe_w: int) -> tuple[torch.Tensor, int, int]:
+    """What LePE's convolution reads from a padded (B, H', W', C) v: the map with a line of zeros after each stripe
+    (:func:`_stripes_apart`), the dimension the stripes divide (-1 where a stripe covers the map: v itself) and the
+    stripe's size along it."""
+    if stripe_h < v.shape[1]:
+        return _stripes_apart(v, 1, stripe_h), 1, stripe_h
+    if stripe_w < v.shape[2]:
+        return _stripes_apart(v, 2, stripe_w), 2, stripe_w
+    return v.contiguous(), -1, 1
+
+
+def lepe_sum(attended: torch.Tensor, positional: torch.Tensor, apart: int, stripe: int, head_scale: float,
+             height: int, width: int) -> torch.Tensor:
+    """``(attended + positional) * head_scale`` cut to ``height`` x ``width``: ``positional`` LePE's convolution of
+    :func:`lepe_input`'s map (``apart`` and ``stripe`` as it gives them), whose outputs at the zero lines are
+    dropped (the sum reads the stripes' tokens in place)."""
+    if apart < 0:
+        x = (attended + positional).mul_(head_scale)
+    else:
+        x = attended.unflatten(apart, [-1, stripe]) + positional.unflatten(apart, [-1, stripe + 1]).narrow(
+            apart + 1, 0, stripe)
+        # scaled in place before any view of the sum is taken: its backward is then a product, not a copy
+        x = x.mul_(head_scale).flatten(apart, apart + 1)
+    return x[:, :height, :width]
 
 
 class StripeAttention(nn.Module):
@@ -94,21 +120,8 @@ class StripeAttention(nn.Module):
                        width: int) -> torch.Tensor:
         """``(attended + LePE(v)) / sqrt(heads)`` cut to ``height`` x ``width``, from (B, H', W', C) maps padded to
         multiples of the stripe (``attended``: the attention's output in map layout, any strides)."""
-        apart, stripe = -1, 1  # the dimension the stripes divide (none where a stripe covers the map)
-        if stripe_h < v.shape[1]:
-            apart, stripe = 1, stripe_h
-        elif stripe_w < v.shape[2]:
-            apart, stripe = 2, stripe_w
-        if apart < 0:
-            x = (attended + self._lepe(v.contiguous())).mul_(self.head_scale)
-        else:
-            positional = self._lepe(_stripes_apart(v, apart, stripe))
-            # The convolution's outputs at the zero lines are dropped: the sum reads the stripes' tokens in place.
-            x = attended.unflatten(apart, [-1, stripe]) + positional.unflatten(apart, [-1, stripe + 1]).narrow(
-                apart + 1, 0, stripe)
-            # scaled in place before any view of the sum is taken: its backward is then a product, not a copy
-            x = x.mul_(self.head_scale).flatten(apart, apart + 1)
-        return x[:, :height, :width]
+        positional_input, apart, stripe = lepe_input(v, stripe_h, stripe_w)
+        return lepe_sum(attended, self._lepe(positional_input), apart, stripe, self.head_scale, height, width)
 
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
         """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
@@ -199,16 +212,23 @@ class CrossStripeAttention(TokenMixer):
             ], dim=-1)
         return self.branches[0](qkv.squeeze(4), height, width)
 
-    def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
-        """Both branches on a square (B, S, S, 3, 2, C / 2) map in one attention call: the vertical half transposed,
-        so that its stripes are rows, beside the horizontal half as the first half of the heads."""
-        split = self.split_size
+    def stack_square(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A square (B, S, S, 3, 2, C / 2) map's q and k, (B, S', S, 2 * C) with S' padded to a multiple of the
+        stripe, and v, (B, S', S, 2, C / 2): the vertical half transposed, so that its stripes are rows, beside the
+        horizontal half."""
         qk, v = qkv.split([2, 1], dim=3)
         qk_vertical, qk_horizontal = qk.unbind(4)
         v_vertical, v_horizontal = v.squeeze(3).unbind(3)
-        qk = pad_to_multiple(torch.stack([qk_vertical.transpose(1, 2), qk_horizontal], dim=4), split, size)
-        v = pad_to_multiple(torch.stack([v_vertical.transpose(1, 2), v_horizontal], dim=3), split, size)
-        attended = self.branches[0].attend(qk.flatten(3), v.flatten(3), split, size, size, size, self.num_heads)
+        qk = pad_to_multiple(torch.stack([qk_vertical.transpose(1, 2), qk_horizontal], dim=4), self.split_size, 1)
+        v = pad_to_multiple(torch.stack([v_vertical.transpose(1, 2), v_horizontal], dim=3), self.split_size, 1)
+        return qk.flatten(3), v
+
+    def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
+        """Both branches on a square (B, S, S, 3, 2, C / 2) map in one attention call (:meth:`stack_square`), the
+        heads of the horizontal half after those of the vertical one."""
+        split = self.split_size
+        qk, v = self.stack_square(qkv)
+        attended = self.branches[0].attend(qk, v.flatten(3), split, size, size, size, self.num_heads)
         attended_vertical, attended_horizontal = attended.unflatten(-1, [2, -1]).unbind(3)
         # LePE reads each half of v from the stacked copy, the vertical one transposed back to the map's orientation.
         v_vertical, v_horizontal = v.unbind(3)

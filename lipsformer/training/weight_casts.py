@@ -6,7 +6,9 @@ on a GPU over a quarter of a LipsFormer training step's launches (docs/performan
 casts the weights of each group of layers (a stage, the stem, the head) with one ``torch._foreach_copy_`` before the
 forward, which CUDA runs as a few multi-tensor launches, and their gradients back with another, as FSDP2's mixed
 precision casts a unit's parameters together. The layers then find their weights in autocast's dtype, which autocast
-leaves as they are.
+leaves as they are. A group also casts the alphas that its blocks, in their fast form, fold into those weights
+(:func:`lipsformer.fastpath.folded_alphas`, asked on entry): the fold multiplies a weight in autocast's dtype, so it
+would cast each alpha there itself, one kernel forward and one backward.
 
 The values are autocast's: the same rounding of the same float32 weights, the same float32 gradients arriving at the
 parameters, the optimizer's state untouched. The casts are autograd's: gradients reach each parameter through the
@@ -23,6 +25,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+
+from ..fastpath import folded_alphas
+from ..models._base import LipsFormerBlock
 
 __all__ = ['GroupedWeightCasts', 'refusal_reason']
 
@@ -76,7 +81,7 @@ def refusal_reason(model: nn.Module) -> str | None:
 
 class GroupedWeightCasts:
     """The float32 weights and biases of ``model``'s linear layers and convolutions, in groups that are cast
-    together under autocast (:meth:`applied`).
+    together under autocast (:meth:`applied`), and the alphas the group's blocks fold into them in their fast form.
 
     Args:
         model: The model itself, not a wrapper (DDP's): a wrapper's forward reaches these layers all the same.
@@ -85,6 +90,7 @@ class GroupedWeightCasts:
     def __init__(self, model: nn.Module) -> None:
         seen: set[int] = set()
         self.groups: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
+        self.blocks: list[list[nn.Module]] = []  # each group's LipsFormer blocks, asked for their folded alphas
         for group in _groups(model):
             members = []
             for module in group.modules():
@@ -96,6 +102,7 @@ class GroupedWeightCasts:
                         members.append((module, name, param))
             if members:
                 self.groups.append(members)
+                self.blocks.append([module for module in group.modules() if isinstance(module, LipsFormerBlock)])
 
     def __len__(self) -> int:
         return sum(len(group) for group in self.groups)
@@ -103,16 +110,19 @@ class GroupedWeightCasts:
     @contextlib.contextmanager
     def applied(self, device_type: str) -> Iterator[None]:
         """Within the block, each weight is its cast to autocast's dtype for ``device_type`` (cast group by group on
-        entry); outside autocast, or without gradients, nothing changes."""
+        entry), and so is each alpha that a block folds into a weight; outside autocast, or without gradients,
+        nothing changes."""
         if not self.groups or not torch.is_autocast_enabled(device_type) or not torch.is_grad_enabled():
             yield
             return
         dtype = torch.get_autocast_dtype(device_type)
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
         try:
-            for group in self.groups:
-                casts = _CastTogether.apply(dtype, *(param for _, _, param in group))
-                for (module, name, param), cast in zip(group, casts):
+            for group, blocks in zip(self.groups, self.blocks):
+                members = group + [(alpha, 'gamma', alpha.gamma) for block in blocks for alpha in folded_alphas(block)
+                                   if isinstance(alpha.gamma, nn.Parameter) and alpha.gamma.dtype == torch.float32]
+                casts = _CastTogether.apply(dtype, *(param for _, _, param in members))
+                for (module, name, param), cast in zip(members, casts):
                     module._parameters[name] = cast  # type: ignore[assignment]  # a tensor for this forward
                     swapped.append((module, name, param))
             yield
