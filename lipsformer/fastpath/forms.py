@@ -77,7 +77,7 @@ class FastLipsFormerBlock(_NotScripted, LipsFormerBlock):
 def _attention_residual(block: LipsFormerBlock, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
     """``x + drop_path1(alpha1(attn(branch_input)))`` with alpha folded into the attention's output projection, drop
     path and sum one multiply-add."""
-    if not (is_plain_module(block.alpha1, ResidualAlpha) and is_plain_module(block.drop_path1, DropPath)):
+    if not _residual_is_plain(block.alpha1, block.drop_path1):
         return x + block.drop_path1(block.alpha1(block.attn(branch_input)))
     attn = block.attn
     if _mixer_is_plain(attn):
@@ -89,11 +89,15 @@ def _attention_residual(block: LipsFormerBlock, x: torch.Tensor, branch_input: t
 def _mlp_residual(block: LipsFormerBlock, x: torch.Tensor, branch_input: torch.Tensor) -> torch.Tensor:
     """``x + drop_path2(alpha2(mlp(branch_input)))`` with alpha folded into fc2, GELU's output not kept, drop path and
     sum one multiply-add."""
-    if not (is_plain_module(block.alpha2, ResidualAlpha) and is_plain_module(block.drop_path2, DropPath)):
+    if not _residual_is_plain(block.alpha2, block.drop_path2):
         return x + block.drop_path2(block.alpha2(block.mlp(branch_input)))
     if mlp_is_plain(block.mlp):
         return weighted_residual(x, mlp(block.mlp, branch_input, block.alpha2.gamma), None, block.drop_path2)
     return weighted_residual(x, block.mlp(branch_input), block.alpha2.gamma, block.drop_path2)
+
+
+def _residual_is_plain(alpha: nn.Module, drop_path: nn.Module) -> bool:
+    return is_plain_module(alpha, ResidualAlpha) and is_plain_module(drop_path, DropPath)
 
 
 def _mixer_is_plain(attn: nn.Module) -> bool:
@@ -107,14 +111,11 @@ def folded_alphas(block: nn.Module) -> list[ResidualAlpha]:
     ``lipsformer.training.weight_casts``.)"""
     if type(block) is not FastLipsFormerBlock:
         return []
-    alphas = []
-    if (is_plain_module(block.alpha1, ResidualAlpha) and is_plain_module(block.drop_path1, DropPath)
-            and _mixer_is_plain(block.attn) and is_plain_module(block.attn.proj, nn.Linear)):
-        alphas.append(block.alpha1)
-    if (is_plain_module(block.alpha2, ResidualAlpha) and is_plain_module(block.drop_path2, DropPath)
-            and mlp_is_plain(block.mlp)):
-        alphas.append(block.alpha2)
-    return alphas
+    # the conditions under which _attention_residual and _mlp_residual fold
+    attention_folds = (_residual_is_plain(block.alpha1, block.drop_path1) and _mixer_is_plain(block.attn)
+                       and is_plain_module(block.attn.proj, nn.Linear))
+    mlp_folds = _residual_is_plain(block.alpha2, block.drop_path2) and mlp_is_plain(block.mlp)
+    return [alpha for alpha, folds in ((block.alpha1, attention_folds), (block.alpha2, mlp_folds)) if folds]
 
 
 def _exact_gelu(module: nn.Module) -> bool:
