@@ -144,7 +144,7 @@ def test_weights_whose_bytes_changed_are_set_aside_on_resume_and_refused_by_vali
     run_dir = _copy(finished_run, tmp_path)
     newest = os.path.join(run_dir, 'checkpoints', 'epoch_0002')
     assert set(read_meta(newest)['sha256']) == {'model.safetensors', 'ema.safetensors', 'optimizer.pt',
-                                                'trainer_state.pt'}
+                                                'trainer_state.pt', 'rng_state_0.pt'}
     _flip_bytes(os.path.join(newest, 'model.safetensors'))
     assert validate_command.main(['--checkpoint', newest, '--data-layout', 'imagefolder',
                                   '--data-dir', os.path.join(data_dir, 'validation'), '--workers', '0']) == 2
@@ -158,6 +158,24 @@ def test_weights_whose_bytes_changed_are_set_aside_on_resume_and_refused_by_vali
     assert f'{newest} cannot be read (' in caplog.text and 'is not the file that was saved' in caplog.text
     assert 'resumed from ' + os.path.join(run_dir, 'checkpoints', 'step_00000008') in caplog.text
     assert os.listdir(os.path.join(run_dir, 'checkpoints', 'unreadable'))[0].startswith('epoch_0002-')
+
+
+def test_an_rng_state_that_is_not_the_one_saved_is_set_aside_on_resume(data_dir, finished_run, tmp_path, caplog):
+    """Another checkpoint's RNG state loads without complaint: the resumed run would draw other augmentations and
+    drop other paths than the run that saved it, under that checkpoint's name."""
+    run_dir = _copy(finished_run, tmp_path)
+    newest = os.path.join(run_dir, 'checkpoints', 'epoch_0002')
+    older = os.path.join(run_dir, 'checkpoints', 'step_00000008')
+    assert open(os.path.join(older, 'rng_state_0.pt'), 'rb').read() != open(os.path.join(newest, 'rng_state_0.pt'),
+                                                                             'rb').read()
+    shutil.copyfile(os.path.join(older, 'rng_state_0.pt'), os.path.join(newest, 'rng_state_0.pt'))
+    argv = [*_overrides(data_dir, **{'checkpoint.every_n_steps': 4, 'train.epochs': 3}), '--output', run_dir,
+            '--resume', 'auto']
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    assert f'{newest} cannot be read (' in caplog.text
+    assert "rng_state_0.pt' is not the file that was saved" in caplog.text
+    assert 'resumed from ' + older in caplog.text
 
 
 def test_a_resume_that_changes_the_preprocessing_is_refused_naming_the_keys(data_dir, finished_run, tmp_path, caplog):

@@ -5,7 +5,8 @@ A checkpoint folder holds ``model.safetensors`` (and ``ema.safetensors``): plain
 and plain data so they load with ``weights_only=True``); ``rng_state_<rank>.pt`` per process; and ``meta.json`` with
 the position in training (epoch, micro-batch within it, optimizer update), the best metric so far, the metrics history,
 the resolved config, the preprocessing the weights were trained with (``data_config``) and the SHA-256 of each file
-the main process wrote (``sha256``), checked whenever the checkpoint is read back (a resume, an evaluation).
+(``sha256``), checked whenever the checkpoint is read back (a resume: the files a process reads; an evaluation: the
+weights).
 
 Everything is first written into ``checkpoints/.tmp-<name>``, flushed to disk, and the folder is then renamed into
 place, so a process killed at any moment leaves every earlier checkpoint complete. An epoch's checkpoint is saved
@@ -61,8 +62,12 @@ FORMAT_VERSION = 1
 # The names the trainer gives its checkpoints: any other folder in checkpoints/ (a copy, notes) is the user's, and is
 # never taken for a checkpoint of the run, pruned or set aside (nor are the folders set_aside moves checkpoints into).
 CHECKPOINT_NAME = re.compile(r'^(?:epoch|step)_\d+$')
-# The files of a checkpoint the main process writes, whose SHA-256 meta.json records.
+# The files of a checkpoint the main process writes, whose SHA-256 meta.json records (with every process's RNG state).
 HASHED_FILES = ('model.safetensors', 'ema.safetensors', 'optimizer.pt', 'trainer_state.pt')
+
+
+def _rng_file(process_index: int) -> str:
+    return f'rng_state_{process_index}.pt'
 
 
 @dataclass
@@ -144,7 +149,7 @@ def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a process killed while saving
         os.makedirs(tmp_dir)
     accelerator.wait_for_everyone()
-    save_torch(capture_rng_state(), os.path.join(tmp_dir, f'rng_state_{accelerator.process_index}.pt'))
+    save_torch(capture_rng_state(), os.path.join(tmp_dir, _rng_file(accelerator.process_index)))
     model_state = model_state_dict(accelerator, objects.model)
     optimizer_state = optimizer_state_dict(accelerator, objects.model, objects.optimizer)
     if accelerator.is_main_process:
@@ -153,13 +158,14 @@ def save_checkpoint(run_dir: str, name: str, objects: TrainingObjects, progress:
             save_safetensors(objects.ema.module.state_dict(), os.path.join(tmp_dir, 'ema.safetensors'))
         save_torch(optimizer_state, os.path.join(tmp_dir, 'optimizer.pt'))
         save_torch(_trainer_state(objects), os.path.join(tmp_dir, 'trainer_state.pt'))
-        hashes = {file: file_sha256(os.path.join(tmp_dir, file)) for file in HASHED_FILES
+    accelerator.wait_for_everyone()  # every process's RNG state is written
+    if accelerator.is_main_process:
+        files = [*HASHED_FILES, *(_rng_file(index) for index in range(accelerator.num_processes))]
+        hashes = {file: file_sha256(os.path.join(tmp_dir, file)) for file in files
                   if os.path.isfile(os.path.join(tmp_dir, file))}
         meta = dict(format=FORMAT_VERSION, name=name, world_size=accelerator.num_processes,
                     progress=dataclasses.asdict(progress), sha256=hashes, **meta_extra)
         write_json(os.path.join(tmp_dir, META_FILE), meta)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
         replace_dir(tmp_dir, final_dir)
     accelerator.wait_for_everyone()
     return final_dir
@@ -190,7 +196,7 @@ def read_checkpoint(checkpoint_dir: str, process_index: int = 0) -> SavedState:
     """
     meta = read_meta(checkpoint_dir)
     ema_path = os.path.join(checkpoint_dir, 'ema.safetensors')
-    rng_path = os.path.join(checkpoint_dir, f'rng_state_{process_index}.pt')
+    rng_path = os.path.join(checkpoint_dir, _rng_file(process_index))
     saved = SavedState(  # weights saved from a wrapped model elsewhere load too
         folder=checkpoint_dir, meta=meta,
         model=strip_wrapper_prefixes(load_file(os.path.join(checkpoint_dir, 'model.safetensors'))),
@@ -198,7 +204,8 @@ def read_checkpoint(checkpoint_dir: str, process_index: int = 0) -> SavedState:
         trainer=load_file(os.path.join(checkpoint_dir, 'trainer_state.pt')),
         ema=strip_wrapper_prefixes(load_file(ema_path)) if os.path.isfile(ema_path) else None,
         rng=load_file(rng_path) if os.path.isfile(rng_path) else None)
-    check_file_hashes(checkpoint_dir, meta)  # after loading, whose errors say more about a truncated file
+    # after loading, whose errors say more about a truncated file
+    check_file_hashes(checkpoint_dir, meta, (*HASHED_FILES, _rng_file(process_index)))
     return saved
 
 
