@@ -171,4 +171,4 @@ def test_a_full_disk_is_one_line_and_status_4_with_nothing_left(tiny_file, tmp_p
         assert os.listdir(small) == []
     assert capsys.readouterr().err == (
         f'python -m lipsformer.hub.convert: error: {out} could not be written: No space left on device; nothing was '
-        f'written there (free space there, or give an OUT_DIR on another disk)\n')
+        f'written there (free space there, or give another OUT_DIR)\n')

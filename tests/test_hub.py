@@ -157,8 +157,8 @@ def test_a_card_into_a_read_only_export_is_one_line_and_status_4(run_dir, tmp_pa
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'Traceback' not in err
     assert re.fullmatch(rf'python -m lipsformer\.hub: error: {re.escape(export)}/(README\.md|plots/\w+\.png) could '
-                        r'not be written: (Read-only file system|Permission denied); make the export writable, or copy '
-                        r'it to a writable folder and write its card there\n', err), err
+                        r'not be written: (Read-only file system|Permission denied); fix the permissions, or copy the '
+                        r'export to another folder and write its card there\n', err), err
     assert not os.path.exists(os.path.join(export, 'README.md'))
 
 

@@ -5,11 +5,11 @@ such a card (naming the repository) to the Hugging Face Hub, and writes the card
 succeeded (without a token or a connection it stops first, the export unchanged).
 """
 import argparse
-import errno
 import logging
 import sys
 
 from ..utils.cli import command_name
+from ..utils.io import write_remedy
 from ..weights.weight_files import CheckpointError
 from .model_card import CardError, write_card
 from .upload import push
@@ -60,18 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except OSError as e:  # writing the card into the export (the upload's own failures are HubAccessErrors)
         print(f'{parser.prog}: error: {e.filename or "the card"!s} could not be written: {e.strerror or e}; '
-              f'{_remedy(e)}', file=sys.stderr)
+              f'{write_remedy(e, "copy the export to another folder and write its card there")}', file=sys.stderr)
         return EXIT_OS_ERROR
     return 0
 
-
-def _remedy(error: OSError) -> str:
-    """What to do about a card that could not be written, by the cause."""
-    if error.errno == errno.ENOSPC:
-        return 'free space on that disk, or copy the export to another folder and write its card there'
-    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return 'make the export writable, or copy it to a writable folder and write its card there'
-    return 'copy the export to another folder and write its card there'
 
 
 if __name__ == '__main__':

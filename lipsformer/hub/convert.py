@@ -12,7 +12,6 @@ name the model); ``--model`` names the architecture when nothing in or next to t
 over an authors' config. Files are read by :mod:`lipsformer.weights.weight_files`, which never runs pickled code.
 """
 import argparse
-import errno
 import logging
 import os
 import shutil
@@ -27,7 +26,7 @@ from timm.models import split_model_name_tag
 from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from ..evaluation.errors import EvaluationError
 from ..utils.cli import HelpFormatter, ModelKwargs, command_name
-from ..utils.io import os_error_in_chain, replace_dir, unwritable_file_reason
+from ..utils.io import os_error_in_chain, replace_dir, unwritable_file_reason, write_remedy
 from ..weights.model_folder import save_model_folder
 from ..weights.model_names import meant_argument, unaccepted_kwargs
 from ..weights.weight_files import CheckpointError, load_checkpoint_dict, load_file
@@ -231,13 +230,8 @@ def _write_failure(error: OSError, out_dir: str) -> str:
     where = os.path.dirname(out_dir)
     if error.filename and os.path.commonpath([os.path.abspath(error.filename), where]) != where:
         return f'{error.filename}: {error.strerror}'  # the source, or a file elsewhere
-    if error.errno == errno.ENOSPC:
-        remedy = 'free space there, or give an OUT_DIR on another disk'
-    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        remedy = 'fix the permissions, or give another OUT_DIR'
-    else:
-        remedy = 'give another OUT_DIR'
-    return f'{out_dir} could not be written: {error.strerror}; nothing was written there ({remedy})'
+    return (f'{out_dir} could not be written: {error.strerror}; nothing was written there '
+            f'({write_remedy(error, "give another OUT_DIR")})')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ string "unbounded". The report's first line says which weights were measured.
 EMA weights), and so is ``--model-kwargs``; a ``local-dir:`` model is its export folder, EMA weights included.
 """
 import argparse
-import errno
 import math
 import os
 import sys
@@ -20,7 +19,7 @@ import torch
 
 from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
 from ..utils.cli import HelpFormatter, ModelKwargs, command_name, ctrl_c_deferred
-from ..utils.io import unwritable_file_reason, write_json
+from ..utils.io import unwritable_file_reason, write_json, write_remedy
 from ..weights.model_names import create_model, expand_model_names, model_source
 from ..weights.weight_files import CheckpointError
 from .analysis import analyze
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_report(args.json, report)
         except OSError as e:
             print(f'{parser.prog}: error: the report could not be written to --json {args.json!r}: '
-                  f'{e.strerror or e}; it is printed above ({_remedy(e)})', file=sys.stderr)
+                  f'{e.strerror or e}; it is printed above ({write_remedy(e, "give another --json")})', file=sys.stderr)
             return 4
     return 0
 
@@ -206,12 +205,4 @@ def _write_report(path: str, report: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_json(path, to_json(report))
 
-
-def _remedy(error: OSError) -> str:
-    """What to do about a failed write, by its cause."""
-    if error.errno == errno.ENOSPC:
-        return 'free space, or give another --json'
-    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return 'fix the permissions, or give another --json'
-    return 'give another --json'
 

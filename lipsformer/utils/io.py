@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 __all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'fsync_dir', 'os_error_in_chain',
            'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
-           'unusable_folder_reason', 'unwritable_file_reason', 'write_json', 'write_text']
+           'unusable_folder_reason', 'unwritable_file_reason', 'write_json', 'write_remedy', 'write_text']
 
 _logger = logging.getLogger(__name__)
 
@@ -195,6 +195,16 @@ def os_error_in_chain(error: BaseException) -> OSError | None:
             return OSError(code, os.strerror(code))
         current = current.__cause__ or current.__context__
     return None
+
+
+def write_remedy(error: OSError, elsewhere: str) -> str:
+    """What to do about a write the system refused, by its cause: free space or fix the permissions where those are
+    the cause, or else ``elsewhere`` (how to write it somewhere else, as the command takes it)."""
+    if error.errno == errno.ENOSPC:
+        return f'free space there, or {elsewhere}'
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f'fix the permissions, or {elsewhere}'
+    return elsewhere
 
 
 def replace_dir(source: str, target: str) -> None:
