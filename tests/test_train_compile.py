@@ -25,7 +25,8 @@ import lipsformer.training.trainer as trainer
 from lipsformer.training import compilation, load_config, train
 from lipsformer.training.compilation import compiles, dynamo_plugin, effective_mode, keep_own_gradients
 from lipsformer.training.loop import EpochResult, EpochTally, _record_compile_time
-from lipsformer.training.train_state import Progress, file_sha256, optimizer_state_dict, set_optimizer_state
+from lipsformer.training.train_state import Progress, optimizer_state_dict, set_optimizer_state
+from lipsformer.utils.io import file_sha256
 from lipsformer.weights.weight_files import strip_wrapper_prefixes
 
 # Two updates of two micro-batches an epoch (48 images, batch 8, 6 micro-batches: 3 updates), clipping and the

@@ -9,7 +9,6 @@ records when several models were evaluated; the CSV has one row per model and da
 atomically, so an interrupted run never leaves a half-written results file over an earlier one.
 """
 import csv
-import hashlib
 import io
 import json
 import os
@@ -17,10 +16,10 @@ import platform
 from dataclasses import asdict
 from importlib import metadata
 
-from ..utils.io import write_text
+from ..utils.io import file_sha256, write_text
 from .dataset_passes import DatasetResult
 
-__all__ = ['file_sha256', 'package_versions', 'model_record', 'format_table', 'write_results']
+__all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
 
 _PACKAGES = ('lipsformer', 'timm', 'torch', 'torchvision', 'accelerate', 'pillow')
 _CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'classes', 'num_classes', 'top1', 'top5',
@@ -37,12 +36,6 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[package] = 'not installed'
     return versions
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of a file's bytes, as a hex string."""
-    with open(path, 'rb') as f:
-        return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def model_record(model_name: str, checkpoint: str | None, settings: dict, results: list[DatasetResult],

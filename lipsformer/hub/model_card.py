@@ -21,12 +21,11 @@ import torch
 from huggingface_hub import EvalResult, ModelCardData
 from timm.data import ImageNetInfo
 
-from ..evaluation.records import file_sha256
 from ..instruments.complexity import model_complexity
 from ..lipschitz.analysis import analyze
 from ..training import Config, ConfigError, load_config
 from ..training.run_files import METRICS_FILE
-from ..utils.io import JsonLines, atomic_path, read_json, write_text
+from ..utils.io import JsonLines, atomic_path, file_sha256, read_json, write_text
 from ..weights.weight_files import CheckpointError, check_state_dict, load_file, load_model_weights
 
 __all__ = ['CITATION', 'Card', 'CardError', 'ExportFolder', 'build_card', 'find_export', 'hub_dataset', 'render_card',

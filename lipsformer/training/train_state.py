@@ -24,7 +24,6 @@ depends neither on the order in which parameters were handed to the optimizer no
 states are plain tensors and numbers.
 """
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -45,11 +44,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..utils.io import fsync_dir, remove_dir, replace_dir, save_safetensors, save_torch, write_json
+from ..utils.io import file_sha256, fsync_dir, remove_dir, replace_dir, save_safetensors, save_torch, write_json
 from ..weights.weight_files import CheckpointError, check_state_dict, load_file, strip_wrapper_prefixes
 
 __all__ = ['Progress', 'SavedState', 'TrainingObjects', 'best_checkpoint', 'check_file_hashes', 'checkpoints_root',
-           'checkpoints_to_resume', 'damaged_checkpoints', 'file_sha256', 'is_sharded', 'latest_checkpoint',
+           'checkpoints_to_resume', 'damaged_checkpoints', 'is_sharded', 'latest_checkpoint',
            'list_checkpoints', 'mark_best', 'prune_checkpoints', 'read_checkpoint', 'read_meta', 'restore_best_pointer',
            'restore_checkpoint', 'save_checkpoint', 'set_aside', 'update_progress']
 
@@ -265,15 +264,6 @@ def read_meta(checkpoint_dir: str) -> dict[str, Any]:
     if meta.get('format') != FORMAT_VERSION or 'progress' not in meta:
         raise CheckpointError(f'{path!r} has an unknown checkpoint format {meta.get("format")!r}')
     return meta
-
-
-def file_sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes, as hex."""
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_file_hashes(checkpoint_dir: str, meta: dict[str, Any], files: tuple[str, ...] = HASHED_FILES) -> None:

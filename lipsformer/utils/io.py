@@ -13,6 +13,7 @@ system's error code become one, and :func:`os_error_in_chain` finds the one behi
 import contextlib
 import ctypes
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -26,7 +27,8 @@ from typing import IO, Any
 import torch
 from safetensors.torch import save_file
 
-__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'fsync_dir', 'os_error_in_chain',
+__all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'file_sha256', 'fsync_dir',
+           'os_error_in_chain',
            'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
            'unusable_folder_reason', 'unwritable_file_reason', 'write_json', 'write_remedy', 'write_text']
 
@@ -123,6 +125,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 def write_json(path: str | os.PathLike, data: Any, indent: int = 2) -> None:
     """Replace ``path`` with ``data`` as JSON atomically."""
     write_text(path, json.dumps(data, indent=indent) + '\n')
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, as a hex string."""
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def read_json(path: str | os.PathLike) -> Any:
