@@ -130,9 +130,12 @@ class _Convolutions(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.shapes = []  # (input, weight) of each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.name() == 'aten::convolution'
+        if func.name() == 'aten::convolution':
+            self.count += 1
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
         return func(*args, **(kwargs or {}))
 
 
@@ -148,6 +151,23 @@ def test_the_fast_form_convolves_both_halves_of_v_at_once_on_a_square_map(size, 
         fast = mixer.attend(x)
     assert counted.count == convolutions
     torch.testing.assert_close(fast, plain)
+
+
+@pytest.mark.parametrize('size', [6, 5])
+def test_one_token_stripes_are_convolved_by_the_kernels_middle_rows_without_zero_lines(size):
+    """Stripes one token wide (CSwin-T's first stage): beside each row only zeros, so the fast form convolves v itself
+    by a 1x3 kernel (the vertical half's middle column, transposed as its map is), half the map the zero lines would
+    make, and gives the plain form's values and gradients."""
+    mixer = _mixer(split=1)
+    x = torch.randn(2, size, size, 8, dtype=torch.float64)
+    plain, plain_grads = _values_and_gradients(mixer, mixer.attend, x)
+    in_form(mixer, True, 'cpu')
+    with _Convolutions() as counted:
+        fast, fast_grads = _values_and_gradients(mixer, mixer.attend, x)
+    assert counted.shapes[0] == ((2, 8, size, size), (8, 1, 1, 3))
+    torch.testing.assert_close(fast, plain)
+    for mine, reference in zip(fast_grads, plain_grads):
+        torch.testing.assert_close(mine, reference)
 
 
 @pytest.mark.parametrize('fast', [False, True])

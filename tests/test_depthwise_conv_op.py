@@ -257,6 +257,11 @@ def _lepe_pairs(model: torch.nn.Module) -> int:
     return sum(1 for module in model.modules() if getattr(module, 'two_branches', False))
 
 
+def _one_token_lepe_pairs(model: torch.nn.Module) -> int:
+    """Those of :func:`_lepe_pairs` with stripes one token wide, which convolve by a 1x3 kernel (not the op's)."""
+    return sum(1 for module in model.modules() if getattr(module, 'two_branches', False) and module.split_size == 1)
+
+
 class _OpRecorder:
     """Counts the ops a call dispatches, not those that a lipsformer op's own implementation dispatches."""
 
@@ -325,10 +330,12 @@ def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_co
     with _OpRecorder() as recorder:
         logits = model(x)
         logits.logsumexp(-1).sum().backward()
-    calls = len(convs) - _lepe_pairs(model)  # a square map's two LePE convolutions are one in the fast form
+    # a square map's two LePE convolutions are one in the fast form, a 1x3 one for stripes one token wide
+    calls = len(convs) - _lepe_pairs(model) - _one_token_lepe_pairs(model)
     assert recorder.count('lipsformer::depthwise_conv2d') == calls
     assert recorder.count('lipsformer::depthwise_conv2d_backward') == calls
     assert not any(recorder.convolutions((k, k), depthwise=True) for k in (3, 7))
+    assert recorder.convolutions((1, 3), depthwise=True) == _one_token_lepe_pairs(model) == ('cswin' in name)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     plain_logits = plain(x)
     plain_logits.logsumexp(-1).sum().backward()
@@ -366,7 +373,8 @@ def test_a_hooked_or_wrapped_depthwise_conv_is_called_as_its_module(kernel_on_cp
         model(torch.randn(1, 3, 64, 64))
     handle.remove()
     assert seen == [torch.Size([1, 16, 16, 16])]  # NCHW, as nn.Conv2d takes it
-    assert recorder.count('lipsformer::depthwise_conv2d') == len(convs) - 1 - _lepe_pairs(model)
+    calls = len(convs) - 1 - _lepe_pairs(model) - _one_token_lepe_pairs(model)
+    assert recorder.count('lipsformer::depthwise_conv2d') == calls
 
 
 def test_the_kernel_is_the_fast_form_s_and_timms_exportable_config_keeps_it_out(kernel_on_cpu):

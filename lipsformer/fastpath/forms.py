@@ -185,7 +185,7 @@ class FastCrossStripeAttention(CrossStripeAttention):
     """CSwin's attention in a fast form: on a square map, where both branches' LePE convolutions are plain
     (:func:`_lepe_merges`), the two are one depthwise convolution over the stacked v, the vertical half's kernel
     transposed as its map is. The same sums: each branch's kernel over its own channels, zeros at the stripes'
-    borders."""
+    borders (for stripes one token wide, the kernels' middle rows over v itself: a 1x3 convolution)."""
 
     @torch.jit.unused  # the blocks of a fast form refuse TorchScript
     def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
@@ -198,11 +198,14 @@ class FastCrossStripeAttention(CrossStripeAttention):
         vertical, horizontal = self.branches[0].lepe, self.branches[1].lepe
         weight = torch.cat([vertical.weight.transpose(2, 3), horizontal.weight])
         bias = None if vertical.bias is None else torch.cat([vertical.bias, horizontal.bias])
-        positional_input, apart, stripe = lepe_input(v, split, size)
-        if depthwise_kernel_applies(vertical, positional_input[..., :vertical.in_channels]):  # as the module would
-            positional = depthwise_conv2d_op(positional_input, weight, bias)
+        if split == 1:  # one-token stripes: with a zero line beside every row, the kernel's middle row alone adds up
+            positional_input, apart, stripe, weight, padding = v.contiguous(), -1, 1, weight[:, :, 1:2], (0, 1)
         else:
-            positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias, padding=1,
+            (positional_input, apart, stripe), padding = lepe_input(v, split, size), (1, 1)
+        if padding == (1, 1) and depthwise_kernel_applies(vertical, positional_input[..., :vertical.in_channels]):
+            positional = depthwise_conv2d_op(positional_input, weight, bias)  # where the module would run the op
+        else:
+            positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias, padding=padding,
                                   groups=weight.shape[0]).permute(0, 2, 3, 1)
         x = lepe_sum(attended, positional, apart, stripe, self.branches[0].head_scale, size, size)
         x_vertical, x_horizontal = x.unflatten(-1, [2, -1]).unbind(3)
