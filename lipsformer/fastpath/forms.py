@@ -198,15 +198,16 @@ class FastCrossStripeAttention(CrossStripeAttention):
         vertical, horizontal = self.branches[0].lepe, self.branches[1].lepe
         weight = torch.cat([vertical.weight.transpose(2, 3), horizontal.weight])
         bias = None if vertical.bias is None else torch.cat([vertical.bias, horizontal.bias])
-        if split == 1:  # one-token stripes: with a zero line beside every row, the kernel's middle row alone adds up
-            positional_input, apart, stripe, weight, padding = v.contiguous(), -1, 1, weight[:, :, 1:2], (0, 1)
+        one_token = split == 1  # with a zero line beside every row, the kernels' middle rows alone add up
+        if one_token:
+            positional_input, apart, stripe, weight = v, -1, 1, weight[:, :, 1:2]
         else:
-            (positional_input, apart, stripe), padding = lepe_input(v, split, size), (1, 1)
-        if padding == (1, 1) and depthwise_kernel_applies(vertical, positional_input[..., :vertical.in_channels]):
+            positional_input, apart, stripe = lepe_input(v, split, size)
+        if not one_token and depthwise_kernel_applies(vertical, positional_input[..., :vertical.in_channels]):
             positional = depthwise_conv2d_op(positional_input, weight, bias)  # where the module would run the op
         else:
-            positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias, padding=padding,
-                                  groups=weight.shape[0]).permute(0, 2, 3, 1)
+            positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias,
+                                  padding=(0, 1) if one_token else 1, groups=weight.shape[0]).permute(0, 2, 3, 1)
         x = lepe_sum(attended, positional, apart, stripe, self.branches[0].head_scale, size, size)
         x_vertical, x_horizontal = x.unflatten(-1, [2, -1]).unbind(3)
         return torch.cat([x_vertical.transpose(1, 2), x_horizontal], dim=-1)

@@ -204,5 +204,3 @@ def _write_report(path: str, report: dict[str, Any]) -> None:
     """Write the JSON report atomically, creating its folder as validate.py and the benchmark do."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_json(path, to_json(report))
-
-

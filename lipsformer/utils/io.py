@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import save_file
 
 __all__ = ['JsonLines', 'atomic_open', 'atomic_path', 'default_file_mode', 'file_sha256', 'fsync_dir',
-           'os_error_in_chain',
-           'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir', 'save_safetensors', 'save_torch',
-           'unusable_folder_reason', 'unwritable_file_reason', 'write_json', 'write_remedy', 'write_text']
+           'os_error_in_chain', 'read_json', 'remove_dir', 'remove_stale_temporaries', 'replace_dir',
+           'save_safetensors', 'save_torch', 'unusable_folder_reason', 'unwritable_file_reason', 'write_json',
+           'write_remedy', 'write_text']
 
 _logger = logging.getLogger(__name__)
 
