@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lipsformer.instruments import gpu_check
 from lipsformer.instruments.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_gpu_report
@@ -424,16 +425,36 @@ def test_script_leaves_an_earlier_report_and_says_it_is_not_this_run_s(tmp_path)
     assert f"before writing its report; {out / 'gpu_check.md'} is an earlier run's, left as it was" in completed.stderr
 
 
+class _DepthwiseConvolutions(TorchDispatchMode):
+    """Counts the depthwise convolutions dispatched, by NHWC input shape and kernel size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[tuple, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default and args[1].shape[1] == 1:
+            key = (tuple(args[0].permute(0, 2, 3, 1).shape), tuple(args[1].shape[2:]))
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize('name', gpu_check.CONV_MODELS)
-def test_the_conv_step_times_every_depthwise_convolution_of_the_model_once_a_shape(name):
+def test_the_conv_step_times_every_square_depthwise_convolution_the_fast_form_runs_once_a_shape(name):
+    """Against the convolutions a forward of the fast form made for CUDA dispatches (on the CPU, batch 1): stage 1 of
+    CSwin-T convolves its one-token stripes 1x3, which the op does not take."""
     import timm
-    model = timm.create_model(name, device='meta')
-    shapes = gpu_check.conv_shapes(name, batch=4)
-    modules = [module for module in model.modules() if isinstance(module, torch.nn.Conv2d) and module.groups > 1]
-    assert sum(entry['calls'] for entry in shapes) == len(modules)
-    assert len({(tuple(entry['shape']), entry['kernel']) for entry in shapes}) == len(shapes)
-    if name == 'lipsformer_cswin_tiny':  # stage 1: 1-wide stripes of the 56x56 map, half of the 64 channels each
-        assert {'stage': 1, 'what': 'LePE, vertical', 'shape': [4 * 56, 56, 1, 32], 'kernel': 3, 'calls': 1} in shapes
+
+    from lipsformer.fastpath import to_fast_form
+    model = to_fast_form(timm.create_model(name), 'cuda').eval()
+    with torch.no_grad(), _DepthwiseConvolutions() as dispatched:
+        model(torch.randn(1, 3, 224, 224))
+    shapes = gpu_check.conv_shapes(name, batch=1)
+    listed = {(tuple(entry['shape']), (entry['kernel'],) * 2): entry['calls'] for entry in shapes}
+    assert len(listed) == len(shapes)
+    one_by_three = {key: calls for key, calls in dispatched.counts.items() if key[1] == (1, 3)}
+    assert listed == {key: calls for key, calls in dispatched.counts.items() if key not in one_by_three}
+    assert one_by_three == ({((1, 56, 56, 64), (1, 3)): 1} if name == 'lipsformer_cswin_tiny' else {})
 
 
 def test_the_conv_sweep_times_every_tiling_of_each_pass_against_the_default_and_aten():

@@ -324,8 +324,11 @@ def environment_facts() -> dict[str, Any]:
 
 
 def conv_shapes(name: str, batch: int, img_size: int = 224) -> list[dict[str, Any]]:
-    """The depthwise convolutions one forward of the model ``name`` runs at ``img_size``, stage by stage: its conv
-    shortcuts' maps and, in CSwin, each LePE branch's stripes, as NHWC shapes with their kernel size and count."""
+    """The depthwise convolutions a forward of the model ``name``'s fast form runs at ``img_size`` with square
+    kernels, stage by stage: its conv shortcuts' maps and, in CSwin, each block's one LePE convolution (both branches'
+    v stacked, over the map with a zero line after each stripe, or the whole map where one branch covers it), as NHWC
+    shapes with their kernel size and count. Stripes one token wide are convolved 1x3, a kernel the op does not take,
+    and are left out."""
     import timm
 
     import lipsformer  # noqa: F401  (registers the models)
@@ -341,16 +344,12 @@ def conv_shapes(name: str, batch: int, img_size: int = 224) -> list[dict[str, An
             if not shapes or {**shapes[-1], 'calls': 0} != row:
                 shapes.append(row)
             shapes[-1]['calls'] += blocks
-        for branch_index, branch in enumerate(getattr(block.attn, 'branches', [])):
-            channels, split = branch.lepe.in_channels, block.attn.split_size
-            if not block.attn.two_branches:
-                stripes, stripe = 1, (size, size)
-            else:
-                stripes = -(-size // split)
-                stripe = (size, split) if branch_index == 0 else (split, size)
-            what = 'vertical' if stripe[1] < size else 'horizontal' if stripe[0] < size else 'whole map'
-            shapes.append({'stage': index + 1, 'what': f'LePE, {what}', 'shape': [batch * stripes, *stripe, channels],
-                           'kernel': branch.lepe.kernel_size[0], 'calls': blocks})
+        branches, split = getattr(block.attn, 'branches', []), getattr(block.attn, 'split_size', size)
+        if branches and (len(branches) == 1 or split > 1):
+            lines, what = (size, 'whole map') if len(branches) == 1 else (size + -(-size // split), 'stripes apart')
+            shapes.append({'stage': index + 1, 'what': f'LePE, {what}',
+                           'shape': [batch, lines, size, sum(branch.lepe.in_channels for branch in branches)],
+                           'kernel': branches[0].lepe.kernel_size[0], 'calls': blocks})
     return shapes
 
 
