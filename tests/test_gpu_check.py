@@ -2,6 +2,7 @@
 and the step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -352,7 +353,7 @@ def test_the_default_budget_keeps_the_autotuning_conv_and_eager_rows(tmp_path):
     results = run_steps(steps, gpu_check.DEFAULT_BUDGET_S, clock=lambda: now[0], runner=runner)
     ran = [result.name for result in results if result.status == 'ok']
     assert ran == ['environment', 'eager training, cuDNN autotuning on', 'eager training, cuDNN autotuning off',
-                   'depthwise convolutions, op against cuDNN', 'eager benchmark']
+                   'custom ops against stock kernels', 'eager benchmark']
     skipped = [result.name for result in results if result.status == 'skipped']
     assert skipped[0] == 'tests/test_cuda.py, without compilation' and len(skipped) == len(steps) - len(ran)
     assert now[0] <= gpu_check.DEFAULT_BUDGET_S - gpu_check.RESERVE_S
@@ -476,3 +477,29 @@ def test_the_conv_sweep_times_every_tiling_of_each_pass_against_the_default_and_
                        'weight gradient': ['default', *gpu_check.WEIGHT_GRAD_TILINGS]}
     table = gpu_check._sweep_table(report)
     assert table.startswith('Not every shape (the budget ran out)') and table.count('| 1 | conv shortcut |') == 3
+
+
+@pytest.mark.parametrize('name', gpu_check.CONV_MODELS)
+def test_the_l2_step_reads_q_and_k_of_every_block_laid_out_as_the_projection(name):
+    """Two calls a block (q and k); in Swin-T's first stage each window's q is a (heads, tokens, head dim) view of the
+    qkv projection, whose tokens are 3 x 96 values apart."""
+    import timm
+    blocks = sum(len(stage.blocks) for stage in timm.create_model(name, device='meta').stages)
+    inputs = gpu_check.l2_normalize_inputs(name, batch=2)
+    assert sum(entry['calls'] for entry in inputs) == 2 * blocks
+    if name == 'lipsformer_swin_tiny':
+        assert inputs[0] == {'shape': [2 * 64, 3, 49, 32], 'strides': [49 * 288, 32, 288, 1], 'calls': 4}
+
+
+def test_the_l2_benchmark_times_both_passes_against_pytorch_with_their_errors_to_float64():
+    report = gpu_check.l2_normalize_benchmark(batch=1, device='cpu', precision='fp32', repeats=1,
+                                              models=('lipsformer_swin_tiny',))
+    inputs = gpu_check.l2_normalize_inputs('lipsformer_swin_tiny', batch=1)
+    assert [(row['shape'], row['pass']) for row in report['rows']] == [
+        (entry['shape'], pass_name) for entry in inputs for pass_name in ('forward', 'backward')]
+    for row in report['rows']:
+        assert row['op_relative_error'] < 1e-6 and row['plain_relative_error'] < 1e-6
+        assert row['bytes'] == (2 if row['pass'] == 'forward' else 3) * 4 * math.prod(row['shape'])
+        assert row['speedup'] == row['plain_ms'] / row['op_ms']
+    table = gpu_check._l2_table(report)
+    assert table.count('| `lipsformer_swin_tiny` |') == len(report['rows'])

@@ -24,7 +24,7 @@ DEFAULT_DEVICES = frozenset({'cpu', 'cuda'})
 # docs/performance.md measures it faster than the module's own kernels; set_fast_path(True) runs each wherever it has
 # a kernel.
 KERNEL_DEFAULT_DEVICES: dict[str, frozenset[str]] = {
-    'depthwise_conv2d': frozenset(),  # lipsformer::depthwise_conv2d's Triton kernels: not yet timed on a GPU
+    'depthwise_conv2d': frozenset(),  # lipsformer::depthwise_conv2d's Triton kernels: slower than cuDNN's on a GPU
 }
 
 

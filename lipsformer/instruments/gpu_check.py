@@ -9,10 +9,12 @@ the budget (and says so in the report):
    LipsFormer models, bf16, batch 128, once with ``--cudnn-benchmark`` and once with ``--no-cudnn-benchmark``, each in
    a process of its own (cuDNN keeps the kernel it picked for a shape for the rest of the process, so the two cannot
    share one): what autotuning gains on the depthwise 7x7 convolutions, and what its first step costs;
-3. the depthwise convolutions of both tiny models, stage by stage (bf16, batch 128): each pass of
-   ``lipsformer::depthwise_conv2d`` (forward, input gradient, weight and bias gradient) against cuDNN's (ATen's)
+3. the custom ops against the stock kernels they stand for, on both tiny models' shapes (bf16, batch 128): each pass
+   of ``lipsformer::depthwise_conv2d`` (forward, input gradient, weight and bias gradient) against cuDNN's (ATen's)
    convolution of the same shape, their times, achieved GB/s as a fraction of the card's bandwidth (datasheet and a
-   measured device copy) and the op's error against cuDNN's result (:func:`depthwise_conv_benchmark`);
+   measured device copy) and the op's error against cuDNN's result (:func:`depthwise_conv_benchmark`); and
+   ``lipsformer::l2_normalize`` forward and backward against ``F.normalize`` and its autograd backward on the q and k
+   layouts of the fast forms (:func:`l2_normalize_benchmark`);
 4. the eager benchmark: timm's Swin-T and ConvNeXt-T and both tiny LipsFormer models, fast path on and off, bf16
    autocast, batch 128, 224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary
    of each model and mode (``python -m lipsformer.instruments.benchmark --profile``);
@@ -59,8 +61,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'depthwise_conv_sweep',
-           'environment_facts', 'guard', 'main',
-           'plan_steps', 'run_steps', 'write_gpu_report']
+           'environment_facts', 'guard', 'l2_normalize_benchmark', 'l2_normalize_inputs', 'main', 'plan_steps',
+           'run_steps', 'write_gpu_report']
 
 # timm's models as timm's train.py trains them: autocast casting each weight at its use (the package's training step
 # casts them together, lipsformer.training.weight_casts), the LipsFormer models' own default drop path. ConvNeXt-T is
@@ -204,7 +206,7 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                 '--json', str(work_dir / f'cudnn_{state}.json')],
                estimates[f'cudnn_{state}'], 180, 'cudnn', str(work_dir / f'cudnn_{state}.json'))
           for state in ('on', 'off')],
-        Step('depthwise convolutions, op against cuDNN',
+        Step('custom ops against stock kernels',
              [python, '-m', 'lipsformer.instruments.gpu_check', '--conv-benchmark', str(work_dir / 'conv.json'), *conv],
              estimates['conv'], 180, 'conv', str(work_dir / 'conv.json')),
         Step('eager benchmark', [*benchmark, '--models', ','.join(eager_models), '--mode', 'infer,train', *common,
@@ -482,6 +484,115 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
             'copy_bandwidth': measured, 'cudnn_benchmark': torch.backends.cudnn.benchmark, 'rows': rows}
 
 
+def l2_normalize_inputs(name: str, batch: int, img_size: int = 224) -> list[dict[str, Any]]:
+    """The q and k inputs of ``lipsformer::l2_normalize`` in a training forward of the model ``name``'s fast form at
+    ``img_size``: each distinct (shape, strides), the leading (windows or stripes) dimension scaled to ``batch``
+    images, with the calls a forward makes. Read from the op's calls in a forward of the fast form on the CPU (batch
+    1, parameters requiring gradients, where the op runs as on a GPU), so that the layouts are the models' own: views
+    of the qkv projection, tokens before heads."""
+    import timm
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lipsformer  # noqa: F401  (registers the models)
+    from lipsformer.fastpath import to_fast_form
+
+    calls: dict[tuple, int] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.lipsformer.l2_normalize.default:
+                key = (tuple(args[0].shape), args[0].stride())
+                calls[key] = calls.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    model = to_fast_form(timm.create_model(name, img_size=img_size), 'cuda')
+    with Record():
+        model(torch.randn(1, 3, img_size, img_size))
+    return [{'shape': [shape[0] * batch, *shape[1:]], 'strides': list(strides), 'calls': count}
+            for (shape, strides), count in calls.items()]
+
+
+def l2_normalize_benchmark(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 20,
+                           models: tuple[str, ...] = CONV_MODELS, tau: float = 10.0) -> dict[str, Any]:
+    """SCSA's q/k normalisation, forward and backward, through ``lipsformer::l2_normalize`` (one Triton kernel a pass
+    on a GPU) against the plain model's ``F.normalize`` and autograd's backward of it, on every input layout of
+    ``models``' fast forms (:func:`l2_normalize_inputs`): median times, the bytes each pass must move (forward: x read,
+    y written; backward: the gradient and y read, x's gradient written), GB/s against a measured device copy, and
+    each pass's error relative to a float64 reference. Inputs rotate among copies as in
+    :func:`depthwise_conv_benchmark`."""
+    import torch
+    import torch.nn.functional as F
+
+    from lipsformer.fastpath import l2_normalize_op
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
+    copy_bytes, copy_ms = _copy_time(device, repeats)
+    measured = 2 * copy_bytes / (copy_ms / 1e3)
+    op, op_backward, eps = torch.ops.lipsformer.l2_normalize, torch.ops.lipsformer.l2_normalize_backward, 1e-12
+    rows = []
+    for name in models:
+        for entry in l2_normalize_inputs(name, batch):
+            shape, strides = entry['shape'], entry['strides']
+            span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+            value_bytes = math.prod(shape) * dtype.itemsize
+            copies = max(1, min(8, -(-2 ** 28 // (span * dtype.itemsize))))
+            xs = [torch.randn(span, device=device, dtype=dtype).as_strided(shape, strides) for _ in range(copies)]
+            gs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
+            turn = iter(range(10 ** 9))
+            ys = [op(x, eps, tau) for x in xs]
+            graphs = []
+            for x in xs:
+                leaf = x.detach().requires_grad_()
+                graphs.append((leaf, F.normalize(leaf, dim=-1, eps=eps) * tau))
+
+            def pick(index=None):
+                return next(turn) % copies if index is None else index
+
+            def op_backward_call(index=None):
+                index = pick(index)
+                return op_backward(gs[index], ys[index][0], ys[index][1], eps, tau)
+
+            def plain_backward_call(index=None):
+                index = pick(index)
+                leaf, y = graphs[index]
+                return torch.autograd.grad(y, leaf, gs[index], retain_graph=True)[0]
+
+            x64 = xs[0].double().requires_grad_()
+            y64 = F.normalize(x64, dim=-1) * tau
+            expected = {'forward': y64.detach(),
+                        'backward': torch.autograd.grad(y64, x64, gs[0].double())[0]}
+            results = {'forward': (op(xs[0], eps, tau)[0], F.normalize(xs[0], dim=-1, eps=eps) * tau),
+                       'backward': (op_backward_call(0), plain_backward_call(0))}
+            calls = {'forward': (lambda: op(xs[pick()], eps, tau),
+                                 lambda: F.normalize(xs[pick()], dim=-1, eps=eps) * tau),
+                     'backward': (op_backward_call, plain_backward_call)}
+            for pass_name, (op_call, plain_call) in calls.items():
+                moved = (2 if pass_name == 'forward' else 3) * value_bytes
+                op_ms, plain_ms = _median_ms(op_call, device, repeats), _median_ms(plain_call, device, repeats)
+                ours, plain = results[pass_name]
+                rows.append({'model': name, **entry, 'pass': pass_name, 'op_ms': op_ms, 'plain_ms': plain_ms,
+                             'speedup': plain_ms / op_ms, 'bytes': moved,
+                             'op_fraction_of_copy': moved / (op_ms / 1e3) / measured,
+                             'op_relative_error': _relative_error(ours, expected[pass_name].float()),
+                             'plain_relative_error': _relative_error(plain, expected[pass_name].float())})
+    return {'batch': batch, 'device': device, 'precision': precision, 'tau': tau, 'copy_bandwidth': measured,
+            'triton': l2_normalize_op.triton_available(torch.empty(0, device=device, dtype=dtype)), 'rows': rows}
+
+
+def _l2_table(report: dict) -> str:
+    lines = [f'A device copy moved {report["copy_bandwidth"] / 1e12:.2f} TB/s (bytes read and written); the forward '
+             f'moves two tensors of the shape, the backward three. Time per call (median), the op '
+             f'({"Triton" if report["triton"] else "PyTorch"}) against `F.normalize` and autograd\'s backward of it.',
+             '', '| model | shape (strides) | calls/step | pass | op (ms) | PyTorch (ms) | PyTorch/op | op of copy | '
+             'rel. error: op, PyTorch |', '|---|---|---:|---|---:|---:|---:|---:|---|']
+    for row in report['rows']:
+        lines.append(f'| `{row["model"]}` | {"x".join(map(str, row["shape"]))} ({", ".join(map(str, row["strides"]))})'
+                     f' | {row["calls"]} | {row["pass"]} | {row["op_ms"]:.3f} | {row["plain_ms"]:.3f} | '
+                     f'{row["speedup"]:.2f}x | {row["op_fraction_of_copy"]:.0%} | {row["op_relative_error"]:.1e}, '
+                     f'{row["plain_relative_error"]:.1e} |')
+    return '\n'.join(lines)
+
+
 def depthwise_conv_sweep(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 10,
                          models: tuple[str, ...] = CONV_MODELS, budget_s: float = 150.0) -> dict[str, Any]:
     """The op's passes under each tiling of :data:`CONVOLVE_TILINGS` (forward, input gradient) and
@@ -715,6 +826,9 @@ def write_gpu_report(results: list[StepResult], out_dir: Path, budget_s: float, 
                'timing of cuDNN\'s kernels.', '', cudnn_table]
     if conv:
         md += ['', '## Depthwise convolutions: lipsformer::depthwise_conv2d against ATen', '', _conv_table(conv)]
+        if conv.get('l2_normalize'):
+            md += ['', '## q/k normalisation: lipsformer::l2_normalize against PyTorch', '',
+                   _l2_table(conv['l2_normalize'])]
     if eager:
         md += ['', '## Eager, interleaved in one process', '',
                'Images/s with the ratio to the first model and, in brackets, the median (interquartile range) of the '
@@ -786,8 +900,9 @@ def main(argv: list[str] | None = None) -> int:
         set_cudnn_benchmark(args.cudnn_benchmark)  # ATen's side of the timings
     if args.conv_benchmark is not None:
         report = depthwise_conv_benchmark(args.batch_size, args.device, args.precision, args.repeats)
+        report['l2_normalize'] = l2_normalize_benchmark(args.batch_size, args.device, args.precision, args.repeats)
         args.conv_benchmark.write_text(json.dumps(report, indent=1) + '\n')
-        print(_conv_table(report))
+        print(_conv_table(report), _l2_table(report['l2_normalize']), sep='\n\n')
         return 0
     if args.conv_sweep is not None:
         report = depthwise_conv_sweep(args.batch_size, args.device, args.precision, args.repeats,
