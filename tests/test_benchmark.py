@@ -19,10 +19,10 @@ from lipsformer.instruments.benchmark import (
     ModelSpec,
     _build,
     _make_step,
-    format_table,
     interleaved_order,
     main,
     parse_model_specs,
+    report_table,
     run_benchmark,
     saved_activations_mb,
 )
@@ -84,7 +84,7 @@ def test_ratio_spread_pairs_the_models_of_each_repeat(report):
 
 
 def test_the_table_shows_each_row_with_its_paired_ratio(report):
-    text, markdown = format_table(report).splitlines(), format_table(report, markdown=True).splitlines()
+    text, markdown = report_table(report).splitlines(), report_table(report, markdown=True).splitlines()
     assert len(text) == 1 + len(report['results']) and len(markdown) == 2 + len(report['results'])
     assert 'paired ratio (IQR)' in text[0]
     for line, row in zip(markdown[2:], report['results']):
@@ -588,7 +588,7 @@ def test_a_compiled_model_is_timed_beside_its_eager_form(monkeypatch):
     # compiled, lipsformer.fastpath steps aside for the plain graph
     assert (eager['fast_path'], compiled['fast_path']) == (True, False)
     assert torch._dynamo.utils.counters['stats']['unique_graphs'] >= 1  # dynamo traced the compiled model
-    assert format_table(report).splitlines()[2].split()[-2:] == ['regional,', 'default']
+    assert report_table(report).splitlines()[2].split()[-2:] == ['regional,', 'default']
     torch._dynamo.reset()
 
 

@@ -96,7 +96,7 @@ def test_triton_l2_normalize_equals_f_normalize(dtype):
     qkv = torch.randn(256, 49, 3, 4, 32, device=DEVICE, dtype=dtype)
     q = qkv.permute(2, 0, 3, 1, 4)[0].requires_grad_()
     reference = q.detach().float().requires_grad_()
-    assert l2_normalize_op.triton_available(q)
+    assert l2_normalize_op.l2_normalize_kernels_run_on(q)
     y = l2_normalize_op.l2_normalize_op(q, 1e-12, 12.0)
     expected = F.normalize(reference, dim=-1) * 12.0
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -224,7 +224,7 @@ def test_triton_l2_normalize_of_a_zero_row_is_zero(dtype):
     x = torch.randn(2, 49, 32, device=DEVICE, dtype=dtype)
     x[:, 40:] = 0.0
     x.requires_grad_()
-    assert l2_normalize_op.triton_available(x)
+    assert l2_normalize_op.l2_normalize_kernels_run_on(x)
     y = l2_normalize_op.l2_normalize_op(x, 2.0 ** -14, 10.0)
     assert torch.isfinite(y).all() and not y[:, 40:].any()
     grad = torch.randn_like(y)
@@ -247,7 +247,7 @@ def test_triton_depthwise_conv2d_equals_cudnn(shape, kernel_size, dtype):
     x = torch.randn(shape, device=DEVICE, dtype=dtype)
     weight = torch.randn(channels, 1, kernel_size, kernel_size, device=DEVICE, dtype=dtype) / kernel_size
     bias = torch.randn(channels, device=DEVICE, dtype=dtype)
-    assert depthwise_conv_op.triton_available(x)
+    assert depthwise_conv_op.depthwise_kernels_run_on(x)
     ours = [t.clone().requires_grad_() for t in (x, weight, bias)]
     exact = [t.double().requires_grad_() for t in (x, weight, bias)]
     y = depthwise_conv_op.depthwise_conv2d_op(*ours)

@@ -140,3 +140,33 @@ def test_no_two_modules_share_a_file_name():
     assert len(by_name) > 20, 'the test reads no source'
     shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in SHARED_MODULE_NAMES}
     assert not shared, f'modules that share a file name: {shared}'
+
+
+# Names every command or timm model file defines for itself, by convention: a command's entry point and parser, a
+# model file's checkpoint filter and pretrained configs (as timm's model files do).
+CONVENTIONAL_NAMES = {'main', 'parse_args', 'checkpoint_filter_fn', 'default_cfgs'}
+
+
+def _public_definitions(path: Path) -> list[str]:
+    """The public names a module defines at its top level: functions, classes and assigned constants."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names += [target.id for target in node.targets if isinstance(target, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.append(node.target.id)
+    return [name for name in names if not name.startswith('_')]
+
+
+def test_no_public_name_is_defined_in_two_modules():
+    """One name, one thing: a public function, class or constant defined in two modules is either one concept
+    written twice (it belongs in one place) or two concepts under one name (one of them wants another)."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE_DIR.rglob('*.py')):
+        for name in _public_definitions(path):
+            by_name.setdefault(name, []).append(str(path.relative_to(PACKAGE_DIR.parent)))
+    assert len(by_name) > 200, 'the test reads no source'
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in CONVENTIONAL_NAMES}
+    assert not shared, f'public names defined in more than one module: {shared}'

@@ -19,7 +19,7 @@ from importlib import metadata
 from ..utils.io import file_sha256, write_text
 from .dataset_passes import DatasetResult
 
-__all__ = ['package_versions', 'model_record', 'format_table', 'write_results']
+__all__ = ['model_record', 'package_versions', 'results_table', 'write_results']
 
 _PACKAGES = ('lipsformer', 'timm', 'torch', 'torchvision', 'accelerate', 'pillow')
 _CSV_RESULT_FIELDS = ('dataset', 'name', 'path', 'images', 'count', 'classes', 'num_classes', 'top1', 'top5',
@@ -67,7 +67,7 @@ def _percent(value: float | None) -> str:
     return '-' if value is None else f'{value:.3f}'
 
 
-def format_table(records: list[dict]) -> str:
+def results_table(records: list[dict]) -> str:
     """A plain-text table, one line per model and data set."""
     header = ('model', 'dataset', 'name', 'images', 'count', 'skipped', 'classes', 'top1', 'top5', 'img/s')
     rows = [header]

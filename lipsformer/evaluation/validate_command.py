@@ -29,7 +29,7 @@ from .dataset_passes import DataRequest, PlannedPass, evaluate, plan_datasets
 from .errors import EvaluationError
 from .predict import InferenceSettings
 from .real import load_real_labels
-from .records import format_table, model_record, write_results
+from .records import model_record, results_table, write_results
 
 __all__ = ['build_validate_parser', 'run', 'main']
 
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     except ResultsNotWrittenError as e:
         records, accelerator, write_error = e.records, e.accelerator, e
     if accelerator.is_main_process:
-        print(format_table(records))
+        print(results_table(records))
         if write_error is not None:
             print(f'{parser.prog}: error: {write_error}', file=sys.stderr)
         elif args.results_file:

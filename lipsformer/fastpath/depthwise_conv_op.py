@@ -48,7 +48,7 @@ from .lean_autograd import differentiate_plain, lean_backward
 from .triton_device import TRITON_DTYPES, triton_device
 
 __all__ = ['KERNEL_SIZES', 'DepthwiseConvOp', 'DepthwiseTiling', 'cpu_weight_grad_applies', 'depthwise_conv2d_op',
-           'depthwise_kernel_applies', 'triton_available', 'using_tiling']
+           'depthwise_kernel_applies', 'depthwise_kernels_run_on', 'using_tiling']
 
 KERNEL_SIZES = (3, 5, 7)
 # Above this many pixels a map, the CPU weight gradient runs one image at a time (its map and gradient stay in cache);
@@ -150,7 +150,7 @@ def cpu_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled('cpu') and weight.shape[-1] == weight.shape[-2] in KERNEL_SIZES)
 
 
-def triton_available(x: torch.Tensor) -> bool:
+def depthwise_kernels_run_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: on a GPU (or on the CPU under Triton's interpreter,
     ``TRITON_INTERPRET=1``), in float32, bfloat16 or float16, with Triton installed."""
     if not triton_device(x):
@@ -302,7 +302,7 @@ def _convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 @torch.library.custom_op('lipsformer::depthwise_conv2d', mutates_args=())
 def _depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if not triton_available(x):
+    if not depthwise_kernels_run_on(x):
         return _plain(x, weight, bias).contiguous()
     return _convolve(x, weight, bias, flip=False)
 
@@ -314,7 +314,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def _input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dL/dx: the convolution of the output gradient by the flipped kernel."""
-    if not triton_available(grad):
+    if not depthwise_kernels_run_on(grad):
         return _plain(grad, weight.flip(-2, -1), None).contiguous()
     return _convolve(grad, weight, None, flip=True)
 
@@ -355,7 +355,7 @@ def _weight_grad(x: torch.Tensor, grad: torch.Tensor, kernel_size: int) -> tuple
     taps = kernel_size * kernel_size
     if x.numel() == 0:
         return x.new_zeros(channels, 1, kernel_size, kernel_size), x.new_zeros(channels)
-    if not triton_available(x):
+    if not depthwise_kernels_run_on(x):
         if x.device.type == 'cpu' and x.dtype == torch.float32:
             return _cpu_weight_grad(x, grad, kernel_size // 2), grad.sum((0, 1, 2))
         weight_grad = torch.nn.grad.conv2d_weight(

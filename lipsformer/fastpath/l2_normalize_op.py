@@ -26,13 +26,13 @@ import torch
 from .lean_autograd import lean_backward
 from .triton_device import triton_device
 
-__all__ = ['l2_normalize', 'l2_normalize_op', 'triton_available']
+__all__ = ['l2_normalize', 'l2_normalize_op', 'l2_normalize_kernels_run_on']
 
 _MAX_WIDTH = 1024  # the widest rows one program reduces (head dims are 32 to 128)
 _TILE = 4096  # elements a program loads: rows of one head are too short to keep a program's threads busy alone
 
 
-def triton_available(x: torch.Tensor) -> bool:
+def l2_normalize_kernels_run_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: x is on a GPU (or on the CPU under Triton's interpreter,
     ``TRITON_INTERPRET=1``), with rows of at most 1024 elements, and Triton is installed."""
     if x.shape[-1] > _MAX_WIDTH or not triton_device(x):
@@ -133,7 +133,7 @@ def _plain(x: torch.Tensor, eps: float, scale: float) -> tuple[torch.Tensor, tor
 
 @torch.library.custom_op('lipsformer::l2_normalize', mutates_args=())
 def _l2_normalize(x: torch.Tensor, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not triton_available(x) or x.numel() == 0:
+    if not l2_normalize_kernels_run_on(x) or x.numel() == 0:
         return _plain(x, eps, scale)
     x, sizes, strides = _three_leading_dims(x)
     width = x.shape[-1]
@@ -159,7 +159,7 @@ def _(x: torch.Tensor, eps: float, scale: float) -> tuple[torch.Tensor, torch.Te
 def _l2_normalize_backward(grad: torch.Tensor, y: torch.Tensor, squared_norm: torch.Tensor, eps: float,
                            scale: float) -> torch.Tensor:
     grad = grad.contiguous()
-    if not triton_available(y) or y.numel() == 0:
+    if not l2_normalize_kernels_run_on(y) or y.numel() == 0:
         unclamped = squared_norm > eps * eps
         radial = (grad * y).sum(-1, keepdim=True, dtype=squared_norm.dtype) / scale * unclamped
         return (grad * scale).addcmul_(y, -radial.to(y.dtype)).mul_(squared_norm.rsqrt())
@@ -209,8 +209,8 @@ _l2_normalize.register_autograd(_backward, setup_context=_setup_context)
 
 def l2_normalize_op(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
     """``scale * x / max(||x||, eps)`` over the last dimension through the custom op (one kernel forward and one
-    backward where :func:`triton_available`): contiguous on the CPU, elsewhere dense with its leading dimensions laid
-    out in the order of x's strides.
+    backward where :func:`l2_normalize_kernels_run_on`): contiguous on the CPU, elsewhere dense with its leading
+    dimensions laid out in the order of x's strides.
 
     Off the CPU the output is laid out as x, as an elementwise op's would be: a (N, heads, L, C) view of a
     (N, L, heads * C) projection normalises into (N, L, heads, C) memory, fused attention writes its output in that
@@ -235,6 +235,6 @@ def l2_normalize(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tenso
     the squared norms for it, not x); the plain expression elsewhere, and for ``scale=0`` (the op's backward divides
     by the scale).
     """
-    if scale != 0.0 and (triton_available(x) or lean_backward(x)):
+    if scale != 0.0 and (l2_normalize_kernels_run_on(x) or lean_backward(x)):
         return l2_normalize_op(x, eps, scale)
     return (x * (_squared_norm(x, eps).rsqrt() * scale)).to(x.dtype)

@@ -24,7 +24,7 @@ from timm.data import ImageNetInfo
 from ..instruments.complexity import model_complexity
 from ..lipschitz.analysis import analyze
 from ..training import Config, ConfigError, load_config
-from ..training.run_files import METRICS_FILE
+from ..training.run_files import METRICS_FILE, PLOTS_DIR
 from ..utils.io import JsonLines, atomic_path, file_sha256, read_json, write_text
 from ..weights.weight_files import CheckpointError, check_state_dict, load_file, load_model_weights
 
@@ -33,7 +33,6 @@ __all__ = ['CITATION', 'Card', 'CardError', 'ExportFolder', 'build_card', 'find_
 
 CARD_FILE = 'README.md'
 WEIGHTS_FILE, EMA_WEIGHTS_FILE = 'model.safetensors', 'model_ema.safetensors'
-PLOTS_DIR = 'plots'
 CITATION = '''@inproceedings{qi2023lipsformer,
   title     = {LipsFormer: Introducing Lipschitz Continuity to Vision Transformers},
   author    = {Qi, Xianbiao and Wang, Jianan and Chen, Yihao and Shi, Yukai and Zhang, Lei},

@@ -65,11 +65,11 @@ from lipsformer.models._base import LipsFormerBlock
 from lipsformer.training import weight_casts
 from lipsformer.training.compilation import compile_model, effective_mode
 from lipsformer.utils import cpu_details, cpu_name, minor_page_faults, peak_rss_mb
-from lipsformer.utils.cli import command_name, ctrl_c_deferred, usage_error
+from lipsformer.utils.cli import EXIT_INTERRUPTED, command_name, ctrl_c_deferred, usage_error
 from lipsformer.utils.cpu_memory import retain_freed_memory
 from lipsformer.utils.processes import set_cudnn_benchmark
 
-__all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'format_table', 'main', 'parse_model_specs',
+__all__ = ['BenchmarkConfig', 'ModelSpec', 'check_report_path', 'main', 'parse_model_specs', 'report_table',
            'run_benchmark', 'saved_activations_mb', 'write_json_report']
 
 TRAIN_MACS_PER_FORWARD_MAC = 3  # forward + backward (grad of inputs and of weights)
@@ -358,7 +358,6 @@ def _fresh_process_main(result_fd: int) -> None:
 
 
 _MODULE = 'lipsformer.instruments.benchmark'
-EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
 
 
 def _log(message: str) -> None:
@@ -573,7 +572,7 @@ def environment(device: str) -> dict:
     return info
 
 
-def format_table(report: dict, markdown: bool = False) -> str:
+def report_table(report: dict, markdown: bool = False) -> str:
     """The report's results as an aligned text table (or Markdown)."""
     header = ['model', 'mode', 'img/s', 'ratio', 'paired ratio (IQR)', 'ms/step', 'faults/step', 'peak MiB',
               'mem ratio', 'act MiB/img', 'act ratio', 'params (M)', 'GMACs', 'TFLOP/s', 'compiled']
@@ -748,7 +747,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise
         usage_error(parser, f'--models: {message}')
     report['command'] = command
-    print(format_table(report, markdown=args.markdown))
+    print(report_table(report, markdown=args.markdown))
     if config.profile_steps:
         print('\n' + format_profile_table(report, markdown=args.markdown))
     if config.count_kernels:

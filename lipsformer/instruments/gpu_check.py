@@ -465,7 +465,7 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
     gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
     nominal = _nominal_bandwidth(gpu)
     measured = 2 * copy_bytes / (copy_ms / 1e3)
-    triton = depthwise_conv_op.triton_available(torch.empty(0, device=device, dtype=dtype))  # by device and dtype
+    triton = depthwise_conv_op.depthwise_kernels_run_on(torch.empty(0, device=device, dtype=dtype))  # device, dtype
     rows = []
     for name in models:
         for entry in conv_shapes(name, batch):
@@ -576,7 +576,8 @@ def l2_normalize_benchmark(batch: int = 128, device: str = 'cuda', precision: st
                              'op_relative_error': _relative_error(ours, expected[pass_name].float()),
                              'plain_relative_error': _relative_error(plain, expected[pass_name].float())})
     return {'batch': batch, 'device': device, 'precision': precision, 'tau': tau, 'copy_bandwidth': measured,
-            'triton': l2_normalize_op.triton_available(torch.empty(0, device=device, dtype=dtype)), 'rows': rows}
+            'triton': l2_normalize_op.l2_normalize_kernels_run_on(torch.empty(0, device=device, dtype=dtype)),
+            'rows': rows}
 
 
 def _l2_table(report: dict) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..evaluation.checkpoints import create_eval_model, resolve_checkpoint
-from ..utils.cli import HelpFormatter, ModelKwargs, command_name, ctrl_c_deferred
+from ..utils.cli import EXIT_INTERRUPTED, HelpFormatter, ModelKwargs, command_name, ctrl_c_deferred
 from ..utils.io import unwritable_file_reason, write_json, write_remedy
 from ..weights.model_names import create_model, expand_model_names, model_source
 from ..weights.weight_files import CheckpointError
@@ -141,7 +141,6 @@ def load_analysed_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]
     return model, f'EMA weights: {weights}' if args.use_ema else weights
 
 
-EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
 
 
 def main(argv: list[str] | None = None) -> int:

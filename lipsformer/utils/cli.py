@@ -11,8 +11,9 @@ from typing import Any, NoReturn
 
 from timm.utils import ParseKwargs
 
-__all__ = ['HelpFormatter', 'ModelKwargs', 'command_name', 'ctrl_c_deferred', 'usage_error']
+__all__ = ['EXIT_INTERRUPTED', 'HelpFormatter', 'ModelKwargs', 'command_name', 'ctrl_c_deferred', 'usage_error']
 
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by Ctrl-C, and as train.py exits then
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

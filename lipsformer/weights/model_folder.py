@@ -16,7 +16,7 @@ from ..utils.io import read_json, write_json
 
 __all__ = ['save_model_folder']
 
-CONFIG_FILE = 'config.json'
+TIMM_CONFIG_FILE = 'config.json'
 
 
 def save_model_folder(model: torch.nn.Module, folder: str, model_config: dict[str, Any] | None = None,
@@ -32,7 +32,7 @@ def save_model_folder(model: torch.nn.Module, folder: str, model_config: dict[st
     """
     timm.models.save_for_hf(model, folder, model_config=model_config, safe_serialization=True,
                             data_config=data_config)
-    path = os.path.join(folder, CONFIG_FILE)
+    path = os.path.join(folder, TIMM_CONFIG_FILE)
     config = read_json(path)
     if 'num_classes' in config.get('model_args', {}):
         del config['model_args']['num_classes']
