@@ -515,12 +515,13 @@ def l2_normalize_inputs(name: str, batch: int, img_size: int = 224) -> list[dict
 
 def l2_normalize_benchmark(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 20,
                            models: tuple[str, ...] = CONV_MODELS, tau: float = 10.0) -> dict[str, Any]:
-    """SCSA's q/k normalisation, forward and backward, through ``lipsformer::l2_normalize`` (one Triton kernel a pass
-    on a GPU) against the plain model's ``F.normalize`` and autograd's backward of it, on every input layout of
-    ``models``' fast forms (:func:`l2_normalize_inputs`): median times, the bytes each pass must move (forward: x read,
-    y written; backward: the gradient and y read, x's gradient written), GB/s against a measured device copy, and
-    each pass's error relative to a float64 reference. Inputs rotate among copies as in
-    :func:`depthwise_conv_benchmark`."""
+    """SCSA's q/k normalisation, forward and backward, as the fast form calls it (``l2_normalize_op``: the
+    ``lipsformer::l2_normalize`` op, one Triton kernel a pass on a GPU, its output laid out as its input) against the
+    plain model's ``F.normalize``, on every input layout of ``models``' fast forms (:func:`l2_normalize_inputs`); each
+    backward through autograd, with a gradient laid out as that form's output. Median times, the bytes each pass must
+    move (forward: x read, y written; backward: the gradient and y read, x's gradient written), the op's share of a
+    measured device copy's rate, and each pass's error relative to a float64 reference. Inputs rotate among copies
+    as in :func:`depthwise_conv_benchmark`."""
     import torch
     import torch.nn.functional as F
 
