@@ -529,53 +529,53 @@ def l2_normalize_benchmark(batch: int = 128, device: str = 'cuda', precision: st
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
     copy_bytes, copy_ms = _copy_time(device, repeats)
     measured = 2 * copy_bytes / (copy_ms / 1e3)
-    op, op_backward, eps = torch.ops.lipsformer.l2_normalize, torch.ops.lipsformer.l2_normalize_backward, 1e-12
+    eps = 1e-12
+    forms = {'op': lambda x: l2_normalize_op.l2_normalize_op(x, eps, tau),
+             'plain': lambda x: F.normalize(x, dim=-1, eps=eps) * tau}
     rows = []
     for name in models:
         for entry in l2_normalize_inputs(name, batch):
             shape, strides = entry['shape'], entry['strides']
             span = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
-            value_bytes = math.prod(shape) * dtype.itemsize
             copies = max(1, min(8, -(-2 ** 28 // (span * dtype.itemsize))))
             xs = [torch.randn(span, device=device, dtype=dtype).as_strided(shape, strides) for _ in range(copies)]
-            gs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
+            # each form's graph a copy, the gradient laid out as the form's output (as attention's backward gives it)
+            graphs: dict[str, list[tuple[Any, Any, Any]]] = {}
+            for form, call in forms.items():
+                graphs[form] = []
+                for x in xs:
+                    leaf = x.detach().requires_grad_()
+                    y = call(leaf)
+                    graphs[form].append((leaf, y, torch.randn_like(y)))
             turn = iter(range(10 ** 9))
-            ys = [op(x, eps, tau) for x in xs]
-            graphs = []
-            for x in xs:
-                leaf = x.detach().requires_grad_()
-                graphs.append((leaf, F.normalize(leaf, dim=-1, eps=eps) * tau))
 
-            def pick(index=None):
-                return next(turn) % copies if index is None else index
+            def forward(form: str, index: int | None = None) -> Any:
+                with torch.no_grad():
+                    return forms[form](xs[next(turn) % copies if index is None else index])
 
-            def op_backward_call(index=None):
-                index = pick(index)
-                return op_backward(gs[index], ys[index][0], ys[index][1], eps, tau)
-
-            def plain_backward_call(index=None):
-                index = pick(index)
-                leaf, y = graphs[index]
-                return torch.autograd.grad(y, leaf, gs[index], retain_graph=True)[0]
+            def backward(form: str, index: int | None = None) -> Any:
+                leaf, y, grad = graphs[form][next(turn) % copies if index is None else index]
+                return torch.autograd.grad(y, leaf, grad, retain_graph=True)[0]
 
             x64 = xs[0].double().requires_grad_()
             y64 = F.normalize(x64, dim=-1) * tau
-            expected = {'forward': y64.detach(),
-                        'backward': torch.autograd.grad(y64, x64, gs[0].double())[0]}
-            results = {'forward': (op(xs[0], eps, tau)[0], F.normalize(xs[0], dim=-1, eps=eps) * tau),
-                       'backward': (op_backward_call(0), plain_backward_call(0))}
-            calls = {'forward': (lambda: op(xs[pick()], eps, tau),
-                                 lambda: F.normalize(xs[pick()], dim=-1, eps=eps) * tau),
-                     'backward': (op_backward_call, plain_backward_call)}
-            for pass_name, (op_call, plain_call) in calls.items():
+
+            def reference(pass_name: str, form: str) -> Any:
+                """The float64 result of a pass, the backward's for the gradient that form's graph holds."""
+                if pass_name == 'forward':
+                    return y64.detach().float()
+                return torch.autograd.grad(y64, x64, graphs[form][0][2].double(), retain_graph=True)[0].float()
+
+            value_bytes = math.prod(shape) * dtype.itemsize
+            for pass_name, run in (('forward', forward), ('backward', backward)):
                 moved = (2 if pass_name == 'forward' else 3) * value_bytes
-                op_ms, plain_ms = _median_ms(op_call, device, repeats), _median_ms(plain_call, device, repeats)
-                ours, plain = results[pass_name]
+                op_ms = _median_ms(lambda: run('op'), device, repeats)
+                plain_ms = _median_ms(lambda: run('plain'), device, repeats)
                 rows.append({'model': name, **entry, 'pass': pass_name, 'op_ms': op_ms, 'plain_ms': plain_ms,
                              'speedup': plain_ms / op_ms, 'bytes': moved,
                              'op_fraction_of_copy': moved / (op_ms / 1e3) / measured,
-                             'op_relative_error': _relative_error(ours, expected[pass_name].float()),
-                             'plain_relative_error': _relative_error(plain, expected[pass_name].float())})
+                             'op_relative_error': _relative_error(run('op', 0), reference(pass_name, 'op')),
+                             'plain_relative_error': _relative_error(run('plain', 0), reference(pass_name, 'plain'))})
     return {'batch': batch, 'device': device, 'precision': precision, 'tau': tau, 'copy_bandwidth': measured,
             'triton': l2_normalize_op.l2_normalize_kernels_run_on(torch.empty(0, device=device, dtype=dtype)),
             'rows': rows}
