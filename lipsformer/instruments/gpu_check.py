@@ -460,7 +460,8 @@ def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: 
     import torch
 
     from lipsformer.fastpath import depthwise_conv_op
-    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
+    from lipsformer.instruments.model_specs import PRECISIONS
+    dtype = PRECISIONS[precision]
     copy_bytes, copy_ms = _copy_time(device, repeats)
     gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
     nominal = _nominal_bandwidth(gpu)
@@ -526,7 +527,8 @@ def l2_normalize_benchmark(batch: int = 128, device: str = 'cuda', precision: st
     import torch.nn.functional as F
 
     from lipsformer.fastpath import l2_normalize_op
-    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
+    from lipsformer.instruments.model_specs import PRECISIONS
+    dtype = PRECISIONS[precision]
     copy_bytes, copy_ms = _copy_time(device, repeats)
     measured = 2 * copy_bytes / (copy_ms / 1e3)
     eps = 1e-12
@@ -605,7 +607,8 @@ def depthwise_conv_sweep(batch: int = 128, device: str = 'cuda', precision: str 
     import torch
 
     from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling, using_tiling
-    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}[precision]
+    from lipsformer.instruments.model_specs import PRECISIONS
+    dtype = PRECISIONS[precision]
     began = time.monotonic()
     seen, rows, complete = set(), [], True
     entries = [entry for name in models for entry in conv_shapes(name, batch)]

@@ -141,8 +141,6 @@ def load_analysed_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]
     return model, f'EMA weights: {weights}' if args.use_ema else weights
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status: 2 for bad input, 4 when the ``--json`` file could not be written (the
     report is printed first), 130 after a Ctrl-C (the bounds printed, and written to ``--json`` with ``complete``
