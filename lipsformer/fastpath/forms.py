@@ -192,9 +192,10 @@ class FastCrossStripeAttention(CrossStripeAttention):
         if _plain_graph_only() or not _lepe_merges(self.branches):
             return CrossStripeAttention._attend_square(self, qkv, size)
         split = self.split_size
-        qk, v = self.stack_square(qkv)
-        v = v.flatten(3)
-        attended = self.branches[0].attend(qk, v, split, size, size, size, self.num_heads)
+        q, k, v = self.stack_square(qkv)
+        if torch.is_grad_enabled():  # q and k normalised keep only their outputs: v alone, not its stack, is kept
+            v = v.clone()
+        attended = self.branches[0].attend(q, k, v, split, size, size, size, self.num_heads)
         vertical, horizontal = self.branches[0].lepe, self.branches[1].lepe
         weight = torch.cat([vertical.weight.transpose(2, 3), horizontal.weight])
         bias = None if vertical.bias is None else torch.cat([vertical.bias, horizontal.bias])

@@ -59,10 +59,9 @@ def split_heads(x: torch.Tensor, parts: int, num_heads: int) -> list[torch.Tenso
     The parts are split before the heads are moved: the gradients of the parts are then stacked straight into the
     layout of x (one copy, none for a single part), not stacked and copied again into it.
     """
-    x = x.unflatten(-1, (parts, num_heads, -1))
     if parts == 1:
-        return [x.squeeze(2).transpose(1, 2)]
-    return [part.transpose(1, 2) for part in x.unbind(2)]
+        return [x.unflatten(-1, (num_heads, -1)).transpose(1, 2)]
+    return [part.transpose(1, 2) for part in x.unflatten(-1, (parts, num_heads, -1)).unbind(2)]
 
 
 @register_notrace_function  # data-dependent on the traced size

@@ -84,10 +84,10 @@ class StripeAttention(nn.Module):
         self.kernel = kernel
         self.head_scale = num_heads ** -0.5
 
-    def attend(self, qk: torch.Tensor | None, v: torch.Tensor, stripe_h: int, stripe_w: int, height: int, width: int,
-               num_heads: int) -> torch.Tensor:
-        """Attention within the stripe_h x stripe_w windows of padded (B, H', W', 2 * C) q and k and (B, H', W', C) v
-        maps (``qk=None``: v is used as all three) whose valid part is ``height`` x ``width``, ``num_heads`` heads (this
+    def attend(self, q: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor, stripe_h: int, stripe_w: int,
+               height: int, width: int, num_heads: int) -> torch.Tensor:
+        """Attention within the stripe_h x stripe_w windows of padded (B, H', W', C) q, k and v maps, any strides
+        (``q=k=None``: v is used as all three), whose valid part is ``height`` x ``width``, ``num_heads`` heads (this
         branch's, or both branches' side by side): (B, H', W', C) out, the padded keys masked.
 
         v is read from its own copy in window order: attention and LePE keep it alone for backward, not the projection
@@ -95,9 +95,11 @@ class StripeAttention(nn.Module):
         nothing here reads the batch size.
         """
         v = split_heads(window_partition(v, stripe_h, stripe_w).contiguous(), 1, num_heads)[0]
-        q = k = v
-        if qk is not None:
-            q, k = split_heads(window_partition(qk, stripe_h, stripe_w), 2, num_heads)
+        if q is None or k is None:
+            q = k = v
+        else:
+            q = split_heads(window_partition(q, stripe_h, stripe_w), 1, num_heads)[0]
+            k = split_heads(window_partition(k, stripe_h, stripe_w), 1, num_heads)[0]
         mask = padding_key_mask(height, width, stripe_h, stripe_w, v.device, v.dtype)
         if mask is None:
             x = self.kernel(q, k, v, None)
@@ -126,16 +128,16 @@ class StripeAttention(nn.Module):
     def forward(self, qkv: torch.Tensor, stripe_h: int, stripe_w: int) -> torch.Tensor:
         """(B, H, W, 3, C) q, k, v (or (B, H, W, 1, C) with ``tied_qkv``), any strides -> (B, H, W, C)."""
         height, width = qkv.shape[1], qkv.shape[2]
-        # Split rather than index: its backward writes each gradient once, where indexing's adds zero-filled copies
-        # of the whole projection.
-        qk: torch.Tensor | None = None
-        v = qkv.squeeze(3)
-        if not self.tied_qkv:
-            qk, v = qkv.split([2, 1], dim=3)
-            qk = pad_to_multiple(qk, stripe_h, stripe_w).flatten(3)
-            v = v.squeeze(3)
-        v = pad_to_multiple(v, stripe_h, stripe_w)
-        attended = self.attend(qk, v, stripe_h, stripe_w, height, width, self.num_heads)
+        # Padded once and unbound rather than indexed: the backward stacks the three gradients into the projection's
+        # layout in one copy, where indexing's adds zero-filled copies of the whole projection.
+        qkv = pad_to_multiple(qkv, stripe_h, stripe_w)
+        q: torch.Tensor | None = None
+        k: torch.Tensor | None = None
+        if self.tied_qkv:
+            v = qkv.squeeze(3)
+        else:
+            q, k, v = qkv.unbind(3)
+        attended = self.attend(q, k, v, stripe_h, stripe_w, height, width, self.num_heads)
         return self.add_positional(attended, v, stripe_h, stripe_w, height, width)
 
 
@@ -212,26 +214,24 @@ class CrossStripeAttention(TokenMixer):
             ], dim=-1)
         return self.branches[0](qkv.squeeze(4), height, width)
 
-    def stack_square(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A square (B, S, S, 3, 2, C / 2) map's q and k, (B, S', S, 2 * C) with S' padded to a multiple of the
-        stripe, and v, (B, S', S, 2, C / 2): the vertical half transposed, so that its stripes are rows, beside the
-        horizontal half."""
-        qk, v = qkv.split([2, 1], dim=3)
-        qk_vertical, qk_horizontal = qk.unbind(4)
-        v_vertical, v_horizontal = v.squeeze(3).unbind(3)
-        qk = pad_to_multiple(torch.stack([qk_vertical.transpose(1, 2), qk_horizontal], dim=4), self.split_size, 1)
-        v = pad_to_multiple(torch.stack([v_vertical.transpose(1, 2), v_horizontal], dim=3), self.split_size, 1)
-        return qk.flatten(3), v
+    def stack_square(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A square (B, S, S, 3, 2, C / 2) map's q, k and v, each a contiguous (B, S', S, C) with S' padded to a
+        multiple of the stripe: the vertical half transposed, so that its stripes are rows, beside the horizontal
+        half. One copy for the three (views of it), its backward one more, into the projection's layout."""
+        vertical, horizontal = (half.movedim(3, 0) for half in qkv.unbind(4))
+        stacked = torch.stack([vertical.transpose(2, 3), horizontal], dim=-2).flatten(-2)
+        q, k, v = (pad_to_multiple(part, self.split_size, 1) for part in stacked.unbind(0))
+        return q, k, v
 
     def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
         """Both branches on a square (B, S, S, 3, 2, C / 2) map in one attention call (:meth:`stack_square`), the
         heads of the horizontal half after those of the vertical one."""
         split = self.split_size
-        qk, v = self.stack_square(qkv)
-        attended = self.branches[0].attend(qk, v.flatten(3), split, size, size, size, self.num_heads)
+        q, k, v = self.stack_square(qkv)
+        attended = self.branches[0].attend(q, k, v, split, size, size, size, self.num_heads)
         attended_vertical, attended_horizontal = attended.unflatten(-1, [2, -1]).unbind(3)
         # LePE reads each half of v from the stacked copy, the vertical one transposed back to the map's orientation.
-        v_vertical, v_horizontal = v.unbind(3)
+        v_vertical, v_horizontal = v.unflatten(-1, [2, -1]).unbind(3)
         return torch.cat([
             self.branches[0].add_positional(attended_vertical.transpose(1, 2), v_vertical.transpose(1, 2), size,
                                             split, size, size),
