@@ -13,7 +13,7 @@ The rooms, each standing on those above it alone:
 - :mod:`.training` (train.py) and :mod:`.evaluation` (validate.py);
 - :mod:`.hub`: conversions to timm model folders, model cards, uploads;
 - :mod:`.instruments`: the benchmark, kernel counts, profiles, complexity, the GPU check, and the stability sweep
-  (the paper's central claim in miniature).
+  (the paper's central claim in miniature); ``python -m lipsformer.benchmark`` runs its benchmark.
 """
 import contextlib
 from typing import Any

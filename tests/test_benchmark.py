@@ -392,6 +392,22 @@ def test_profile_and_kernel_counts_join_the_report(tmp_path):
     assert 'kernels/step' in completed.stdout and 'non-matmul GB' in completed.stdout
 
 
+def test_the_short_module_name_runs_the_benchmark(tmp_path):
+    """``python -m lipsformer.benchmark`` is the benchmark: it times the models it is given and names itself so in
+    its usage errors."""
+    out = tmp_path / 'report.json'
+    subprocess.run([sys.executable, '-m', 'lipsformer.benchmark', '--models', 'test_vit[img_size=32]', '--mode',
+                    'infer', '--batch-size', '2', '--img-size', '32', '--warmup', '0', '--repeats', '1', '--threads',
+                    '1', '--no-memory', '--json', str(out)], check=True, capture_output=True, text=True)
+    rows = json.loads(out.read_text())['results']
+    assert [(row['model'], row['mode']) for row in rows] == [('test_vit[img_size=32]', 'infer')]
+    assert rows[0]['images_per_s'] > 0
+    refused = subprocess.run([sys.executable, '-m', 'lipsformer.benchmark', '--models', 'test_vit', '--mode', 'eval'],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1].startswith('python -m lipsformer.benchmark: error: '), refused.stderr
+
+
 def test_compile_mode_needs_compile(capsys):
     with pytest.raises(SystemExit):
         main(['--models', 'resnet10t', '--compile-mode', 'reduce-overhead'])
