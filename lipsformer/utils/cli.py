@@ -26,7 +26,7 @@ def command_name(module: str) -> str:
     """
     program = sys.argv[0] if sys.argv and sys.argv[0] else ''
     inside_package = os.path.abspath(program).startswith(_PACKAGE_DIR + os.sep)
-    if inside_package and program.endswith('.py') and os.path.basename(program) != '__main__.py':
+    if inside_package and program.endswith('.py') and os.path.basename(program) not in ('__main__.py', '__init__.py'):
         # a module of the package run by python -m: the one the user named (python -m lipsformer.benchmark)
         relative = os.path.relpath(os.path.abspath(program), os.path.dirname(_PACKAGE_DIR))
         return f'python -m {relative.removesuffix(".py").replace(os.sep, ".")}'
