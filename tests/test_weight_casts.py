@@ -12,7 +12,7 @@ from training_support import tiny_overrides
 
 import lipsformer  # noqa: F401
 from lipsformer.fastpath import set_fast_path
-from lipsformer.training import load_config, train
+from lipsformer.training import load_config, train, weight_casts
 from lipsformer.training.weight_casts import GroupedWeightCasts, refusal_reason
 
 
@@ -66,6 +66,68 @@ def test_the_fast_form_stays_within_bfloat16_s_rounding(name):
     for key, grad in grads.items():
         scale = grad.norm().clamp_min(1e-6)
         assert (grouped_grads[key] - grad).norm() / scale < 5e-2, key
+
+
+@pytest.mark.parametrize('alpha_learnable', [True, False])
+@pytest.mark.parametrize('name', TINY_MODELS)
+def test_alphas_folded_into_the_casts_give_the_block_s_own_fold(name, alpha_learnable, monkeypatch):
+    """Folded together a shape at a time, the projections' and fc2s' casts times their alphas are the products the
+    block's own fold makes of the same casts: the same loss. The gradients agree to bfloat16's rounding: on the CPU
+    the block's own fold (a lean Function) unscales a weight's gradient in float32 before rounding it, the group
+    from the bfloat16 gradient, as autograd does on a GPU; an alpha's sum over a row may round otherwise too. (Both
+    differ from the float32 fold by about 1%, the two from each other by about 0.3%.)"""
+    torch.manual_seed(0)
+    model = timm.create_model(name, **TINY_MODELS[name], num_classes=5, drop_path_rate=0.1,
+                              alpha_learnable=alpha_learnable).train()
+    with torch.no_grad():  # biases and alphas apart from their initial zeros and equal values
+        for tensor in [*model.parameters(), *(alpha.gamma for alpha in model.modules() if hasattr(alpha, 'gamma'))]:
+            tensor.add_(torch.randn_like(tensor) * 0.1)
+    images = torch.randn(2, 3, 64, 64)
+    with form(model, True):
+        together_loss, together = _step(model, images, GroupedWeightCasts(model))
+        monkeypatch.setattr(weight_casts, 'alpha_folds', lambda block: [])  # each block folds its own alphas
+        own_loss, own = _step(model, images, GroupedWeightCasts(model))
+    assert torch.equal(together_loss, own_loss)
+    alphas = [name for name in own if name.endswith(('alpha1.gamma', 'alpha2.gamma'))]
+    assert len(alphas) == (2 * sum(len(stage.blocks) for stage in model.stages) if alpha_learnable else 0)
+    assert own.keys() == together.keys()
+    for key, grad in own.items():
+        assert together[key].dtype == torch.float32
+        assert (together[key] - grad).norm() <= 2 ** -7 * grad.norm(), key
+
+
+def test_a_folded_alpha_is_none_inside_the_block_and_back_after_it():
+    model = _model('lipsformer_cswin_tiny')
+    block = model.stages[0].blocks[0]
+    gamma, weight = block.alpha2.gamma, block.mlp.fc2.weight
+    with form(model, True), torch.autocast('cpu', dtype=torch.bfloat16), GroupedWeightCasts(model).applied('cpu'):
+        assert block.alpha2.gamma is None
+        expected = weight.to(torch.bfloat16) * gamma.to(torch.bfloat16).unsqueeze(-1)
+        assert torch.equal(block.mlp.fc2.weight, expected)
+    assert block.alpha2.gamma is gamma and block.mlp.fc2.weight is weight
+    with torch.autocast('cpu', dtype=torch.bfloat16), GroupedWeightCasts(model).applied('cpu'):
+        assert block.alpha2.gamma.dtype == torch.float32  # a plain block folds nothing
+
+
+def test_layers_a_forward_does_not_reach_get_no_gradient_as_without_grouped_casts():
+    """A stage's first block run alone, and only the conv shortcuts of its second: the folded layers of the second
+    block (and of every other stage) get no gradient, as with autocast's own casts; the first block's the same."""
+    model = _model('lipsformer_swin_tiny')
+    first, second = model.stages[2].blocks
+    x = torch.randn(2, 4, 4, first.norm2.dim)
+    grads = []
+    with form(model, True):
+        for casts in (None, GroupedWeightCasts(model)):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            with torch.autocast('cpu', dtype=torch.bfloat16), casts.applied('cpu') if casts else torch.autocast('cpu'):
+                y = first(x) + second.conv_shortcuts[0](x)
+            y.float().sum().backward()
+            grads.append({name: param.grad for name, param in model.named_parameters() if param.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert 'stages.2.blocks.0.alpha2.gamma' in grads[0] and 'stages.2.blocks.1.mlp.fc2.weight' not in grads[0]
+    for key, grad in grads[0].items():
+        assert (grads[1][key] - grad).norm() <= 2 ** -7 * grad.norm(), key
 
 
 def test_the_parameters_are_back_after_the_block_even_when_it_raises():

@@ -26,7 +26,7 @@ from .forms import (
     FastCrossStripeAttention,
     FastLipsFormerBlock,
     FastScaledCosineAttention,
-    folded_alphas,
+    alpha_folds,
     in_fast_form,
     to_fast_form,
     to_plain_form,
@@ -36,7 +36,7 @@ from .l2_normalize_op import l2_normalize
 from .switch import DEFAULT_DEVICES, KERNEL_DEFAULT_DEVICES, kernel_enabled, set_fast_path, use_fast_path
 
 __all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'FastCenterNorm', 'FastCrossStripeAttention',
-           'FastLipsFormerBlock', 'FastScaledCosineAttention', 'center_norm', 'conv_shortcut', 'depthwise_conv2d_op',
-           'depthwise_kernel_applies', 'folded_alphas', 'in_fast_form', 'kernel_enabled', 'l2_normalize', 'linear',
-           'mlp', 'mlp_is_plain', 'set_fast_path', 'to_fast_form', 'to_plain_form', 'use_fast_path',
+           'FastLipsFormerBlock', 'FastScaledCosineAttention', 'alpha_folds', 'center_norm', 'conv_shortcut',
+           'depthwise_conv2d_op', 'depthwise_kernel_applies', 'in_fast_form', 'kernel_enabled', 'l2_normalize',
+           'linear', 'mlp', 'mlp_is_plain', 'set_fast_path', 'to_fast_form', 'to_plain_form', 'use_fast_path',
            'weighted_residual']

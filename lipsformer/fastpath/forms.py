@@ -37,7 +37,7 @@ from .l2_normalize_op import l2_normalize
 from .switch import kernel_enabled, use_fast_path
 
 __all__ = ['DepthwiseConvOp', 'FastCenterNorm', 'FastCrossStripeAttention', 'FastLipsFormerBlock',
-           'FastScaledCosineAttention', 'folded_alphas', 'in_fast_form', 'to_fast_form', 'to_plain_form']
+           'FastScaledCosineAttention', 'alpha_folds', 'in_fast_form', 'to_fast_form', 'to_plain_form']
 
 
 def _plain_graph_only() -> bool:
@@ -104,18 +104,21 @@ def _mixer_is_plain(attn: nn.Module) -> bool:
     return isinstance(attn, TokenMixer) and is_plain_module(attn, type(attn))
 
 
-def folded_alphas(block: nn.Module) -> list[ResidualAlpha]:
-    """The alphas that ``block``, a LipsFormer block in its fast form, folds into the weight of a plain linear layer
-    (attention's output projection, the MLP's fc2), where they multiply the weight in its dtype; none for a block in
-    its plain form or any other module. (Under autocast the package's training step casts them with the weights:
-    ``lipsformer.training.weight_casts``.)"""
+def alpha_folds(block: nn.Module) -> list[tuple[ResidualAlpha, nn.Linear]]:
+    """The alphas that ``block``, a LipsFormer block in its fast form, folds into the weight and bias of a plain linear
+    layer (attention's output projection, the MLP's fc2), each with that layer; none for a block in its plain form or
+    any other module. The block folds an alpha whose ``gamma`` is set; where ``gamma`` is None the layer's weight and
+    bias are taken as folded already (under autocast the package's training step folds them into the weights' casts:
+    ``lipsformer.training.weight_casts``)."""
     if type(block) is not FastLipsFormerBlock:
         return []
-    # the conditions under which _attention_residual and _mlp_residual fold
-    attention_folds = (_residual_is_plain(block.alpha1, block.drop_path1) and _mixer_is_plain(block.attn)
-                       and is_plain_module(block.attn.proj, nn.Linear))
-    mlp_folds = _residual_is_plain(block.alpha2, block.drop_path2) and mlp_is_plain(block.mlp)
-    return [alpha for alpha, folds in ((block.alpha1, attention_folds), (block.alpha2, mlp_folds)) if folds]
+    folds = []  # where _attention_residual and _mlp_residual fold
+    if (_residual_is_plain(block.alpha1, block.drop_path1) and _mixer_is_plain(block.attn)
+            and is_plain_module(block.attn.proj, nn.Linear)):
+        folds.append((block.alpha1, block.attn.proj))
+    if _residual_is_plain(block.alpha2, block.drop_path2) and mlp_is_plain(block.mlp):
+        folds.append((block.alpha2, block.mlp.fc2))
+    return folds
 
 
 def _exact_gelu(module: nn.Module) -> bool:
