@@ -151,6 +151,9 @@ def test_report_tables(tmp_path):
         StepResult('eager benchmark', 'eager', 'ok', 100, 0, data=eager),
         StepResult('tests/test_cuda.py, without compilation', 'pytest', 'failed', 90, 1, 'exit status 1',
                    '...\n1 failed, 7 passed in 80s\n'),
+        StepResult('compiled lipsformer_swin_tiny (reduce-overhead)', 'compiled', 'ok', 100, 0,
+                   data=_benchmark_report(['lipsformer_swin_tiny'], {'train': [2700], 'infer': [7200]}),
+                   compile_mode='reduce-overhead'),
         StepResult(f'compiled {gpu_check.TIMM_SWIN} (default)', 'compiled', 'ok', 100, 0,
                    data=_benchmark_report([gpu_check.TIMM_SWIN], {'train': [3000], 'infer': [9000]}),
                    compile_mode='default'),
@@ -170,10 +173,13 @@ def test_report_tables(tmp_path):
     assert '| `sm90_gemm` | 50.0 | 12.500 | 40.0% |' in md
     # Compiled: ratios to timm's Swin-T compiled, and to the same model eager.
     assert '| `lipsformer_swin_tiny` | default | 30.0 | 30.0 | 2400: 0.80x | 6000: 0.67x | 2.40x, 2.00x | 9000 |' in md
+    # a row run before the reference's has its ratios too
+    assert ('| `lipsformer_swin_tiny` | reduce-overhead | 30.0 | 30.0 | 2700: 0.90x | 7200: 0.80x | 2.70x, 2.40x | '
+            '9000 |') in md
     assert '| `lipsformer_cswin_tiny` | reduce-overhead | skipped by the time guard |' in md
     saved = json.loads(json_path.read_text())
-    assert saved['eager'] == eager and len(saved['compiled']) == 3 and saved['compiled'][2] is None
-    assert [step['status'] for step in saved['steps']] == ['ok', 'ok', 'failed', 'ok', 'ok', 'skipped']
+    assert saved['eager'] == eager and len(saved['compiled']) == 4 and saved['compiled'][3] is None
+    assert [step['status'] for step in saved['steps']] == ['ok', 'ok', 'failed', 'ok', 'ok', 'ok', 'skipped']
 
 
 def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
