@@ -153,6 +153,31 @@ def test_the_fast_form_convolves_both_halves_of_v_at_once_on_a_square_map(size, 
     torch.testing.assert_close(fast, plain)
 
 
+class _Pads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []  # the input of each pad
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name() == 'aten::constant_pad_nd':
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('fast', [False, True])
+def test_a_padded_square_map_pads_q_k_and_v_with_one_copy(fast):
+    """5x5 in stripes of 2: q, k and v of both halves, stacked, are padded by one copy (LePE's zero lines and the
+    fast form's merged convolution may pad v again), none on a map the stripes divide."""
+    mixer = in_form(_mixer(), fast, 'cpu')
+    with _Pads() as padded:
+        mixer.attend(torch.randn(2, 5, 5, 8, dtype=torch.float64))
+    assert padded.shapes.count((3, 2, 5, 5, 8)) == 1
+    assert not any(shape[:1] == (2,) and shape[-1] in (4, 8) and shape[1:3] == (5, 5) for shape in padded.shapes)
+    with _Pads() as padded:
+        mixer.attend(torch.randn(2, 6, 6, 8, dtype=torch.float64))
+    assert (3, 2, 6, 6, 8) not in padded.shapes
+
+
 @pytest.mark.parametrize('size', [6, 5])
 def test_one_token_stripes_are_convolved_by_the_kernels_middle_rows_without_zero_lines(size):
     """Stripes one token wide (CSwin-T's first stage): beside each row only zeros, so the fast form convolves v itself

@@ -219,8 +219,10 @@ class CrossStripeAttention(TokenMixer):
         multiple of the stripe: the vertical half transposed, so that its stripes are rows, beside the horizontal
         half. One copy for the three (views of it), its backward one more, into the projection's layout."""
         vertical, horizontal = (half.movedim(3, 0) for half in qkv.unbind(4))
-        stacked = torch.stack([vertical.transpose(2, 3), horizontal], dim=-2).flatten(-2)
-        q, k, v = (pad_to_multiple(part, self.split_size, 1) for part in stacked.unbind(0))
+        stacked = torch.stack([vertical.transpose(2, 3), horizontal], dim=-2).flatten(-2)  # (3, B, S, S, C)
+        # one pad of the three where the stripes need it: dims 1 and 2 of (3, B, S, S, C) are padded as a map's
+        # height and width, the batch to a multiple of 1 (not at all), the rows to a multiple of the stripe
+        q, k, v = pad_to_multiple(stacked, 1, self.split_size).unbind(0)
         return q, k, v
 
     def _attend_square(self, qkv: torch.Tensor, size: int) -> torch.Tensor:
