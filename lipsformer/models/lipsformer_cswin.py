@@ -217,7 +217,8 @@ class CrossStripeAttention(TokenMixer):
     def stack_square(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A square (B, S, S, 3, 2, C / 2) map's q, k and v, each a contiguous (B, S', S, C) with S' padded to a
         multiple of the stripe: the vertical half transposed, so that its stripes are rows, beside the horizontal
-        half. One copy for the three (views of it), its backward one more, into the projection's layout."""
+        half. One copy for the three (views of it; a second where the stripes need padding), its backward one more,
+        into the projection's layout."""
         vertical, horizontal = (half.movedim(3, 0) for half in qkv.unbind(4))
         stacked = torch.stack([vertical.transpose(2, 3), horizontal], dim=-2).flatten(-2)  # (3, B, S, S, C)
         # one pad of the three where the stripes need it: dims 1 and 2 of (3, B, S, S, C) are padded as a map's
