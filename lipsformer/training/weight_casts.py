@@ -161,6 +161,7 @@ class GroupedWeightCasts:
         seen: set[int] = set()
         self.groups: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
         self.blocks: list[list[nn.Module]] = []  # each group's LipsFormer blocks, asked for their alpha folds
+        self.positions: list[dict[int, int]] = []  # each group's parameters by id: their places in the group
         for group in _groups(model):
             members = []
             for module in group.modules():
@@ -172,6 +173,7 @@ class GroupedWeightCasts:
                         members.append((module, name, param))
             if members:
                 self.groups.append(members)
+                self.positions.append({id(param): position for position, (_, _, param) in enumerate(members)})
                 self.blocks.append([module for module in group.modules() if isinstance(module, LipsFormerBlock)])
 
     def __len__(self) -> int:
@@ -189,12 +191,13 @@ class GroupedWeightCasts:
         dtype = torch.get_autocast_dtype(device_type)
         swapped: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
         try:
-            for group, blocks in zip(self.groups, self.blocks):
-                members, folds, alphas = _with_folds(group, blocks)
+            for group, positions, blocks in zip(self.groups, self.positions, self.blocks):
+                members, folds = _with_folds(group, positions, blocks)
                 casts = _CastTogether.apply(dtype, folds, *(tensor for _, _, tensor in members))
-                for (module, name, tensor), cast in zip(members, casts):
+                for position, ((module, name, tensor), cast) in enumerate(zip(members, casts)):
                     slots = module._parameters if name in module._parameters else module._buffers
-                    slots[name] = None if module in alphas else cast  # the alpha is in the weight's cast
+                    # past the group's own members, the folded alphas: each is in its layer's cast
+                    slots[name] = cast if position < len(group) else None
                     swapped.append((slots, name, tensor))
             yield
         finally:
@@ -202,14 +205,12 @@ class GroupedWeightCasts:
                 slots[name] = tensor
 
 
-def _with_folds(group: list[tuple[nn.Module, str, torch.Tensor]], blocks: list[nn.Module]
-                ) -> tuple[list[tuple[nn.Module, str, torch.Tensor]], tuple[_Folds, ...], set[nn.Module]]:
-    """A group's members with the float32 alphas its blocks fold into its float32 linear layers, those folds by the
-    layers' shape, and the alphas' modules."""
+def _with_folds(group: list[tuple[nn.Module, str, torch.Tensor]], positions: dict[int, int], blocks: list[nn.Module]
+                ) -> tuple[list[tuple[nn.Module, str, torch.Tensor]], tuple[_Folds, ...]]:
+    """A group's members followed by the float32 alphas its blocks fold into its float32 linear layers (``positions``:
+    the members' places by id), and those folds by the layers' shape."""
     members = list(group)
-    positions = {id(tensor): position for position, (_, _, tensor) in enumerate(members)}
     by_shape: dict[tuple[tuple[int, ...], bool], list[tuple[int, int | None, int]]] = {}
-    alphas = set()
     for block in blocks:
         for alpha, linear in alpha_folds(block):
             weight, bias, gamma = positions.get(id(linear.weight)), linear.bias, alpha.gamma
@@ -218,11 +219,10 @@ def _with_folds(group: list[tuple[nn.Module, str, torch.Tensor]], blocks: list[n
                     or gamma.dtype != torch.float32 or gamma.shape != linear.weight.shape[:1]):
                 continue
             members.append((alpha, 'gamma', gamma))
-            alphas.add(alpha)
             key = (tuple(linear.weight.shape), bias is not None)
             by_shape.setdefault(key, []).append((weight, bias_position, len(members) - 1))
     folds = tuple(_Folds(tuple(weight for weight, _, _ in layers),
                          tuple(bias for _, bias, _ in layers) if has_bias else None,
                          tuple(alpha for _, _, alpha in layers))
                   for (_, has_bias), layers in by_shape.items())
-    return members, folds, alphas
+    return members, folds
