@@ -27,14 +27,12 @@ from ..utils.processes import distributed_summary
 from ..weights.model_folder import save_model_folder
 from ..weights.weight_files import load_file, strip_wrapper_prefixes
 from .optim import best_metric_name
-from .run_files import PLOTS_DIR
+from .run_files import EXPORT_DIR, PLOTS_DIR, SUMMARY_FILE
 from .session import Session
 from .train_state import best_checkpoint, is_sharded, read_meta
 
 _logger = logging.getLogger(__name__)
 
-SUMMARY_FILE = 'summary.json'
-EXPORT_DIR = 'export'
 
 
 def finish_run(session: Session, status: str, wall_time: float) -> dict[str, Any]:

@@ -19,6 +19,8 @@ CONFIG_FILE = 'config.yaml'
 LOG_FILE = 'train.log'
 METRICS_FILE = 'metrics.jsonl'
 PLOTS_DIR = 'plots'  # the run's plots, which a model card shows
+SUMMARY_FILE = 'summary.json'
+EXPORT_DIR = 'export'
 _SHARED_CHECK_FILE = '.shared-check'
 
 _logger = logging.getLogger(__name__)
@@ -121,7 +123,6 @@ def linked_run_files(run_dir: str) -> list[str]:
     """The paths a run writes in ``run_dir`` (its files and folders, and the exports in ``export/``) that are symbolic
     links: a write through one would land wherever it points, outside the run folder (an appended ``train.log``, an
     export written into another folder), or replace the link instead of writing through it."""
-    from .finish import EXPORT_DIR, SUMMARY_FILE  # the end of a run needs the whole session: not at import
     from .run_lock import LOCK_FILE
     from .trackers import MLFLOW_DIR, TENSORBOARD_DIR, TRACKER_RUNS_FILE
     from .train_state import CHECKPOINTS_DIR

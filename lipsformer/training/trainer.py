@@ -26,11 +26,19 @@ from ..utils.io import remove_stale_temporaries
 from ..utils.processes import distributed_summary, end_processes, release_accelerator
 from .config import Config, check_config
 from .config_io import config_to_dict
-from .finish import EXPORT_DIR, finish_run
+from .finish import finish_run
 from .loop import EpochResult, NonFiniteLossError, alpha_statistics, stop_agreed, train_epoch, validate, weights_finite
 from .optim import best_metric_name, scheduled_lr, total_epochs
 from .resume import log_config_change, plain_data_config, resume_session, training_images
-from .run_files import CONFIG_FILE, LOG_FILE, MetricsFile, attach_log_file, check_run_folder_shared, write_config
+from .run_files import (
+    CONFIG_FILE,
+    EXPORT_DIR,
+    LOG_FILE,
+    MetricsFile,
+    attach_log_file,
+    check_run_folder_shared,
+    write_config,
+)
 from .run_lock import RunFolderGoneError, RunFolderInUseError, RunLock
 from .session import (
     Session,
