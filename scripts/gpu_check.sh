@@ -3,12 +3,11 @@
 #
 #   scripts/gpu_check.sh OUT_DIR [--budget SECONDS] [--steps KINDS] [--cpu-smoke] [--dry-run]
 #
-# Runs lipsformer.instruments.gpu_check (docs/performance.md, "The GPU check"): the environment, eager training with
-# cuDNN's autotuning on and off, the depthwise convolutions of both tiny LipsFormer models, the eager benchmark of
-# timm's Swin-T and ConvNeXt-T and both tiny models with a profile of each, tests/test_cuda.py, the compiled runs, the
-# peak memory and (where time is left, or with --steps conv_sweep)
-# the depthwise convolutions' tilings swept, each step under its own time limit, skipping what
-# would not fit in the budget (510 s by default); the driver ends itself 30 s after its budget should it hang. Both
+# Runs lipsformer.instruments.gpu_check (docs/performance.md, "The GPU check"): the environment, the eager benchmark of
+# timm's Swin-T and ConvNeXt-T and both tiny LipsFormer models with a profile of each, the training of Swin-T and the
+# LipsFormer models compiled in the default mode and with CUDA graphs, eager training with cuDNN's autotuning off, the q/k normalisation op against
+# PyTorch's, the peak memory and tests/test_cuda.py, each step under its own time limit, skipping what would not fit
+# in the budget (510 s by default); the driver ends itself 30 s after its budget should it hang. Both
 # numbers are the driver's (DEFAULT_BUDGET_S, HARD_LIMIT_MARGIN_S; --help prints them). Writes OUT_DIR/gpu_check.md,
 # gpu_check.json and gpu_check.log; a driver that ends before its first report (a bad option) leaves gpu_check.md with
 # its status and error output instead, unless OUT_DIR holds an earlier run's report, which is left as it was.

@@ -1,19 +1,13 @@
-"""The ``lipsformer::depthwise_conv2d`` custom op: NHWC depthwise convolution, one Triton kernel a pass on a GPU.
-
-Its Triton kernels run here on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, which must be set
-before Triton is imported: those checks run in a subprocess) against ``F.conv2d``; its PyTorch form, fake-tensor
-registrations, autograd formula, compilation and export are checked in this process.
+"""The ``lipsformer::depthwise_conv2d`` custom op: NHWC depthwise convolution whose CPU weight gradient runs through
+oneDNN's forward kernel (tests/test_fastpath_cpu.py checks that gradient); here its values against ``F.conv2d``, its
+fake-tensor registrations, autograd formula, compilation and export, and where the conv shortcuts' fast form takes it.
 """
-import copy
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
-from forms_support import form, in_form
-from process_support import assert_runs_under_triton_interpreter
+from forms_support import form
 
-from lipsformer.fastpath import depthwise_conv_op, to_plain_form
+from lipsformer.fastpath import depthwise_conv_op
 from lipsformer.fastpath.depthwise_conv_op import depthwise_conv2d_op
 
 
@@ -141,127 +135,6 @@ def test_autocast_runs_the_op_in_its_dtype_as_f_conv2d():
     torch.testing.assert_close(compiled, expected)
 
 
-# The Triton kernels against F.conv2d in float64 (float32 and bf16 inputs, float32 reference on the same values).
-# Tolerances: float32 within 1e-5 relative; bf16 within 2^-7 of the sum of the magnitudes that make each output (the
-# op rounds its float32 sum to bf16 once: at most 2^-8 of |y| <= that sum; the reference sums in float64).
-_TRITON_CHECKS = textwrap.dedent('''
-    import torch
-    import torch.nn.functional as F
-    from lipsformer.fastpath import depthwise_conv_op
-
-    torch.manual_seed(0)
-
-    def reference(x, weight, bias):
-        return F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=weight.shape[-1] // 2,
-                        groups=x.shape[-1]).permute(0, 2, 3, 1)
-
-    def close(ours, expected, bound, dtype):
-        error = (ours.double() - expected).abs()
-        limit = 1e-5 * bound + 1e-6 if dtype == torch.float32 else 2.0 ** -7 * bound + 1e-6
-        assert bool((error <= limit).all()), f'max error {error.max().item()}, at most {limit.max().item()} allowed'
-
-    def check(x, kernel_size, with_bias=True, dtype=torch.float32):
-        channels = x.shape[-1]
-        weight = torch.randn(channels, 1, kernel_size, kernel_size).to(dtype)
-        bias = torch.randn(channels).to(dtype) if with_bias else None
-        x = x.to(dtype)
-        assert depthwise_conv_op.depthwise_kernels_run_on(x), 'the Triton kernels should run under the interpreter'
-        ours = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-        exact = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-        y = depthwise_conv_op.depthwise_conv2d_op(*ours)
-        assert y.dtype == dtype and y.is_contiguous() and y.shape == x.shape
-        expected = reference(*exact)
-        magnitude = reference(*[t.detach().abs() if t is not None else None for t in exact])
-        close(y, expected, magnitude, dtype)
-        grad = torch.randn(x.shape, dtype=torch.float64).to(dtype).double()
-        torch.autograd.backward(y, grad.to(dtype))
-        torch.autograd.backward(expected, grad)
-        x_bound = F.conv2d(grad.abs().permute(0, 3, 1, 2), exact[1].detach().abs().flip(-2, -1),
-                           padding=kernel_size // 2, groups=channels).permute(0, 2, 3, 1)
-        close(ours[0].grad, exact[0].grad, x_bound, dtype)
-        w_bound = torch.nn.grad.conv2d_weight(exact[0].detach().abs().permute(0, 3, 1, 2), exact[1].shape,
-                                              grad.abs().permute(0, 3, 1, 2), padding=kernel_size // 2,
-                                              groups=channels)
-        close(ours[1].grad, exact[1].grad, w_bound, dtype)
-        if with_bias:
-            close(ours[2].grad, exact[2].grad, grad.abs().sum((0, 1, 2)), dtype)
-
-    # maps whose sides are not multiples of the tiles (8 wide, 64 pixels), every kernel size
-    for size, kernel_size in [((1, 1), 7), ((7, 7), 7), ((14, 14), 5), ((3, 100), 3), ((9, 1), 3), ((1, 20), 7)]:
-        check(torch.randn(2, *size, 3), kernel_size)
-    check(torch.randn(1, 24, 24, 3), 3)                       # many tiles a map
-    # channel counts that are and are not multiples of a channel block (32), up to several blocks
-    for channels in (96, 200, 384):
-        check(torch.randn(1, 3, 5, channels), 3)
-    check(torch.randn(2, 6, 5, 40), 7, with_bias=False)
-    # batch 0 and 1
-    check(torch.randn(0, 7, 7, 8), 7)
-    check(torch.randn(1, 7, 7, 8), 7)
-    # strided inputs: a channels-first tensor viewed as NHWC, a slice of a wider map, a stripe of a map
-    check(torch.randn(2, 8, 6, 5).permute(0, 2, 3, 1), 3)
-    check(torch.randn(2, 7, 9, 24)[:, :, 1:8, 4:20], 5)
-    # the weight gradient over several programs of several tiles each, the last program's chunk partial
-    with depthwise_conv_op.using_tiling(depthwise_conv_op.DepthwiseTiling(weight_grad_programs=3)):
-        check(torch.randn(3, 17, 9, 8), 7)
-    # other tilings (the GPU check's sweep times them): tiles wider and narrower than the default's, more and fewer
-    # channels a program than the map has, edges that cut a tile in both directions
-    for tiling in (depthwise_conv_op.DepthwiseTiling(pixels=32, max_width=16, channels=64, warps=8,
-                                                     weight_grad_pixels=8, weight_grad_channels=64,
-                                                     weight_grad_warps=4, weight_grad_programs=5),
-                   depthwise_conv_op.DepthwiseTiling(pixels=128, max_width=4, channels=16, warps=2,
-                                                     weight_grad_pixels=2, weight_grad_channels=16)):
-        with depthwise_conv_op.using_tiling(tiling):
-            check(torch.randn(2, 11, 13, 40), 7)
-            check(torch.randn(1, 5, 37, 20), 3, dtype=torch.bfloat16)
-    # bf16 and fp16 inputs, summed in float32
-    check(torch.randn(2, 14, 14, 40), 7, dtype=torch.bfloat16)
-    check(torch.randn(2, 9, 3, 8), 3, dtype=torch.float16)
-    print('triton ok')
-''')
-
-
-def test_a_tiling_is_checked_and_used_only_inside_its_block():
-    from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling, using_tiling
-    for wrong in ({'pixels': 48}, {'channels': 0}, {'warps': 64}, {'max_width': 128}, {'weight_grad_programs': 0},
-                  {'weight_grad_pixels': 3}):
-        with pytest.raises(ValueError, match='DepthwiseTiling'):
-            DepthwiseTiling(**wrong)
-    with pytest.raises(TypeError, match='takes a DepthwiseTiling'):
-        with using_tiling({'pixels': 32}):
-            pass
-    wide = DepthwiseTiling(pixels=128, max_width=16)
-    with pytest.raises(RuntimeError):
-        with using_tiling(wide):
-            assert depthwise_conv_op._tiling_in_use is wide
-            raise RuntimeError('a failure inside the block')
-    assert depthwise_conv_op._tiling_in_use == DepthwiseTiling()
-
-
-def test_the_triton_kernels_under_the_interpreter():
-    pytest.importorskip('triton')
-    assert_runs_under_triton_interpreter(_TRITON_CHECKS, timeout_s=900)
-
-
-# --- Where the models run the op ---------------------------------------------------------------------------------
-# The op stands in for a depthwise conv only where its kernel runs (a GPU, or Triton's interpreter); here
-# ``_INTERPRETED`` is set so that it applies on the CPU, where the op then computes with PyTorch's convolution: these
-# tests check which calls reach it, the interpreter test above checks its kernels.
-
-def _depthwise_modules(model: torch.nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Conv2d) and module.groups > 1]
-
-
-def _lepe_pairs(model: torch.nn.Module) -> int:
-    """CSwin mixers with two branches: on a square map their fast form runs both LePE convolutions as one."""
-    return sum(1 for module in model.modules() if getattr(module, 'two_branches', False))
-
-
-def _one_token_lepe_pairs(model: torch.nn.Module) -> int:
-    """Those of :func:`_lepe_pairs` with stripes one token wide, which convolve by a 1x3 kernel (not the op's)."""
-    return sum(1 for module in model.modules() if getattr(module, 'two_branches', False) and module.split_size == 1)
-
-
 class _OpRecorder:
     """Counts the ops a call dispatches, not those that a lipsformer op's own implementation dispatches."""
 
@@ -301,86 +174,13 @@ class _OpRecorder:
         self.mode.__exit__(*exc_info)
 
 
-@pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    """The op's kernel switched on (``set_fast_path(True)``) and applying on the CPU."""
-    from lipsformer.fastpath import set_fast_path
-    monkeypatch.setattr(depthwise_conv_op, '_INTERPRETED', True)
-    monkeypatch.setattr(depthwise_conv_op, '_TRITON_INSTALLED', True)
-    with set_fast_path(True):
-        yield
-
-
-def _tiny(name: str) -> torch.nn.Module:
-    import timm
-    from tiny_models import TINY_MODELS
-    torch.manual_seed(0)
-    return timm.create_model(name, num_classes=5, drop_path_rate=0.0, **TINY_MODELS[name])
-
-
-@pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
-def test_every_depthwise_conv_of_a_block_runs_the_op_in_the_fast_form_and_the_compiled_plain_graph(
-        name, kernel_on_cpu):
-    model = in_form(_tiny(name), True)
-    plain = to_plain_form(copy.deepcopy(model))
-    x = torch.randn(2, 3, 64, 64)
-    convs = _depthwise_modules(model)
-    # every conv shortcut's dw and, in CSwin, every branch's LePE
-    assert all(n.endswith('.dw') or n.endswith('.lepe') for n in convs) and any(n.endswith('.dw') for n in convs)
-    with _OpRecorder() as recorder:
-        logits = model(x)
-        logits.logsumexp(-1).sum().backward()
-    # a square map's two LePE convolutions are one in the fast form, a 1x3 one for stripes one token wide
-    calls = len(convs) - _lepe_pairs(model) - _one_token_lepe_pairs(model)
-    assert recorder.count('lipsformer::depthwise_conv2d') == calls
-    assert recorder.count('lipsformer::depthwise_conv2d_backward') == calls
-    assert not any(recorder.convolutions((k, k), depthwise=True) for k in (3, 7))
-    assert recorder.convolutions((1, 3), depthwise=True) == _one_token_lepe_pairs(model) == ('cswin' in name)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    plain_logits = plain(x)
-    plain_logits.logsumexp(-1).sum().backward()
-    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
-    for n, p in plain.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
-    # compiled, the blocks' plain forward runs (the fast form steps aside), its convolutions the op: one op per conv
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    compiled_logits = torch.compile(model, backend=backend)(x)
-    torch.testing.assert_close(compiled_logits, logits, rtol=1e-5, atol=1e-5)
-    in_graphs = sum(_is_the_op(node.target) for graph in graphs for node in graph.graph.nodes)
-    assert in_graphs == len(convs)
-
-
-def test_cswin_merges_are_not_depthwise_and_keep_their_convolution(kernel_on_cpu):
-    model = in_form(_tiny('lipsformer_cswin_tiny').eval(), True)
-    with _OpRecorder() as recorder, torch.no_grad():
-        model(torch.randn(1, 3, 64, 64))
-    assert recorder.convolutions((2, 2), depthwise=False) == 3
-
-
-def test_a_hooked_or_wrapped_depthwise_conv_is_called_as_its_module(kernel_on_cpu):
-    model = in_form(_tiny('lipsformer_cswin_tiny').eval(), True)
-    convs = _depthwise_modules(model)
-    seen = []
-    hooked = model.stages[0].blocks[0].conv_shortcuts[0].dw
-    handle = hooked.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].shape))
-    with _OpRecorder() as recorder, torch.no_grad():
-        model(torch.randn(1, 3, 64, 64))
-    handle.remove()
-    assert seen == [torch.Size([1, 16, 16, 16])]  # NCHW, as nn.Conv2d takes it
-    calls = len(convs) - 1 - _lepe_pairs(model) - _one_token_lepe_pairs(model)
-    assert recorder.count('lipsformer::depthwise_conv2d') == calls
-
-
-def test_the_kernel_is_the_fast_form_s_and_timms_exportable_config_keeps_it_out(kernel_on_cpu):
+def test_the_cpu_training_fast_form_runs_the_op_and_timms_exportable_config_keeps_it_out():
     """The plain shortcut, as FX traces it, calls its modules; a fast form given under timm's exportable config is
-    the plain module graph; a fast form given otherwise runs the op."""
+    the plain module graph; a fast form given otherwise runs the op for each conv shortcut where a float32 backward
+    will follow on the CPU, and the module's convolution without one."""
+    import timm
     from timm.layers import set_layer_config
+    from tiny_models import TINY_MODELS
 
     from lipsformer.fastpath import to_fast_form
     from lipsformer.layers import ConvShortcut
@@ -388,29 +188,22 @@ def test_the_kernel_is_the_fast_form_s_and_timms_exportable_config_keeps_it_out(
     traced = torch.fx.symbolic_trace(shortcut)
     assert not any('lipsformer' in str(node.target) for node in traced.graph.nodes)
     assert {node.target for node in traced.graph.nodes if node.op == 'call_module'} >= {'dw', 'pw'}
-    x = torch.randn(1, 5, 5, 8)
+    model = timm.create_model('lipsformer_swin_tiny', num_classes=5, **TINY_MODELS['lipsformer_swin_tiny'])
+    shortcuts = sum(isinstance(module, ConvShortcut) for module in model.modules())
+    x = torch.randn(1, 3, 64, 64)
     with set_layer_config(exportable=True):
-        to_fast_form(shortcut, 'cpu')
+        to_fast_form(model, 'cpu')
     with _OpRecorder() as recorder:
-        shortcut(x)
+        model(x)
     assert recorder.count('lipsformer::depthwise_conv2d') == 0
-    to_fast_form(shortcut, 'cpu')
+    to_fast_form(model, 'cpu')
     with _OpRecorder() as recorder:
-        shortcut(x)
-    assert recorder.count('lipsformer::depthwise_conv2d') == 1
-
-
-@pytest.mark.parametrize('name', ['lipsformer_swin_tiny', 'lipsformer_cswin_tiny'])
-def test_the_kernel_is_off_by_default_where_no_gpu_measured_it(name, monkeypatch):
-    """Without ``set_fast_path(True)`` a fast form calls the modules: the op becomes a device's default only once
-    docs/performance.md measures it faster there (``KERNEL_DEFAULT_DEVICES``)."""
-    from lipsformer.fastpath import KERNEL_DEFAULT_DEVICES, to_fast_form
-    monkeypatch.setattr(depthwise_conv_op, '_INTERPRETED', True)
-    monkeypatch.setattr(depthwise_conv_op, '_TRITON_INSTALLED', True)
-    assert 'cpu' not in KERNEL_DEFAULT_DEVICES['depthwise_conv2d']
+        model(x)
+    assert recorder.count('lipsformer::depthwise_conv2d') == shortcuts > 0
     with _OpRecorder() as recorder, torch.no_grad():
-        to_fast_form(_tiny(name).eval(), 'cpu')(torch.randn(1, 3, 64, 64))
+        model(x)
     assert recorder.count('lipsformer::depthwise_conv2d') == 0
+    assert recorder.convolutions((7, 7), depthwise=True) == shortcuts
 
 
 @pytest.mark.parametrize('fast', [True, False])

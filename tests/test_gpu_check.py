@@ -1,6 +1,5 @@
 """The GPU check's parts that run on a CPU: the profile summary (lipsformer.instruments.step_profile), the time guard
 and the step runner, the report writer, and scripts/gpu_check.sh itself with tiny models on the CPU."""
-import dataclasses
 import json
 import math
 import os
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lipsformer.instruments import gpu_check
 from lipsformer.instruments.gpu_check import Step, StepResult, guard, plan_steps, run_steps, write_gpu_report
@@ -152,7 +150,7 @@ def test_report_tables(tmp_path):
         StepResult('tests/test_cuda.py, without compilation', 'pytest', 'failed', 90, 1, 'exit status 1',
                    '...\n1 failed, 7 passed in 80s\n'),
         StepResult('compiled lipsformer_swin_tiny (reduce-overhead)', 'compiled', 'ok', 100, 0,
-                   data=_benchmark_report(['lipsformer_swin_tiny'], {'train': [2700], 'infer': [7200]}),
+                   data=_benchmark_report(['lipsformer_swin_tiny'], {'train': [2700]}),
                    compile_mode='reduce-overhead'),
         StepResult(f'compiled {gpu_check.TIMM_SWIN} (default)', 'compiled', 'ok', 100, 0,
                    data=_benchmark_report([gpu_check.TIMM_SWIN], {'train': [3000], 'infer': [9000]}),
@@ -160,6 +158,9 @@ def test_report_tables(tmp_path):
         StepResult('compiled lipsformer_swin_tiny (default)', 'compiled', 'ok', 100, 0,
                    data=_benchmark_report(['lipsformer_swin_tiny'], {'train': [2400], 'infer': [6000]}),
                    compile_mode='default'),
+        StepResult(f'compiled {gpu_check.TIMM_SWIN} (reduce-overhead)', 'compiled', 'ok', 100, 0,
+                   data=_benchmark_report([gpu_check.TIMM_SWIN], {'train': [3600]}),
+                   compile_mode='reduce-overhead'),
         StepResult('compiled lipsformer_cswin_tiny (reduce-overhead)', 'compiled', 'skipped',
                    note='skipped by the time guard', compile_mode='reduce-overhead'),
     ]
@@ -171,15 +172,16 @@ def test_report_tables(tmp_path):
     assert ('| `lipsformer_swin_tiny` | 1000: 0.50x (0.50, 0.50-0.50) | 3000: 0.60x (0.60, 0.60-0.60) | 1300, 0.90 |'
             in md)
     assert '| `sm90_gemm` | 50.0 | 12.500 | 40.0% |' in md
-    # Compiled: ratios to timm's Swin-T compiled, and to the same model eager.
-    assert '| `lipsformer_swin_tiny` | default | 30.0 | 30.0 | 2400: 0.80x | 6000: 0.67x | 2.40x, 2.00x | 9000 |' in md
-    # a row run before the reference's has its ratios too
-    assert ('| `lipsformer_swin_tiny` | reduce-overhead | 30.0 | 30.0 | 2700: 0.90x | 7200: 0.80x | 2.70x, 2.40x | '
-            '9000 |') in md
-    assert '| `lipsformer_cswin_tiny` | reduce-overhead | skipped by the time guard |' in md
+    # Compiled: ratios to timm's Swin-T compiled in the same mode, and to the same model eager.
+    assert '| `lipsformer_swin_tiny` | default | train | 30.0 | 2400: 0.80x | 2.40x | 9000 |' in md
+    assert '| `lipsformer_swin_tiny` | default | infer | 30.0 | 6000: 0.67x | 2.00x | 9000 |' in md
+    # a row run before its reference has its ratio too; a run without inference has a training row alone
+    assert '| `lipsformer_swin_tiny` | reduce-overhead | train | 30.0 | 2700: 0.75x | 2.70x | 9000 |' in md
+    assert '| `lipsformer_swin_tiny` | reduce-overhead | infer |' not in md
+    assert '| `lipsformer_cswin_tiny` | reduce-overhead | - | skipped by the time guard |' in md
     saved = json.loads(json_path.read_text())
-    assert saved['eager'] == eager and len(saved['compiled']) == 4 and saved['compiled'][3] is None
-    assert [step['status'] for step in saved['steps']] == ['ok', 'ok', 'failed', 'ok', 'ok', 'ok', 'skipped']
+    assert saved['eager'] == eager and len(saved['compiled']) == 5 and saved['compiled'][4] is None
+    assert [step['status'] for step in saved['steps']] == ['ok', 'ok', 'failed', 'ok', 'ok', 'ok', 'ok', 'skipped']
 
 
 def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
@@ -187,9 +189,17 @@ def test_the_plan_covers_the_issue_s_models_and_modes(tmp_path):
     eager = steps['eager benchmark'].argv
     assert [spec.text for spec in parse_model_specs(eager[eager.index('--models') + 1])] == gpu_check.EAGER_MODELS
     assert ['--batch-size', '128'] == eager[eager.index('--batch-size'):][:2] and '--profile' in eager
-    assert [(step.argv[step.argv.index('--models') + 1], step.compile_mode) for step in steps.values()
-            if step.kind == 'compiled'] == [(model, mode) for model, mode, _ in gpu_check.COMPILED]
+    compiled = [step for step in steps.values() if step.kind == 'compiled']
+    assert [(step.argv[step.argv.index('--models') + 1], step.compile_mode) for step in compiled] == [
+        (model, mode) for model, mode, _ in gpu_check.COMPILED + gpu_check.COMPILED_ANCHOR]
+    assert len({step.json_path for step in compiled}) == len(compiled)
+    assert all(step.argv[step.argv.index('--mode') + 1] == 'train' for step in compiled)
     assert '--compile-mode' in steps['compiled lipsformer_cswin_tiny (reduce-overhead)'].argv
+    # the three models the targets compare, in both modes; the default mode first
+    targets = {gpu_check.TIMM_SWIN, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny'}
+    for mode in ('default', 'reduce-overhead'):
+        assert {model for model, entry_mode, _ in gpu_check.COMPILED if entry_mode == mode} >= targets
+    assert [mode for _, mode, _ in gpu_check.COMPILED][:3] == ['default'] * 3
 
 
 def _models(step: Step) -> list[str]:
@@ -198,38 +208,41 @@ def _models(step: Step) -> list[str]:
 
 def test_timm_s_convnext_stands_beside_swin_in_every_model_list_with_swin_the_reference(tmp_path):
     """ConvNeXt-T, fast and built on cuDNN's depthwise 7x7 convolutions, is second wherever timm's Swin-T is first:
-    the eager, autotuning and memory steps and the compiled runs; ratios stay to Swin-T."""
+    the eager, autotuning and memory steps; it is compiled in both modes after the runs the targets compare."""
     convnext = gpu_check.TIMM_CONVNEXT
     assert convnext.startswith('convnext_tiny[')
     steps = plan_steps(tmp_path)
     for step in steps:
         if step.kind in ('eager', 'cudnn', 'memory'):
             assert _models(step)[:2] == [gpu_check.TIMM_SWIN, convnext], step.name
-    compiled = [_models(step)[0] for step in steps if step.kind == 'compiled']
-    assert compiled.index(convnext) == compiled.index(gpu_check.TIMM_SWIN) + 1
+    compiled = [(_models(step)[0], step.compile_mode) for step in steps if step.kind == 'compiled']
+    assert compiled[-2:] == [(convnext, 'default'), (convnext, 'reduce-overhead')]
 
 
-def test_the_plan_times_training_with_cudnn_autotuning_on_and_off_first(tmp_path):
-    """Right after the environment, two processes (cuDNN keeps a shape's pick for the rest of a process) train the
-    anchors and both tiny models with the same command but for the switch; the other benchmark steps and the
-    convolutions' entries autotune unless the driver is told not to."""
+def test_the_plan_times_training_with_cudnn_autotuning_on_and_off(tmp_path):
+    """Every step autotunes unless the driver is told not to; one process (cuDNN keeps a shape's pick for the rest of a
+    process) trains the anchors and both tiny models with it off, with the eager step's settings, for the eager
+    step's autotuned training rows to be compared with."""
     steps = plan_steps(tmp_path)
-    assert [step.kind for step in steps[:3]] == ['environment', 'cudnn', 'cudnn']
-    on, off = steps[1], steps[2]
-    assert _models(on) == _models(off) == gpu_check.CUDNN_MODELS
-    assert {'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', gpu_check.TIMM_CONVNEXT} <= set(_models(on))
-    assert on.argv[on.argv.index('--mode') + 1] == 'train' and '--profile' not in on.argv
-    assert '--cudnn-benchmark' in on.argv and '--no-cudnn-benchmark' in off.argv
-    assert [arg for arg in on.argv if arg != '--cudnn-benchmark' and 'cudnn_on' not in arg] == [
-        arg for arg in off.argv if arg != '--no-cudnn-benchmark' and 'cudnn_off' not in arg]
-    assert on.json_path != off.json_path
-    measured = [step for step in steps if step.kind in ('conv', 'eager', 'compiled', 'memory', 'conv_sweep')]
-    assert not any('cudnn-benchmark' in ' '.join(step.argv) for step in measured)
+    (eager,) = [step for step in steps if step.kind == 'eager']
+    (off,) = [step for step in steps if step.kind == 'cudnn']
+    assert _models(off) == gpu_check.CUDNN_MODELS == _models(eager)[:len(gpu_check.CUDNN_MODELS)]
+    assert {'lipsformer_swin_tiny', 'lipsformer_cswin_tiny', gpu_check.TIMM_CONVNEXT} <= set(_models(off))
+    assert off.argv[off.argv.index('--mode') + 1] == 'train' and '--profile' not in off.argv
+    assert '--no-cudnn-benchmark' in off.argv
+
+    def timing(step: Step) -> list[str]:
+        return [step.argv[step.argv.index(option) + 1] for option in ('--warmup', '--repeats', '--steps',
+                                                                      '--batch-size', '--precision', '--img-size')]
+
+    assert timing(off) == timing(eager)
+    measured = [step for step in steps if step.kind in ('ops', 'eager', 'compiled', 'memory')]
+    assert measured and not any('cudnn-benchmark' in ' '.join(step.argv) for step in measured)
     without = plan_steps(tmp_path, cudnn_benchmark=False)
     assert all('--no-cudnn-benchmark' in step.argv for step in without
-               if step.kind in ('conv', 'eager', 'compiled', 'memory', 'conv_sweep'))
-    assert [step.argv for step in without if step.kind == 'cudnn'] == [on.argv, off.argv]
-    assert [step.kind for step in plan_steps(tmp_path, kinds={'cudnn'})] == ['cudnn', 'cudnn']
+               if step.kind in ('ops', 'eager', 'compiled', 'memory'))
+    assert not [step for step in without if step.kind == 'cudnn']  # nothing autotuned to compare with
+    assert [step.kind for step in plan_steps(tmp_path, kinds={'cudnn'})] == ['cudnn']
 
 
 def test_the_report_compares_training_with_cudnn_autotuning_on_and_off(tmp_path):
@@ -239,24 +252,29 @@ def test_the_report_compares_training_with_cudnn_autotuning_on_and_off(tmp_path)
     on['config']['cudnn_benchmark'], off['config']['cudnn_benchmark'] = True, False
     for row in off['results']:
         row['first_step_s'] = 2.0
-    results = [StepResult('eager training, cuDNN autotuning on', 'cudnn', 'ok', 40, 0, data=on),
+    results = [StepResult('eager benchmark', 'eager', 'ok', 40, 0, data=on),
                StepResult('eager training, cuDNN autotuning off', 'cudnn', 'ok', 50, 0, data=off)]
     md_path, json_path = write_gpu_report(results, tmp_path, budget_s=540, elapsed_s=90)
     md = md_path.read_text()
     assert '## cuDNN autotuning: eager training with it on and off, a process each' in md
     assert f'| `{gpu_check.TIMM_CONVNEXT}` | 2500: 1.25x | 1000: 0.53x | 2.50x | 30.0, 2.0 |' in md
     assert '| `lipsformer_cswin_tiny` | 600: 0.30x | 400: 0.21x | 1.50x | 30.0, 2.0 |' in md
-    assert json.loads(json_path.read_text())['cudnn_autotuning'] == {'on': on, 'off': off}
+    saved = json.loads(json_path.read_text())
+    assert saved['eager'] == on and saved['cudnn_autotuning_off'] == off
     missing = write_gpu_report(results[1:], tmp_path, budget_s=540, elapsed_s=50)[0].read_text()
     assert f'| `{gpu_check.TIMM_SWIN}` | - | 1900: 1.00x | - | -, 2.0 |' in missing
+    # without the run that turns it off, the eager step's rows have nothing to be compared with: no table
+    alone = write_gpu_report(results[:1], tmp_path, budget_s=540, elapsed_s=40)[0].read_text()
+    assert '## cuDNN autotuning' not in alone and '## Eager, interleaved in one process' in alone
 
 
 def test_script_dry_run_prints_the_plan(tmp_path):
     completed = subprocess.run([str(SCRIPT), str(tmp_path / 'out'), '--dry-run'], capture_output=True, text=True,
                                env=os.environ | {'PYTHON': sys.executable}, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.count('-m lipsformer.instruments.benchmark') == 2 + 1 + len(gpu_check.COMPILED) + 1
-    assert completed.stdout.count('-m lipsformer.instruments.gpu_check --conv-benchmark') == 1
+    compiled = len(gpu_check.COMPILED) + len(gpu_check.COMPILED_ANCHOR)
+    assert completed.stdout.count('-m lipsformer.instruments.benchmark') == 1 + compiled + 1 + 1
+    assert completed.stdout.count('-m lipsformer.instruments.gpu_check --op-benchmark') == 1
     assert 'tests/test_cuda.py' in completed.stdout
 
 
@@ -284,23 +302,23 @@ def test_script_needs_an_out_dir():
 
 
 def test_script_cpu_smoke_writes_its_report(tmp_path):
-    """The environment, training with cuDNN's autotuning on and off, and the eager benchmark (with profiles) of tiny
-    models on the CPU, through the script."""
+    """The environment, the eager benchmark (with profiles) and training with cuDNN's autotuning off, of tiny models on
+    the CPU, through the script."""
     out = tmp_path / 'out'
     completed = subprocess.run([str(SCRIPT), str(out), '--cpu-smoke', '--steps', 'environment,cudnn,eager'],
                                capture_output=True, text=True, env=os.environ | {'PYTHON': sys.executable})
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert sorted(path.name for path in out.iterdir()) == ['gpu_check.json', 'gpu_check.log', 'gpu_check.md']
     report = json.loads((out / 'gpu_check.json').read_text())
-    assert [step['status'] for step in report['steps']] == ['ok'] * 4
+    assert [(step['kind'], step['status']) for step in report['steps']] == [
+        ('environment', 'ok'), ('eager', 'ok'), ('cudnn', 'ok')]
     assert report['environment']['torch'] == torch.__version__ and report['cpu_smoke']
     assert {row['model'] for row in report['eager']['results']} == set(gpu_check.SMOKE_MODELS)
     assert all(row['profile']['steps'] == 1 for row in report['eager']['results'])
     assert report['eager']['config']['cudnn_benchmark'] is True
-    autotuning = report['cudnn_autotuning']
-    assert (autotuning['on']['config']['cudnn_benchmark'], autotuning['off']['config']['cudnn_benchmark']) == (True,
-                                                                                                               False)
-    assert [row['model'] for row in autotuning['off']['results']] == gpu_check.SMOKE_CUDNN_MODELS
+    off = report['cudnn_autotuning_off']
+    assert off['config']['cudnn_benchmark'] is False
+    assert [row['model'] for row in off['results']] == gpu_check.SMOKE_CUDNN_MODELS
     markdown = (out / 'gpu_check.md').read_text()
     assert '## Eager, interleaved in one process' in markdown and '## cuDNN autotuning' in markdown
 
@@ -314,13 +332,12 @@ def test_script_cpu_smoke_every_step(tmp_path):
     assert completed.returncode == 0, completed.stdout[-3000:]
     report = json.loads((out / 'gpu_check.json').read_text())
     assert [(step['kind'], step['status']) for step in report['steps']] == [
-        ('environment', 'ok'), ('cudnn', 'ok'), ('cudnn', 'ok'), ('conv', 'ok'), ('eager', 'ok'), ('pytest', 'ok'),
-        ('compiled', 'skipped'),
-        ('memory', 'ok'), ('pytest', 'skipped'), ('conv_sweep', 'ok')]
+        ('environment', 'ok'), ('eager', 'ok'), ('compiled', 'skipped'), ('cudnn', 'ok'), ('ops', 'ok'),
+        ('memory', 'ok'), ('pytest', 'ok'), ('pytest', 'skipped')]
     assert report['peak_memory']['results'][0]['peak_memory_mb'] > 0
-    assert report['depthwise_conv']['rows'] and report['depthwise_conv_sweep']['rows']
+    assert report['l2_normalize']['rows']
     markdown = (out / 'gpu_check.md').read_text()
-    assert '## Depthwise convolutions: the op\'s tilings swept' in markdown
+    assert '## q/k normalisation: lipsformer::l2_normalize against PyTorch' in markdown
 
 
 def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
@@ -336,19 +353,20 @@ def test_the_cuda_tests_split_into_those_that_compile_and_the_rest(tmp_path):
         selected.append({line.split('::')[1].split('[')[0] for line in completed.stdout.splitlines() if '::' in line})
     everything = set(re.findall(r'^def (test_\w+)', (REPO / 'tests' / 'test_cuda.py').read_text(), re.MULTILINE))
     assert selected[0] | selected[1] == everything and not selected[0] & selected[1]
-    assert {'test_torch_compile_equals_eager', 'test_torch_compile_with_the_depthwise_op_equals_eager',
+    assert {'test_torch_compile_equals_eager', 'test_torch_compile_of_a_fast_form_equals_the_eager_plain_model',
             'test_twenty_training_steps_lower_the_loss',
             'test_cuda_graphs_runs_stop_and_resume_in_either_compile_scope',
             'test_cuda_graphs_run_stopped_by_ctrl_c_mid_epoch_resumes_auto',
             'test_cuda_graphs_train_with_accumulation_clipping_constraint_and_ema_as_eager'} == selected[1]
     order = [step.kind for step in plan_steps(tmp_path)]
-    assert order == ['environment', 'cudnn', 'cudnn', 'conv', 'eager', 'pytest',
-                     *['compiled'] * len(gpu_check.COMPILED), 'memory', 'pytest', 'conv_sweep']
+    assert order == ['environment', 'eager', *['compiled'] * len(gpu_check.COMPILED), 'cudnn',
+                     *['compiled'] * len(gpu_check.COMPILED_ANCHOR), 'ops', 'memory', 'pytest', 'pytest']
 
 
-def test_the_default_budget_keeps_the_autotuning_conv_and_eager_rows(tmp_path):
-    """Steps that take their estimates: the default budget runs the autotuning comparison, the conv microbenchmark and
-    the eager benchmark, and skips what does not fit (a second run takes it: ``--steps pytest,compiled``)."""
+def test_the_default_budget_measures_what_the_gpu_targets_compare(tmp_path):
+    """Steps that take their estimates: the default budget runs the eager benchmark and the training of
+    LipsFormer-Swin-T, -CSwin-T and timm's Swin-T compiled in both modes, and skips what does not fit (a second run
+    takes it: ``--steps cudnn,ops,memory,pytest``)."""
     steps = plan_steps(tmp_path)
     now = [0.0]
 
@@ -358,10 +376,12 @@ def test_the_default_budget_keeps_the_autotuning_conv_and_eager_rows(tmp_path):
 
     results = run_steps(steps, gpu_check.DEFAULT_BUDGET_S, clock=lambda: now[0], runner=runner)
     ran = [result.name for result in results if result.status == 'ok']
-    assert ran == ['environment', 'eager training, cuDNN autotuning on', 'eager training, cuDNN autotuning off',
-                   'custom ops against stock kernels', 'eager benchmark']
+    targets = [gpu_check.TIMM_SWIN, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
+    assert ran[:2] == ['environment', 'eager benchmark']
+    assert sorted(ran[2:]) == sorted(f'compiled {model} ({mode})' for model in targets
+                                     for mode in ('default', 'reduce-overhead'))
     skipped = [result.name for result in results if result.status == 'skipped']
-    assert skipped[0] == 'tests/test_cuda.py, without compilation' and len(skipped) == len(steps) - len(ran)
+    assert len(skipped) == len(steps) - len(ran)
     assert now[0] <= gpu_check.DEFAULT_BUDGET_S - gpu_check.RESERVE_S
 
 
@@ -432,60 +452,7 @@ def test_script_leaves_an_earlier_report_and_says_it_is_not_this_run_s(tmp_path)
     assert f"before writing its report; {out / 'gpu_check.md'} is an earlier run's, left as it was" in completed.stderr
 
 
-class _DepthwiseConvolutions(TorchDispatchMode):
-    """Counts the depthwise convolutions dispatched, by NHWC input shape and kernel size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[tuple, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.convolution.default and args[1].shape[1] == 1:
-            key = (tuple(args[0].permute(0, 2, 3, 1).shape), tuple(args[1].shape[2:]))
-            self.counts[key] = self.counts.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize('name', gpu_check.CONV_MODELS)
-def test_the_conv_step_times_every_square_depthwise_convolution_the_fast_form_runs_once_a_shape(name):
-    """Against the convolutions a forward of the fast form made for CUDA dispatches (on the CPU, batch 1): stage 1 of
-    CSwin-T convolves its one-token stripes 1x3, which the op does not take."""
-    import timm
-
-    from lipsformer.fastpath import to_fast_form
-    model = to_fast_form(timm.create_model(name), 'cuda').eval()
-    with torch.no_grad(), _DepthwiseConvolutions() as dispatched:
-        model(torch.randn(1, 3, 224, 224))
-    shapes = gpu_check.conv_shapes(name, batch=1)
-    listed = {(tuple(entry['shape']), (entry['kernel'],) * 2): entry['calls'] for entry in shapes}
-    assert len(listed) == len(shapes)
-    one_by_three = {key: calls for key, calls in dispatched.counts.items() if key[1] == (1, 3)}
-    assert listed == {key: calls for key, calls in dispatched.counts.items() if key not in one_by_three}
-    assert one_by_three == ({((1, 56, 56, 64), (1, 3)): 1} if name == 'lipsformer_cswin_tiny' else {})
-
-
-def test_the_conv_sweep_times_every_tiling_of_each_pass_against_the_default_and_aten():
-    """On the CPU the op is PyTorch's convolution whatever the tiling: the sweep's bookkeeping, not its times. A budget
-    spent before the second shape stops it there and says so."""
-    from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling
-    for settings in gpu_check.CONVOLVE_TILINGS + gpu_check.WEIGHT_GRAD_TILINGS:
-        DepthwiseTiling(**settings)  # each a tiling the op takes
-    report = gpu_check.depthwise_conv_sweep(batch=1, device='cpu', precision='fp32', repeats=1,
-                                            models=('lipsformer_swin_tiny',), budget_s=0.0)
-    assert report['complete'] is False and report['default_tiling'] == dataclasses.asdict(DepthwiseTiling())
-    assert {(tuple(row['shape']), row['kernel']) for row in report['rows']} == {((1, 56, 56, 96), 7)}
-    by_pass = {}
-    for row in report['rows']:
-        by_pass.setdefault(row['pass'], []).append(row['tiling'])
-        assert row['relative_error'] < 1e-5 and row['speedup'] == row['aten_ms'] / row['op_ms']
-    assert by_pass == {'forward': ['default', *gpu_check.CONVOLVE_TILINGS],
-                       'input gradient': ['default', *gpu_check.CONVOLVE_TILINGS],
-                       'weight gradient': ['default', *gpu_check.WEIGHT_GRAD_TILINGS]}
-    table = gpu_check._sweep_table(report)
-    assert table.startswith('Not every shape (the budget ran out)') and table.count('| 1 | conv shortcut |') == 3
-
-
-@pytest.mark.parametrize('name', gpu_check.CONV_MODELS)
+@pytest.mark.parametrize('name', gpu_check.OP_MODELS)
 def test_the_l2_step_reads_q_and_k_of_every_block_laid_out_as_the_projection(name):
     """Two calls a block (q and k); in Swin-T's first stage each window's q is a (heads, tokens, head dim) view of the
     qkv projection, whose tokens are 3 x 96 values apart."""

@@ -300,17 +300,23 @@ def test_a_spec_that_compiles_is_refused_not_counted_as_its_eager_step(spec, cap
 DEPTHWISE_FILE = '''
 from torch import nn
 
+from lipsformer.fastpath.depthwise_conv_op import depthwise_conv2d_op
 from lipsformer.layers import depthwise_conv_nhwc
 
 
 class Depthwise(nn.Module):
-    def __init__(self):
+    def __init__(self, op=False):
         super().__init__()
+        self.op = op
         self.conv = nn.Conv2d(8, 8, 7, padding=3, groups=8)
         self.head = nn.Linear(8, 10)
 
     def forward(self, x):
-        features = depthwise_conv_nhwc(self.conv, x.repeat(1, 3, 1, 1)[:, :8].permute(0, 2, 3, 1).contiguous())
+        x = x.repeat(1, 3, 1, 1)[:, :8].permute(0, 2, 3, 1).contiguous()
+        if self.op:
+            features = depthwise_conv2d_op(x, self.conv.weight, self.conv.bias)
+        else:
+            features = depthwise_conv_nhwc(self.conv, x)
         return self.head(features.mean((1, 2)))
 
 
@@ -320,14 +326,14 @@ def depthwise(**kwargs):
 
 
 def test_the_depthwise_op_counts_one_kernel_a_pass_as_atens_convolution(tmp_path):
-    """lipsformer::depthwise_conv2d (the fast path forced on, fake CUDA tensors) launches as many kernels as ATen's
-    convolution forward and backward, and its traffic is a convolution's: no non-matmul bytes."""
+    """lipsformer::depthwise_conv2d called on fake CUDA tensors launches as many kernels as ATen's convolution forward
+    and backward, and its traffic is a convolution's: no non-matmul bytes."""
     path = tmp_path / 'depthwise.py'
     path.write_text(DEPTHWISE_FILE)
     counts = {}
-    for fast_path in (True, False):
-        spec = parse_model_specs(f'file:{path}:depthwise[fast_path={fast_path}]')[0]
-        counts[fast_path] = count_step(spec, 'train', batch_size=2, img_size=14, precision='fp32')
+    for op in (True, False):
+        spec = parse_model_specs(f'file:{path}:depthwise[op={op}]')[0]
+        counts[op] = count_step(spec, 'train', batch_size=2, img_size=14, precision='fp32')
     op, aten = counts[True].op_kernels, counts[False].op_kernels
     assert op['depthwise_conv2d'] == op['depthwise_conv2d_backward'] == 1 and not op['convolution']
     assert aten['convolution'] == aten['convolution_backward'] == 1 and not aten['depthwise_conv2d']

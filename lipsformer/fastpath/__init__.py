@@ -14,13 +14,12 @@ This room stands above the models: they know nothing of it.
   direction on a GPU (a tile of rows a program), PyTorch elsewhere;
 - ``onednn_linear``: token-wise products on CPU through oneDNN's 1x1 convolution;
 - ``triton_device``: where the Triton kernels run (a GPU, or the CPU under Triton's interpreter);
-- ``depthwise_conv_op``: the conv shortcuts' depthwise convolutions as the ``lipsformer::depthwise_conv2d`` custom
-  op, one Triton kernel a pass on a GPU where its switch (``KERNEL_DEFAULT_DEVICES``) is on, and on the CPU a weight
-  gradient through oneDNN's forward kernel;
+- ``depthwise_conv_op``: the conv shortcuts' depthwise convolutions on the CPU as the ``lipsformer::depthwise_conv2d``
+  custom op, whose weight gradient runs through oneDNN's forward kernel;
 - ``fused_center_norm``: CenterNorm through LayerNorm's fused kernel (:func:`center_norm`).
 """
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
-from .depthwise_conv_op import depthwise_conv2d_op, depthwise_kernel_applies
+from .depthwise_conv_op import depthwise_conv2d_op
 from .forms import (
     FastCenterNorm,
     FastCrossStripeAttention,
@@ -33,10 +32,9 @@ from .forms import (
 )
 from .fused_center_norm import center_norm
 from .l2_normalize_op import l2_normalize
-from .switch import DEFAULT_DEVICES, KERNEL_DEFAULT_DEVICES, kernel_enabled, set_fast_path, use_fast_path
+from .switch import DEFAULT_DEVICES, set_fast_path, use_fast_path
 
-__all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'FastCenterNorm', 'FastCrossStripeAttention',
-           'FastLipsFormerBlock', 'FastScaledCosineAttention', 'alpha_folds', 'center_norm', 'conv_shortcut',
-           'depthwise_conv2d_op', 'depthwise_kernel_applies', 'in_fast_form', 'kernel_enabled', 'l2_normalize',
-           'linear', 'mlp', 'mlp_is_plain', 'set_fast_path', 'to_fast_form', 'to_plain_form', 'use_fast_path',
-           'weighted_residual']
+__all__ = ['DEFAULT_DEVICES', 'FastCenterNorm', 'FastCrossStripeAttention', 'FastLipsFormerBlock',
+           'FastScaledCosineAttention', 'alpha_folds', 'center_norm', 'conv_shortcut', 'depthwise_conv2d_op',
+           'in_fast_form', 'l2_normalize', 'linear', 'mlp', 'mlp_is_plain', 'set_fast_path', 'to_fast_form',
+           'to_plain_form', 'use_fast_path', 'weighted_residual']

@@ -19,7 +19,7 @@ from timm.layers import DropPath, Mlp
 
 from ..layers import is_plain_module
 from . import lean_autograd
-from .depthwise_conv_op import cpu_weight_grad_applies, depthwise_conv2d_op, depthwise_kernel_applies
+from .depthwise_conv_op import cpu_weight_grad_applies, depthwise_conv2d_op
 from .onednn_linear import onednn_linear
 
 __all__ = ['conv_shortcut', 'linear', 'mlp', 'mlp_is_plain', 'weighted_residual']
@@ -94,9 +94,9 @@ def conv_shortcut(x: torch.Tensor, dw: nn.Conv2d, pw: nn.Conv2d | None, scale: t
                   drop_path: DropPath) -> torch.Tensor:
     """``x + drop_path(scale (.) GELU(pw(GELU(dw(x)))))`` on an NHWC map (``pw=None``: ``GELU(dw(x))``), exact
     GELUs, dw a stride-1 depthwise conv with 'same' padding and pw a 1x1 conv. The depthwise conv is the
-    ``lipsformer::depthwise_conv2d`` op where its Triton kernels apply (``depthwise_kernel_applies``) or its CPU
-    weight gradient does (``cpu_weight_grad_applies``), PyTorch's convolution of the channels-last view otherwise."""
-    if depthwise_kernel_applies(dw, x) or cpu_weight_grad_applies(x, dw.weight):
+    ``lipsformer::depthwise_conv2d`` op where its CPU weight gradient applies (``cpu_weight_grad_applies``),
+    PyTorch's convolution of the channels-last view otherwise."""
+    if cpu_weight_grad_applies(x, dw.weight):
         z = depthwise_conv2d_op(x, dw.weight, dw.bias)
     else:
         z = dw(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)

@@ -5,9 +5,7 @@
 the last linear layer of each branch, drop path and sum one multiply-add, the conv shortcuts in one Function); its
 CenterNorms (:class:`FastCenterNorm`, in blocks, merges and stems) run LayerNorm's kernel, its SCSA kernels a q/k
 normalisation that keeps only its output for backward, CSwin's attention on a square map both branches' LePE as one
-convolution (:class:`FastCrossStripeAttention`), its depthwise convolutions the ``lipsformer::depthwise_conv2d`` op
-where that kernel is switched on for the device (:class:`DepthwiseConvOp`, which ``torch.compile`` and
-``torch.export`` see too), and, for the CPU, its mixers' qkv product goes through oneDNN.
+convolution (:class:`FastCrossStripeAttention`), and, for the CPU, its mixers' qkv product goes through oneDNN.
 :func:`to_plain_form` gives the classes back. Nothing else changes: parameters, buffers, state-dict keys, module
 names and hooks are the model's own.
 
@@ -31,13 +29,12 @@ from ..layers.softmax_attention import transformed
 from ..models._base import LipsFormerBlock, TokenMixer
 from ..models.lipsformer_cswin import CrossStripeAttention, StripeAttention, lepe_input, lepe_sum
 from .blocks import conv_shortcut, linear, mlp, mlp_is_plain, weighted_residual
-from .depthwise_conv_op import DepthwiseConvOp, depthwise_conv2d_op, depthwise_kernel_applies
 from .fused_center_norm import center_norm
 from .l2_normalize_op import l2_normalize
-from .switch import kernel_enabled, use_fast_path
+from .switch import use_fast_path
 
-__all__ = ['DepthwiseConvOp', 'FastCenterNorm', 'FastCrossStripeAttention', 'FastLipsFormerBlock',
-           'FastScaledCosineAttention', 'alpha_folds', 'in_fast_form', 'to_fast_form', 'to_plain_form']
+__all__ = ['FastCenterNorm', 'FastCrossStripeAttention', 'FastLipsFormerBlock', 'FastScaledCosineAttention',
+           'alpha_folds', 'in_fast_form', 'to_fast_form', 'to_plain_form']
 
 
 def _plain_graph_only() -> bool:
@@ -132,15 +129,10 @@ def _conv_shortcut(shortcut: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return shortcut(x)
     pointwise_plain = (is_plain_module(shortcut.act2, nn.Identity) if shortcut.pw is None
                        else is_plain_module(shortcut.pw, nn.Conv2d) and _exact_gelu(shortcut.act2))
-    dw_plain = is_plain_module(shortcut.dw, nn.Conv2d) or is_plain_module(shortcut.dw, DepthwiseConvOp)
-    if (pointwise_plain and dw_plain and _exact_gelu(shortcut.act1)
+    if (pointwise_plain and is_plain_module(shortcut.dw, nn.Conv2d) and _exact_gelu(shortcut.act1)
             and is_plain_module(shortcut.alpha, ResidualAlpha) and is_plain_module(shortcut.drop_path, DropPath)):
         return conv_shortcut(x, shortcut.dw, shortcut.pw, shortcut.alpha.gamma, shortcut.drop_path)
     return shortcut(x)
-
-
-def _is_depthwise(module: nn.Module) -> bool:
-    return type(module) is nn.Conv2d and module.groups == module.in_channels == module.out_channels > 1
 
 
 class FastCenterNorm(_NotScripted, CenterNorm):
@@ -169,13 +161,12 @@ class FastScaledCosineAttention(ScaledCosineAttention):
 
 def _lepe_merges(branches: nn.ModuleList) -> bool:
     """Whether two CSwin branches' LePE convolutions can run as one: plain branches with plain depthwise 3x3
-    convolutions ('same' zero padding, stride 1) of one class (``nn.Conv2d``, or :class:`DepthwiseConvOp` where the
-    form gives it) and dtype, with biases or without, and the same head scale."""
+    convolutions (``nn.Conv2d``, 'same' zero padding, stride 1) of one dtype, with biases or without, and the same
+    head scale."""
     for branch in branches:
         lepe = branch.lepe
-        if not (is_plain_module(branch, StripeAttention) and is_plain_module(lepe, type(branches[0].lepe))
-                and type(lepe) in (nn.Conv2d, DepthwiseConvOp) and lepe.groups == lepe.in_channels == lepe.out_channels
-                and tuple(lepe.kernel_size) == (3, 3)
+        if not (is_plain_module(branch, StripeAttention) and is_plain_module(lepe, nn.Conv2d)
+                and lepe.groups == lepe.in_channels == lepe.out_channels and tuple(lepe.kernel_size) == (3, 3)
                 and tuple(lepe.stride) == (1, 1) and tuple(lepe.padding) == (1, 1)
                 and tuple(lepe.dilation) == (1, 1) and lepe.padding_mode == 'zeros'):
             return False
@@ -207,11 +198,8 @@ class FastCrossStripeAttention(CrossStripeAttention):
             positional_input, apart, stripe, weight = v, -1, 1, weight[:, :, 1:2]
         else:
             positional_input, apart, stripe = lepe_input(v, split, size)
-        if not one_token and depthwise_kernel_applies(vertical, positional_input[..., :vertical.in_channels]):
-            positional = depthwise_conv2d_op(positional_input, weight, bias)  # where the module would run the op
-        else:
-            positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias,
-                                  padding=(0, 1) if one_token else 1, groups=weight.shape[0]).permute(0, 2, 3, 1)
+        positional = F.conv2d(positional_input.permute(0, 3, 1, 2), weight, bias, padding=(0, 1) if one_token else 1,
+                              groups=weight.shape[0]).permute(0, 2, 3, 1)
         x = lepe_sum(attended, positional, apart, stripe, self.branches[0].head_scale, size, size)
         x_vertical, x_horizontal = x.unflatten(-1, [2, -1]).unbind(3)
         return torch.cat([x_vertical.transpose(1, 2), x_horizontal], dim=-1)
@@ -241,8 +229,7 @@ _FAST_CLASSES: dict[type, type] = {LipsFormerBlock: FastLipsFormerBlock, CenterN
                                    CrossStripeAttention: FastCrossStripeAttention,
                                    ScaledCosineAttention: FastScaledCosineAttention}
 _CPU_MIXER_CLASSES: dict[type, type] = {}
-_PLAIN_CLASSES: dict[type, type] = {**{fast: plain for plain, fast in _FAST_CLASSES.items()},
-                                    DepthwiseConvOp: nn.Conv2d}
+_PLAIN_CLASSES: dict[type, type] = {fast: plain for plain, fast in _FAST_CLASSES.items()}
 
 
 def _cpu_mixer_class(cls: type) -> type:
@@ -268,7 +255,6 @@ def to_fast_form(model: nn.Module, device_type: str | None = None) -> nn.Module:
     device_type = device_type or _device_type(model)
     if not use_fast_path(device_type):
         return model
-    depthwise_op = kernel_enabled('depthwise_conv2d', device_type)
     for module in model.modules():
         cls = type(module)
         fast = _FAST_CLASSES.get(cls)
@@ -276,8 +262,6 @@ def to_fast_form(model: nn.Module, device_type: str | None = None) -> nn.Module:
             fast = _cpu_mixer_class(fast or cls)
         if fast is not None:
             module.__class__ = fast
-        elif depthwise_op and _is_depthwise(module):
-            module.__class__ = DepthwiseConvOp
     return model
 
 

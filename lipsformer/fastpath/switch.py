@@ -12,7 +12,7 @@ import os
 
 from timm.layers import is_exportable, is_scriptable
 
-__all__ = ['DEFAULT_DEVICES', 'KERNEL_DEFAULT_DEVICES', 'kernel_enabled', 'set_fast_path', 'use_fast_path']
+__all__ = ['DEFAULT_DEVICES', 'set_fast_path', 'use_fast_path']
 
 _ENVIRONMENT_VARIABLE = 'LIPSFORMER_FAST_PATH'
 _ON, _OFF, _AUTO = ('1', 'true', 'on', 'yes'), ('0', 'false', 'off', 'no'), ('auto', '')
@@ -20,12 +20,6 @@ _ON, _OFF, _AUTO = ('1', 'true', 'on', 'yes'), ('0', 'false', 'off', 'no'), ('au
 # The device types on which the fast path is on unless switched: those where docs/performance.md measures it faster
 # than the plain module graph (on CUDA: in training for both families, in inference for LipsFormer-Swin).
 DEFAULT_DEVICES = frozenset({'cpu', 'cuda'})
-# The custom-op kernels that a fast form runs in place of a module, each with the device types where
-# docs/performance.md measures it faster than the module's own kernels; set_fast_path(True) runs each wherever it has
-# a kernel.
-KERNEL_DEFAULT_DEVICES: dict[str, frozenset[str]] = {
-    'depthwise_conv2d': frozenset(),  # lipsformer::depthwise_conv2d's Triton kernels: slower than cuDNN's on a GPU
-}
 
 
 def _from_environment() -> bool | None:
@@ -43,9 +37,8 @@ class set_fast_path:  # noqa: N801 (a function that is also a context manager, a
     """Turn the fast paths on or off: ``set_fast_path(False)`` for the rest of the process, or
     ``with set_fast_path(False): ...`` for a block, after which the previous state returns.
 
-    ``True`` turns them on for every device (the kernels of :data:`KERNEL_DEFAULT_DEVICES` included, wherever they
-    run), ``False`` off for every device, ``None`` back to the defaults (on for :data:`DEFAULT_DEVICES`, each kernel
-    on its own default devices).
+    ``True`` turns them on for every device, ``False`` off for every device, ``None`` back to the defaults (on for
+    :data:`DEFAULT_DEVICES`).
     """
 
     def __init__(self, enable: bool | None = True) -> None:
@@ -67,9 +60,3 @@ def use_fast_path(device_type: str = 'cpu') -> bool:
     enabled = device_type in DEFAULT_DEVICES if _enabled is None else _enabled
     return enabled and not is_exportable() and not is_scriptable()
 
-
-def kernel_enabled(name: str, device_type: str) -> bool:
-    """Whether the custom-op kernel ``name`` (a key of :data:`KERNEL_DEFAULT_DEVICES`) stands in for its module in a
-    fast form on ``device_type``: switched on there (by default on the kernel's own devices)."""
-    enabled = device_type in KERNEL_DEFAULT_DEVICES[name] if _enabled is None else _enabled
-    return enabled and not is_exportable() and not is_scriptable()

@@ -2,42 +2,33 @@
 
 Steps, in order of what matters most, each a subprocess under its own time limit (``timeout``), each failure recorded
 while the check goes on, and a time guard that skips a step whose usual duration would not fit in what is left of
-the budget (and says so in the report):
+the budget (and says so in the report), while smaller steps after it still run:
 
 1. the environment: GPU, driver, torch, CUDA, cuDNN, timm, Python;
-2. cuDNN's autotuning on and off (:data:`CUDNN_MODELS`): eager training of timm's Swin-T and ConvNeXt-T and both tiny
-   LipsFormer models, bf16, batch 128, once with ``--cudnn-benchmark`` and once with ``--no-cudnn-benchmark``, each in
-   a process of its own (cuDNN keeps the kernel it picked for a shape for the rest of the process, so the two cannot
-   share one): what autotuning gains on the depthwise 7x7 convolutions, and what its first step costs;
-3. the custom ops against the stock kernels they stand for, on both tiny models' shapes (bf16, batch 128): each pass
-   of ``lipsformer::depthwise_conv2d`` (forward, input gradient, weight and bias gradient) against cuDNN's (ATen's)
-   convolution of the same shape, their times, achieved GB/s as a fraction of the card's bandwidth (datasheet and a
-   measured device copy) and the op's error against cuDNN's result (:func:`depthwise_conv_benchmark`); and
-   ``lipsformer::l2_normalize`` forward and backward against ``F.normalize`` and its autograd backward on the q and k
-   layouts of the fast forms (:func:`l2_normalize_benchmark`);
-4. the eager benchmark: timm's Swin-T and ConvNeXt-T and both tiny LipsFormer models, fast path on and off, bf16
-   autocast, batch 128, 224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary
-   of each model and mode (``python -m lipsformer.instruments.benchmark --profile``);
-5. ``python -m pytest tests/test_cuda.py``, the tests that compile nothing (the Triton kernel, the fast form against
-   the plain graph, the benchmark's CUDA path);
-6. the compiled runs, one process each, in order of need (:data:`COMPILED`): both tiny models with
-   ``mode='reduce-overhead'`` (CUDA graphs), timm's Swin-T and ConvNeXt-T and both tiny models in the default mode,
-   then both with the Triton convolutions (``[fast_path=True]``): compile time (the first step), steady-state training
-   and inference images/s, peak memory;
-7. the peak memory of an eager training step of timm's Swin-T and ConvNeXt-T and both tiny models, each in a fresh
-   process;
-8. tests/test_cuda.py's tests that compile (``torch.compile`` against eager, a compiled training run, CUDA graphs);
-9. the conv sweep, where time is left or asked for (``--steps conv_sweep``): each pass of the op under other
-   tilings of its Triton kernels (:data:`CONVOLVE_TILINGS`, :data:`WEIGHT_GRAD_TILINGS`) against its default tiling
-   and cuDNN, shape by shape within its own budget (:func:`depthwise_conv_sweep`).
+2. the eager benchmark, with cuDNN's autotuning on as timm's scripts set it: timm's Swin-T and ConvNeXt-T, both tiny
+   LipsFormer models in CUDA's default form, and CSwin-T with each weight cast at its use, bf16 autocast, batch 128,
+   224x224, training and inference, interleaved in one process, with a ``torch.profiler`` summary of each model and
+   mode (``python -m lipsformer.instruments.benchmark --profile``);
+3. training compiled (:data:`COMPILED`), a process each, LipsFormer-CSwin-T and -Swin-T regionally (the benchmark's
+   default scope) and timm's Swin-T: in the default mode, then with ``mode='reduce-overhead'`` (CUDA graphs); the
+   first step (compilation included), images/s, peak memory, profiled;
+4. eager training of :data:`CUDNN_MODELS` with cuDNN's autotuning off, in a process of its own (cuDNN keeps the
+   kernel it picked for a shape for the rest of a process): against step 2's training rows, what autotuning gains
+   on the depthwise 7x7 convolutions, and what its first step costs; then timm's ConvNeXt-T's training compiled in
+   both modes (:data:`COMPILED_ANCHOR`);
+5. the custom op against the stock kernels it stands for: ``lipsformer::l2_normalize`` forward and backward against
+   ``F.normalize`` and its autograd backward on the q and k layouts of both tiny models' fast forms (bf16, batch 128,
+   :func:`l2_normalize_benchmark`);
+6. the peak memory of an eager training step of :data:`CUDNN_MODELS`, each in a fresh process;
+7. ``python -m pytest tests/test_cuda.py``: the tests that compile nothing, then those that compile.
 
 It writes ``gpu_check.md`` (tables), ``gpu_check.json`` (everything, the benchmark reports included) and
 ``gpu_check.log`` (every step's output) into the folder it is given, after every step, so that a check cut short
 still leaves its report. ``--cpu-smoke`` runs the same steps with tiny models on the CPU; ``--dry-run`` prints the
 plan. The budget (``--budget``, :data:`DEFAULT_BUDGET_S` by default) bounds the steps; the driver itself ends
-:data:`HARD_LIMIT_MARGIN_S` after it whatever it is doing (``SIGALRM``), should it ever hang. The benchmark steps
-and the convolutions' entries run with cuDNN's autotuning on, as timm's scripts do (``--no-cudnn-benchmark``: off);
-step 2 runs both.
+:data:`HARD_LIMIT_MARGIN_S` after it whatever it is doing (``SIGALRM``), should it ever hang. Every step but the
+fourth runs with cuDNN's autotuning on, as timm's scripts do (``--no-cudnn-benchmark``: off, and then the fourth step
+is left out, having nothing to compare with). Within the default budget, by the estimates, that is steps 1 to 3.
 
 timm's Swin-T is the reference every ratio is to; timm's ConvNeXt-T beside it is a fast model that runs cuDNN's
 depthwise 7x7 convolutions too, so that every table shows what they cost where little else does.
@@ -60,47 +51,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ['Step', 'StepResult', 'conv_shapes', 'depthwise_conv_benchmark', 'depthwise_conv_sweep',
-           'environment_facts', 'guard', 'l2_normalize_benchmark', 'l2_normalize_inputs', 'main', 'plan_steps',
-           'run_steps', 'write_gpu_report']
+__all__ = ['Step', 'StepResult', 'environment_facts', 'guard', 'l2_normalize_benchmark', 'l2_normalize_inputs',
+           'main', 'plan_steps', 'run_steps', 'write_gpu_report']
 
 # timm's models as timm's train.py trains them: autocast casting each weight at its use (the package's training step
 # casts them together, lipsformer.training.weight_casts), the LipsFormer models' own default drop path. ConvNeXt-T is
 # the anchor with depthwise 7x7 convolutions.
 TIMM_SWIN = 'swin_tiny_patch4_window7_224[drop_path_rate=0.2,grouped_weight_casts=False]'
 TIMM_CONVNEXT = 'convnext_tiny[drop_path_rate=0.2,grouped_weight_casts=False]'
-# The models trained with cuDNN's autotuning on and off: the anchors and both tiny models in CUDA's default form.
+# The models trained with cuDNN's autotuning on (the eager step) and off: the anchors and both tiny models in CUDA's
+# default form.
 CUDNN_MODELS = [TIMM_SWIN, TIMM_CONVNEXT, 'lipsformer_swin_tiny', 'lipsformer_cswin_tiny']
-# CUDA's default (the blocks' fast form with cuDNN's convolutions) and the fast path forced on everywhere
-# (fast_path=True: lipsformer::depthwise_conv2d's Triton kernels too, which are not yet a default anywhere).
-# CSwin-T with each weight cast at its use, for what grouping the casts gains.
-EAGER_MODELS = [*CUDNN_MODELS, 'lipsformer_swin_tiny[fast_path=True]', 'lipsformer_cswin_tiny[fast_path=True]',
-                'lipsformer_cswin_tiny[grouped_weight_casts=False]']
-# The tiny models whose depthwise convolutions the conv step times, stage by stage.
-CONV_MODELS = ('lipsformer_swin_tiny', 'lipsformer_cswin_tiny')
-# Datasheet memory bandwidths (bytes/s) by the name PyTorch reports, most specific first.
-NOMINAL_BANDWIDTH = (('H200', 4.8e12), ('H100 NVL', 3.9e12), ('H100 PCIe', 2.0e12), ('H100', 3.35e12),
-                     ('A100-SXM4-80GB', 2.04e12), ('A100', 1.56e12))
-# (model, torch.compile mode, seconds on an H200 with margin: compiling the inference and the training graph takes
-# most), in order of need: a compiled step that does not fit is skipped and the smaller ones after it still run.
-COMPILED = [('lipsformer_cswin_tiny', 'reduce-overhead', 200), ('lipsformer_swin_tiny', 'reduce-overhead', 150),
-            (TIMM_SWIN, 'default', 120), (TIMM_CONVNEXT, 'default', 120), ('lipsformer_cswin_tiny', 'default', 150),
-            ('lipsformer_swin_tiny', 'default', 140),
-            ('lipsformer_cswin_tiny[fast_path=True]', 'default', 150),
-            ('lipsformer_swin_tiny[fast_path=True]', 'default', 140)]
+# And CSwin-T with each weight cast at its use, for what grouping the casts gains.
+EAGER_MODELS = [*CUDNN_MODELS, 'lipsformer_cswin_tiny[grouped_weight_casts=False]']
+# The tiny models whose q/k normalisations the ops step times.
+OP_MODELS = ('lipsformer_swin_tiny', 'lipsformer_cswin_tiny')
+# (model, torch.compile mode, seconds on an H200 with margin: compiling the training graph takes most) for the
+# training steps compiled, in order of need: the models the targets compare, the default mode first, cold (the
+# reduce-overhead runs after it find the kernels it compiled in inductor's cache, so their first step is not a cold
+# compile); the ConvNeXt-T anchor's come after the run without autotuning.
+COMPILED = [('lipsformer_cswin_tiny', 'default', 80), (TIMM_SWIN, 'default', 70),
+            ('lipsformer_swin_tiny', 'default', 70), ('lipsformer_cswin_tiny', 'reduce-overhead', 40),
+            (TIMM_SWIN, 'reduce-overhead', 35), ('lipsformer_swin_tiny', 'reduce-overhead', 35)]
+COMPILED_ANCHOR = [(TIMM_CONVNEXT, 'default', 70), (TIMM_CONVNEXT, 'reduce-overhead', 35)]
 MEMORY_MODELS = CUDNN_MODELS
-# The tilings the conv sweep times against the op's default (DepthwiseTiling()): the forward's and input gradient's
-# kernel (pixels and channels a program, at most 8192 values a tile; warps) and the weight gradient's (pixels a loop
-# step and channels: at most 256 of the (taps, pixels, channels) values a step per tap row; warps).
-CONVOLVE_TILINGS = [{'pixels': pixels, 'channels': channels, 'warps': warps}
-                    for pixels in (32, 64, 128) for channels in (32, 64, 128) for warps in (4, 8)
-                    if pixels * channels <= 8192] + [{'pixels': 128, 'max_width': 16, 'warps': 4},
-                                                     {'pixels': 64, 'max_width': 16, 'channels': 64, 'warps': 4}]
-WEIGHT_GRAD_TILINGS = [{'weight_grad_pixels': pixels, 'weight_grad_channels': channels, 'weight_grad_warps': warps}
-                       for pixels in (2, 4, 8) for channels in (32, 64) for warps in (4, 8) if pixels * channels <= 256]
 # tests/test_cuda.py's tests that compile (pytest -k): they come last, after the compiled benchmarks.
 CUDA_TESTS_THAT_COMPILE = 'compile or twenty or cuda_graphs'
-KINDS = ('environment', 'cudnn', 'conv', 'eager', 'pytest', 'compiled', 'memory', 'conv_sweep')
+KINDS = ('environment', 'eager', 'compiled', 'cudnn', 'ops', 'memory', 'pytest')
 DEFAULT_BUDGET_S = 510  # with the driver's margin, a check of at most 9 minutes
 RESERVE_S = 15  # kept for writing the report
 # The driver ends this long after its budget whatever it is doing: its steps end by then (each under the time left,
@@ -157,7 +134,8 @@ def _python() -> str:
 def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None = None,
                cudnn_benchmark: bool = True) -> list[Step]:
     """The check's steps (those of ``kinds``, default all of :data:`KINDS`), their benchmark reports written into
-    ``work_dir``; ``cudnn_benchmark`` False runs every step but the autotuning comparison without cuDNN's autotuning."""
+    ``work_dir``; ``cudnn_benchmark`` False runs every step without cuDNN's autotuning and leaves out the run that
+    turns it off."""
     python = _python()
     if cpu_smoke:
         common = ['--batch-size', '2', '--img-size', '32', '--precision', 'fp32', '--device', 'cpu', '--threads', '1']
@@ -165,79 +143,69 @@ def plan_steps(work_dir: Path, cpu_smoke: bool = False, kinds: set[str] | None =
                  'compiled': ['--warmup', '1', '--repeats', '1', '--steps', '1'],
                  'cudnn': ['--warmup', '1', '--repeats', '1', '--steps', '1']}
         # Inductor's compilation on a CPU takes minutes: the time guard skips it unless the budget is generous.
-        eager_models, compiled, memory_models = SMOKE_MODELS, [(SMOKE_MODELS[1], 'default', 900)], SMOKE_MODELS[:1]
+        eager_models, memory_models = SMOKE_MODELS, SMOKE_MODELS[:1]
+        compiled, compiled_anchor = [(SMOKE_MODELS[1], 'default', 900)], []
         cudnn_models = SMOKE_CUDNN_MODELS
-        estimates = {'environment': 20, 'cudnn_on': 30, 'cudnn_off': 30, 'conv': 60, 'eager': 60, 'pytest': 30,
-                     'pytest_compiled': 900, 'memory': 60, 'conv_sweep': 60}
+        estimates = {'environment': 20, 'eager': 60, 'cudnn': 30, 'ops': 60, 'pytest': 30, 'pytest_compiled': 900,
+                     'memory': 60}
         profile = '1'
-        conv = ['--batch-size', '1', '--device', 'cpu', '--precision', 'fp32', '--repeats', '1']
-        sweep = [*conv, '--sweep-budget', '20']
+        ops = ['--batch-size', '1', '--device', 'cpu', '--precision', 'fp32', '--repeats', '1']
     else:
         common = ['--batch-size', '128', '--img-size', '224', '--precision', 'bf16', '--device', 'cuda']
-        timed = {'eager': ['--warmup', '5', '--repeats', '5', '--steps', '5'],
-                 'compiled': ['--warmup', '3', '--repeats', '3', '--steps', '5'],
+        timed = {'eager': ['--warmup', '3', '--repeats', '3', '--steps', '5'],
+                 'compiled': ['--warmup', '2', '--repeats', '3', '--steps', '5'],
                  'cudnn': ['--warmup', '3', '--repeats', '3', '--steps', '5']}
-        eager_models, compiled, memory_models, cudnn_models = EAGER_MODELS, COMPILED, MEMORY_MODELS, CUDNN_MODELS
+        eager_models, memory_models, cudnn_models = EAGER_MODELS, MEMORY_MODELS, CUDNN_MODELS
+        compiled, compiled_anchor = COMPILED, COMPILED_ANCHOR
         # Seconds on an H200, with margin (docs/performance.md gives the durations measured): the eager step is
-        # 7 models x 2 modes x (5 + 5 x 5) steps and 3 profiled steps each (5 models took 140 s); each autotuning run
-        # is 4 models x (3 + 3 x 5) training steps after the process's start, the run without autotuning slower by
-        # the heuristic's depthwise kernels.
-        estimates = {'environment': 20, 'cudnn_on': 60, 'cudnn_off': 75, 'conv': 120, 'eager': 210, 'pytest': 240,
-                     'pytest_compiled': 240, 'memory': 120, 'conv_sweep': 180}
+        # 5 models x 2 modes x (3 + 3 x 5) steps and 3 profiled steps each (5 models at 5 + 5 x 5 steps took 140 s);
+        # the run without autotuning is 4 models x (3 + 3 x 5) training steps after the process's start.
+        estimates = {'environment': 20, 'eager': 120, 'cudnn': 75, 'ops': 45, 'pytest': 240, 'pytest_compiled': 240,
+                     'memory': 120}
         profile = '3'
-        conv = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '20']
-        # the sweep stops taking new shapes after its budget; the shape it is on (under a minute) ends before its limit
-        sweep = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '10',
-                 '--sweep-budget', '150']
+        ops = ['--batch-size', '128', '--device', 'cuda', '--precision', 'bf16', '--repeats', '20']
     benchmark = [python, '-m', 'lipsformer.instruments.benchmark']
     autotuning = [] if cudnn_benchmark else ['--no-cudnn-benchmark']  # the steps' setting, as the driver is given
-    conv += autotuning
-    sweep += autotuning
     # -v names each test as it ends, so that the log of a step cut at its limit says which test was running
     pytest = [python, '-m', 'pytest', '-v', '-p', 'no:cacheprovider', '--durations=0', 'tests/test_cuda.py']
     steps = [
         Step('environment',
              [python, '-m', 'lipsformer.instruments.gpu_check', '--environment', str(work_dir / 'environment.json')],
              estimates['environment'], 60, 'environment', str(work_dir / 'environment.json')),
-        # First after the environment: of all the check measures, what the default of every command changes most.
-        *[Step(f'eager training, cuDNN autotuning {state}',
-               [*benchmark, '--models', ','.join(cudnn_models), '--mode', 'train', *common, *timed['cudnn'],
-                '--cudnn-benchmark' if state == 'on' else '--no-cudnn-benchmark', '--no-memory',
-                '--json', str(work_dir / f'cudnn_{state}.json')],
-               estimates[f'cudnn_{state}'], 180, 'cudnn', str(work_dir / f'cudnn_{state}.json'))
-          for state in ('on', 'off')],
-        Step('custom ops against stock kernels',
-             [python, '-m', 'lipsformer.instruments.gpu_check', '--conv-benchmark', str(work_dir / 'conv.json'), *conv],
-             estimates['conv'], 180, 'conv', str(work_dir / 'conv.json')),
         Step('eager benchmark', [*benchmark, '--models', ','.join(eager_models), '--mode', 'infer,train', *common,
                                  *timed['eager'], *autotuning,
                                  '--no-memory', '--profile', profile, '--json', str(work_dir / 'eager.json')],
              estimates['eager'], 300, 'eager', str(work_dir / 'eager.json')),
     ]
-    # The tests that compile nothing check the new kernels on the GPU before anything is timed compiled.
-    steps.append(Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
-                      estimates['pytest'], 300, 'pytest'))
-    # In order of need: a step that does not fit is skipped and the smaller ones after it still run.
-    for index, (model, mode, estimate_s) in enumerate(compiled):
+
+    def compiled_step(index: int, model: str, mode: str, estimate_s: float) -> Step:
         path = str(work_dir / f'compiled_{index}.json')
-        steps.append(Step(
-            f'compiled {model} ({mode})',
-            [*benchmark, '--models', model, '--mode', 'infer,train', *common,
-             *timed['compiled'], *autotuning, '--compile',
-             *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory', '--profile', profile,
-             '--json', path],
-            estimate_s, max(300, estimate_s + 60), 'compiled', path, mode))
+        return Step(f'compiled {model} ({mode})',
+                    [*benchmark, '--models', model, '--mode', 'train', *common, *timed['compiled'], *autotuning,
+                     '--compile', *([] if mode == 'default' else ['--compile-mode', mode]), '--no-memory',
+                     '--profile', profile, '--json', path],
+                    estimate_s, max(300, estimate_s + 60), 'compiled', path, mode)
+
+    steps += [compiled_step(index, *entry) for index, entry in enumerate(compiled)]
+    if cudnn_benchmark:  # the eager step's training rows are the autotuned ones this run is compared with
+        steps.append(Step('eager training, cuDNN autotuning off',
+                          [*benchmark, '--models', ','.join(cudnn_models), '--mode', 'train', *common,
+                           *timed['cudnn'], '--no-cudnn-benchmark', '--no-memory',
+                           '--json', str(work_dir / 'cudnn_off.json')],
+                          estimates['cudnn'], 180, 'cudnn', str(work_dir / 'cudnn_off.json')))
+    steps += [compiled_step(len(compiled) + index, *entry) for index, entry in enumerate(compiled_anchor)]
+    steps.append(Step('custom op against stock kernels',
+                      [python, '-m', 'lipsformer.instruments.gpu_check', '--op-benchmark', str(work_dir / 'ops.json'),
+                       *ops, *autotuning],
+                      estimates['ops'], 180, 'ops', str(work_dir / 'ops.json')))
     steps.append(Step('peak memory (eager training, fresh process each)',
                       [*benchmark, '--models', ','.join(memory_models), '--mode', 'train', *common, '--warmup', '2',
                        '--repeats', '1', '--steps', '1', *autotuning, '--json', str(work_dir / 'memory.json')],
                       estimates['memory'], 180, 'memory', str(work_dir / 'memory.json')))
+    steps.append(Step('tests/test_cuda.py, without compilation', [*pytest, '-k', f'not ({CUDA_TESTS_THAT_COMPILE})'],
+                      estimates['pytest'], 300, 'pytest'))
     steps.append(Step('tests/test_cuda.py, compiled', [*pytest, '-k', CUDA_TESTS_THAT_COMPILE],
                       estimates['pytest_compiled'], 300, 'pytest'))
-    steps.append(Step('depthwise convolutions, tilings swept',
-                      [python, '-m', 'lipsformer.instruments.gpu_check', '--conv-sweep',
-                       str(work_dir / 'conv_sweep.json'), *sweep],
-                      estimates['conv_sweep'], estimates['conv_sweep'] + 60, 'conv_sweep',
-                      str(work_dir / 'conv_sweep.json')))
     return [step for step in steps if kinds is None or step.kind in kinds]
 
 
@@ -325,40 +293,6 @@ def environment_facts() -> dict[str, Any]:
     return facts
 
 
-def conv_shapes(name: str, batch: int, img_size: int = 224) -> list[dict[str, Any]]:
-    """The depthwise convolutions a forward of the model ``name``'s fast form runs at ``img_size`` with square
-    kernels, stage by stage: its conv shortcuts' maps and, in CSwin, each block's one LePE convolution (both branches'
-    v stacked, over the map with a zero line after each stripe, or the whole map where one branch covers it), as NHWC
-    shapes with their kernel size and count. Stripes one token wide are convolved 1x3, a kernel the op does not take,
-    and are left out."""
-    import timm
-
-    import lipsformer  # noqa: F401  (registers the models)
-    model = timm.create_model(name, img_size=img_size, device='meta')
-    grid = img_size // 4
-    shapes = []
-    for index, stage in enumerate(model.stages):
-        size, blocks = grid // 2 ** index, len(stage.blocks)
-        block = stage.blocks[0]
-        for shortcut in block.conv_shortcuts:  # the shortcuts of a block share a shape: one row
-            row = {'stage': index + 1, 'what': 'conv shortcut', 'shape': [batch, size, size, shortcut.dw.in_channels],
-                   'kernel': shortcut.dw.kernel_size[0], 'calls': 0}
-            if not shapes or {**shapes[-1], 'calls': 0} != row:
-                shapes.append(row)
-            shapes[-1]['calls'] += blocks
-        branches, split = getattr(block.attn, 'branches', []), getattr(block.attn, 'split_size', size)
-        if branches and (len(branches) == 1 or split > 1):
-            lines, what = (size, 'whole map') if len(branches) == 1 else (size + -(-size // split), 'stripes apart')
-            shapes.append({'stage': index + 1, 'what': f'LePE, {what}',
-                           'shape': [batch, lines, size, sum(branch.lepe.in_channels for branch in branches)],
-                           'kernel': branches[0].lepe.kernel_size[0], 'calls': blocks})
-    return shapes
-
-
-def _nominal_bandwidth(gpu: str | None) -> float | None:
-    return next((bandwidth for name, bandwidth in NOMINAL_BANDWIDTH if gpu and name in gpu), None)
-
-
 def _copy_time(device: str, repeats: int) -> tuple[int, float]:
     """(bytes, median ms) of a device-to-device copy of 1 GiB (16 MiB on the CPU)."""
     import torch
@@ -389,100 +323,8 @@ def _median_ms(call: Callable[[], Any], device: str, repeats: int, warmup: int =
     return sorted(times)[len(times) // 2]
 
 
-def _conv_case(shape: list[int], kernel: int, device: str, dtype: Any
-               ) -> tuple[dict[str, tuple[Callable[[], Any], Callable[[], Any]]], dict[str, Callable[[], Any]],
-                          dict[str, Any]]:
-    """One depthwise convolution shape's three passes: (the op's call and ATen's a pass, on inputs that rotate among
-    copies; the op's call a pass on the first copy, for its error; ATen's float32 result of that call)."""
-    import torch
-    import torch.nn.functional as F
-
-    ops = torch.ops.lipsformer
-    channels, padding = shape[-1], kernel // 2
-    map_bytes = math.prod(shape) * dtype.itemsize
-    # inputs smaller than a few hundred MB rotate among copies, so a pass reads memory, not the cache its last run left
-    copies = max(1, min(8, -(-2 ** 28 // map_bytes)))
-    xs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
-    gs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(copies)]
-    weight = torch.randn(channels, 1, kernel, kernel, device=device, dtype=dtype) / kernel
-    bias = torch.randn(channels, device=device, dtype=dtype)
-    turn = iter(range(10 ** 9))
-
-    def pick(tensors: list) -> Any:
-        return tensors[next(turn) % copies]
-
-    def aten_backward(mask: tuple[bool, bool, bool]) -> Callable[[], Any]:
-        def call() -> Any:
-            index = next(turn) % copies
-            return torch.ops.aten.convolution_backward(
-                gs[index].permute(0, 3, 1, 2), xs[index].permute(0, 3, 1, 2), weight, [channels], (1, 1),
-                (padding, padding), (1, 1), False, (0, 0), channels, mask)
-        return call
-
-    passes = {
-        'forward': (lambda: ops.depthwise_conv2d(pick(xs), weight, bias),
-                    lambda: F.conv2d(pick(xs).permute(0, 3, 1, 2), weight, bias, padding=padding, groups=channels)),
-        'input gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, True, False),
-                           aten_backward((True, False, False))),
-        'weight gradient': (lambda: ops.depthwise_conv2d_backward(pick(gs), pick(xs), weight, False, True),
-                            aten_backward((False, True, True))),
-    }
-    x, g = xs[0], gs[0]
-    first = {'forward': lambda: ops.depthwise_conv2d(x, weight, bias),
-             'input gradient': lambda: ops.depthwise_conv2d_backward(g, x, weight, True, False)[0],
-             'weight gradient': lambda: ops.depthwise_conv2d_backward(g, x, weight, False, True)[1]}
-    expected = {
-        'forward': F.conv2d(x.permute(0, 3, 1, 2), weight, bias, padding=padding, groups=channels).permute(0, 2, 3, 1),
-        'input gradient': torch.ops.aten.convolution_backward(
-            g.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2), weight, [channels], (1, 1), (padding, padding), (1, 1),
-            False, (0, 0), channels, (True, False, False))[0].permute(0, 2, 3, 1),
-        'weight gradient': torch.ops.aten.convolution_backward(
-            g.float().permute(0, 3, 1, 2), x.float().permute(0, 3, 1, 2), weight.float(), [channels], (1, 1),
-            (padding, padding), (1, 1), False, (0, 0), channels, (False, True, False))[1],
-    }
-    return passes, first, {name: result.float() for name, result in expected.items()}
-
-
 def _relative_error(ours: Any, reference: Any) -> float:
     return ((ours.float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
-
-
-def depthwise_conv_benchmark(batch: int = 128, device: str = 'cuda', precision: str = 'bf16',
-                             repeats: int = 20, models: tuple[str, ...] = CONV_MODELS) -> dict[str, Any]:
-    """Each pass of ``lipsformer::depthwise_conv2d`` against ATen's convolution (cuDNN on a GPU) on every depthwise
-    convolution shape of ``models`` (:func:`conv_shapes`): median times, bytes each pass must move (its inputs read
-    once and its outputs written once: two maps a pass), GB/s and their fraction of the card's bandwidth (the
-    datasheet's and a measured device-to-device copy's), and the op's largest error relative to ATen's result.
-
-    Inputs smaller than a few hundred MB rotate among several copies, so that a pass is timed from memory rather
-    than from the cache its previous run left.
-    """
-    import torch
-
-    from lipsformer.fastpath import depthwise_conv_op
-    from lipsformer.instruments.model_specs import PRECISIONS
-    dtype = PRECISIONS[precision]
-    copy_bytes, copy_ms = _copy_time(device, repeats)
-    gpu = torch.cuda.get_device_name(0) if device == 'cuda' else None
-    nominal = _nominal_bandwidth(gpu)
-    measured = 2 * copy_bytes / (copy_ms / 1e3)
-    triton = depthwise_conv_op.depthwise_kernels_run_on(torch.empty(0, device=device, dtype=dtype))  # device, dtype
-    rows = []
-    for name in models:
-        for entry in conv_shapes(name, batch):
-            passes, first, expected = _conv_case(entry['shape'], entry['kernel'], device, dtype)
-            moved = 2 * math.prod(entry['shape']) * dtype.itemsize
-            for pass_name, (op_call, aten_call) in passes.items():
-                error = _relative_error(first[pass_name](), expected[pass_name])
-                op_ms = _median_ms(op_call, device, repeats)
-                aten_ms = _median_ms(aten_call, device, repeats)
-                rows.append({**entry, 'pass': pass_name, 'op_ms': op_ms, 'aten_ms': aten_ms,
-                             'speedup': aten_ms / op_ms, 'bytes': moved, 'op_gb_s': moved / op_ms / 1e6,
-                             'fraction_of_nominal': moved / (op_ms / 1e3) / nominal if nominal else None,
-                             'fraction_of_copy': moved / (op_ms / 1e3) / measured, 'relative_error': error,
-                             'triton': triton})
-    return {'batch': batch, 'device': device, 'precision': precision, 'gpu': gpu, 'nominal_bandwidth': nominal,
-            'copy_bandwidth': measured, 'cudnn_benchmark': torch.backends.cudnn.benchmark, 'rows': rows}
 
 
 def l2_normalize_inputs(name: str, batch: int, img_size: int = 224) -> list[dict[str, Any]]:
@@ -515,14 +357,15 @@ def l2_normalize_inputs(name: str, batch: int, img_size: int = 224) -> list[dict
 
 
 def l2_normalize_benchmark(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 20,
-                           models: tuple[str, ...] = CONV_MODELS, tau: float = 10.0) -> dict[str, Any]:
+                           models: tuple[str, ...] = OP_MODELS, tau: float = 10.0) -> dict[str, Any]:
     """SCSA's q/k normalisation, forward and backward, as the fast form calls it (``l2_normalize_op``: the
     ``lipsformer::l2_normalize`` op, one Triton kernel a pass on a GPU, its output laid out as its input) against the
     plain model's ``F.normalize``, on every input layout of ``models``' fast forms (:func:`l2_normalize_inputs`); each
     backward through autograd, with a gradient laid out as that form's output. Median times, the bytes each pass must
     move (forward: x read, y written; backward: the gradient and y read, x's gradient written), the op's share of a
-    measured device copy's rate, and each pass's error relative to a float64 reference. Inputs rotate among copies
-    as in :func:`depthwise_conv_benchmark`."""
+    measured device copy's rate, and each pass's error relative to a float64 reference. Inputs smaller than a few
+    hundred MB rotate among copies, so that a pass is timed from memory rather than from the cache its previous run
+    left."""
     import torch
     import torch.nn.functional as F
 
@@ -597,96 +440,17 @@ def _l2_table(report: dict) -> str:
     return '\n'.join(lines)
 
 
-def depthwise_conv_sweep(batch: int = 128, device: str = 'cuda', precision: str = 'bf16', repeats: int = 10,
-                         models: tuple[str, ...] = CONV_MODELS, budget_s: float = 150.0) -> dict[str, Any]:
-    """The op's passes under each tiling of :data:`CONVOLVE_TILINGS` (forward, input gradient) and
-    :data:`WEIGHT_GRAD_TILINGS` (weight gradient) against its default tiling and ATen (cuDNN) on every depthwise
-    convolution shape of ``models``, one shape after another until ``budget_s`` is spent (``complete`` says whether
-    every shape was timed). Each row holds a pass's time under one tiling, and the op's error there against ATen's
-    result, so that a tiling that computes wrongly shows."""
-    import torch
-
-    from lipsformer.fastpath.depthwise_conv_op import DepthwiseTiling, using_tiling
-    from lipsformer.instruments.model_specs import PRECISIONS
-    dtype = PRECISIONS[precision]
-    began = time.monotonic()
-    seen, rows, complete = set(), [], True
-    entries = [entry for name in models for entry in conv_shapes(name, batch)]
-    for entry in entries:
-        key = (tuple(entry['shape']), entry['kernel'])
-        if key in seen:
-            continue
-        if rows and time.monotonic() - began > budget_s:  # the first shape is timed whatever the budget
-            complete = False
-            break
-        seen.add(key)
-        passes, first, expected = _conv_case(entry['shape'], entry['kernel'], device, dtype)
-        for pass_name, (op_call, aten_call) in passes.items():
-            aten_ms = _median_ms(aten_call, device, repeats)
-            candidates = WEIGHT_GRAD_TILINGS if pass_name == 'weight gradient' else CONVOLVE_TILINGS
-            for settings in [{}, *candidates]:
-                with using_tiling(DepthwiseTiling(**settings)):
-                    error = _relative_error(first[pass_name](), expected[pass_name])
-                    op_ms = _median_ms(op_call, device, repeats)
-                rows.append({**entry, 'pass': pass_name, 'tiling': settings or 'default', 'op_ms': op_ms,
-                             'aten_ms': aten_ms, 'speedup': aten_ms / op_ms, 'relative_error': error})
-    return {'batch': batch, 'device': device, 'precision': precision, 'repeats': repeats,
-            'cudnn_benchmark': torch.backends.cudnn.benchmark,
-            'default_tiling': dataclasses.asdict(DepthwiseTiling()), 'complete': complete,
-            'seconds': round(time.monotonic() - began, 1), 'rows': rows}
-
-
-def _sweep_table(report: dict) -> str:
-    """A row a shape and pass: ATen's time, the op's under its default tiling and under the fastest one."""
-    lines = [f'{"Every shape" if report["complete"] else "Not every shape (the budget ran out)"} timed in '
-             f'{report["seconds"]:.0f} s; time per call (median of {report["repeats"]}), ms.', '',
-             '| stage | conv | NHWC shape, kernel | pass | ATen | op, default | op, fastest | fastest tiling | '
-             'ATen/fastest | worst rel. error |', '|---|---|---|---|---:|---:|---:|---|---:|---:|']
-    groups: dict[tuple, list[dict]] = {}
-    for row in report['rows']:
-        groups.setdefault((row['stage'], row['what'], tuple(row['shape']), row['kernel'], row['pass']), []).append(row)
-    for (stage, what, shape, kernel, pass_name), rows in groups.items():
-        default = next(row for row in rows if row['tiling'] == 'default')
-        fastest = min(rows, key=lambda row: row['op_ms'])
-        tiling = fastest['tiling'] if fastest['tiling'] == 'default' else ', '.join(
-            f'{key.removeprefix("weight_grad_")}={value}' for key, value in fastest['tiling'].items())
-        lines.append(f'| {stage} | {what} | {"x".join(map(str, shape))}, {kernel} | {pass_name} | '
-                     f'{default["aten_ms"]:.3f} | {default["op_ms"]:.3f} | {fastest["op_ms"]:.3f} | {tiling} | '
-                     f'{fastest["speedup"]:.2f}x | {max(row["relative_error"] for row in rows):.1e} |')
-    return '\n'.join(lines)
-
-
-def _conv_table(report: dict) -> str:
-    nominal = report.get('nominal_bandwidth')
-    lines = [f'Bandwidth: {nominal / 1e12:.2f} TB/s by the datasheet, ' if nominal else 'Bandwidth: ',
-             f'{report["copy_bandwidth"] / 1e12:.2f} TB/s measured by a device copy (bytes read and written); each '
-             f'pass moves two maps. Time per call (median), the op against ATen (cuDNN, '
-             f'{_autotuning(report.get("cudnn_benchmark"))}).', '',
-             '| stage | conv | NHWC shape, kernel | calls/step | pass | op (ms) | ATen (ms) | ATen/op | op GB/s | '
-             'of datasheet | of copy | rel. error |', '|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|']
-    lines[0:2] = [lines[0] + lines[1]]
-    for row in report['rows']:
-        of_nominal = '-' if row['fraction_of_nominal'] is None else f'{row["fraction_of_nominal"]:.0%}'
-        lines.append(f'| {row["stage"]} | {row["what"]} | {"x".join(map(str, row["shape"]))}, {row["kernel"]} | '
-                     f'{row["calls"]} | {row["pass"]} | {row["op_ms"]:.3f} | {row["aten_ms"]:.3f} | '
-                     f'{row["speedup"]:.2f}x | {row["op_gb_s"]:.0f} | {of_nominal} | {row["fraction_of_copy"]:.0%} | '
-                     f'{row["relative_error"]:.1e} |')
-    return '\n'.join(lines)
-
-
-def _autotuning(enabled: bool | None) -> str:
-    """How a report's cuDNN picked its kernels, in words."""
-    return {True: 'autotuned', False: 'its heuristic\'s kernels', None: 'autotuning not recorded'}[enabled]
-
-
 def _cudnn_table(results: list[StepResult]) -> str:
-    """Eager training with cuDNN's autotuning on and off (the two runs of the ``cudnn`` step), model by model:
-    images/s with the ratio to the first model, on over off, and the first step of each (where autotuning times the
-    kernels)."""
+    """Eager training with cuDNN's autotuning on (the eager step's training rows) and off (the ``cudnn`` step), model
+    by model: images/s with the ratio to the first model, on over off, and the first step of each (where autotuning
+    times the kernels)."""
     runs: dict[bool, dict[str, dict]] = {}
     for result in results:
-        if result.kind == 'cudnn' and result.data:
-            runs[result.data['config']['cudnn_benchmark']] = {row['model']: row for row in _rows(result.data, 'train')}
+        autotuned = (result.data or {}).get('config', {}).get('cudnn_benchmark')
+        if result.kind in ('eager', 'cudnn') and autotuned is not None:
+            runs[autotuned] = {row['model']: row for row in _rows(result.data, 'train')}
+    if False not in runs:
+        return ''
     models = list(dict.fromkeys(model for rows in runs.values() for model in rows))
     lines = ['| model | autotuning on (img/s) | off (img/s) | on over off | first step on, off (s) |',
              '|---|---|---|---:|---|']
@@ -764,31 +528,32 @@ def _kinds_table(reports: list[tuple[str, dict | None]]) -> str:
 
 
 def _compiled_table(results: list[StepResult], eager: dict | None) -> str:
+    """A row a compiled run and mode (training, and inference where the run has it): the first step (compilation
+    included), images/s with the ratio to timm's Swin-T compiled in the same mode and mode of the run, over the same
+    model eager, and the training step's peak memory."""
     eager_rows = {mode: {row['model']: row for row in _rows(eager, mode)} for mode in ('train', 'infer')}
     compiled = [(result, result.name.removeprefix('compiled ').rsplit(' (', 1)[0],
                  {mode: (_rows(result.data, mode) or [None])[0] for mode in ('train', 'infer')})
                 for result in results if result.kind == 'compiled']
-    # timm's Swin-T compiled in the default mode, wherever the plan runs it: every row's ratio is to it
-    reference = next((rows for result, model, rows in compiled
-                      if model == TIMM_SWIN and result.compile_mode == 'default' and None not in rows.values()), {})
-    lines = ['| model | mode | first training step (s) | first inference step (s) | training (img/s) | '
-             'inference (img/s) | over eager: training, inference | training peak (MiB) |',
-             '|---|---|---:|---:|---|---|---|---:|']
+    # timm's Swin-T compiled in each mode, wherever the plan runs it: the rows of that mode take their ratio to it
+    references = {result.compile_mode: rows for result, model, rows in compiled if model == TIMM_SWIN}
+    lines = ['| model | compile mode | run | first step (s) | img/s: over timm Swin-T, same compile mode | '
+             'over eager | peak (MiB) |', '|---|---|---|---:|---|---:|---:|']
     for result, model, rows in compiled:
-        if rows['train'] is None or rows['infer'] is None:
-            lines.append(f'| `{model}` | {result.compile_mode} | {result.note or result.status} | | | | | |')
+        if rows['train'] is None and rows['infer'] is None:
+            lines.append(f'| `{model}` | {result.compile_mode} | - | {result.note or result.status} | | | |')
             continue
-
-        def speed(mode: str) -> str:
-            ratio = f': {rows[mode]["images_per_s"] / reference[mode]["images_per_s"]:.2f}x' if reference else ''
-            return f'{rows[mode]["images_per_s"]:.0f}{ratio}'
-
-        over_eager = ', '.join(f'{rows[mode]["images_per_s"] / eager_rows[mode][model]["images_per_s"]:.2f}x'
-                               if model in eager_rows[mode] else '-' for mode in ('train', 'infer'))
-        peak = rows['train'].get('cuda_peak_memory_mb_in_process')
-        lines.append(f'| `{model}` | {result.compile_mode} | {rows["train"]["first_step_s"]:.1f} | '
-                     f'{rows["infer"]["first_step_s"]:.1f} | {speed("train")} | {speed("infer")} | {over_eager} | '
-                     f'{"-" if peak is None else f"{peak:.0f}"} |')
+        for mode, row in rows.items():
+            if row is None:
+                continue
+            reference = (references.get(result.compile_mode) or {}).get(mode)
+            ratio = f': {row["images_per_s"] / reference["images_per_s"]:.2f}x' if reference else ''
+            eager_row = eager_rows[mode].get(model)
+            over_eager = f'{row["images_per_s"] / eager_row["images_per_s"]:.2f}x' if eager_row else '-'
+            peak = row.get('cuda_peak_memory_mb_in_process')
+            peak = '-' if peak is None else f'{peak:.0f}'
+            lines.append(f'| `{model}` | {result.compile_mode} | {mode} | {row["first_step_s"]:.1f} | '
+                         f'{row["images_per_s"]:.0f}{ratio} | {over_eager} | {peak} |')
     return '\n'.join(lines)
 
 
@@ -801,14 +566,12 @@ def write_gpu_report(results: list[StepResult], out_dir: Path, budget_s: float, 
     environment = (by_kind.get('environment') or [StepResult('', '', '')])[0].data or {}
     eager = (by_kind.get('eager') or [StepResult('', '', '')])[0].data
     memory = (by_kind.get('memory') or [StepResult('', '', '')])[0].data
-    conv = (by_kind.get('conv') or [StepResult('', '', '')])[0].data
-    sweep = (by_kind.get('conv_sweep') or [StepResult('', '', '')])[0].data
-    cudnn = {'on' if result.data['config']['cudnn_benchmark'] else 'off': result.data
-             for result in by_kind.get('cudnn', []) if result.data}
+    ops = (by_kind.get('ops') or [StepResult('', '', '')])[0].data
+    cudnn_off = (by_kind.get('cudnn') or [StepResult('', '', '')])[0].data
     report = {'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'), 'cpu_smoke': cpu_smoke,
               'budget_s': budget_s, 'elapsed_s': round(elapsed_s, 1), 'environment': environment,
               'steps': [dataclasses.asdict(result) | {'data': None} for result in results],
-              'cudnn_autotuning': cudnn, 'depthwise_conv': conv, 'depthwise_conv_sweep': sweep, 'eager': eager,
+              'eager': eager, 'cudnn_autotuning_off': cudnn_off, 'l2_normalize': ops,
               'compiled': [result.data for result in by_kind.get('compiled', [])], 'peak_memory': memory}
     json_path, md_path = out_dir / 'gpu_check.json', out_dir / 'gpu_check.md'
     json_path.write_text(json.dumps(report, indent=1) + '\n')
@@ -824,15 +587,6 @@ def write_gpu_report(results: list[StepResult], out_dir: Path, budget_s: float, 
         if pytest_result.output_tail:
             summary = [line for line in pytest_result.output_tail.splitlines() if line.strip()][-1:]
             md += ['', f'{pytest_result.name}: {summary[0] if summary else "-"}']
-    if cudnn_table := _cudnn_table(results):
-        md += ['', '## cuDNN autotuning: eager training with it on and off, a process each', '',
-               'Images/s with the ratio to the first model; the first step of each model includes autotuning\'s '
-               'timing of cuDNN\'s kernels.', '', cudnn_table]
-    if conv:
-        md += ['', '## Depthwise convolutions: lipsformer::depthwise_conv2d against ATen', '', _conv_table(conv)]
-        if conv.get('l2_normalize'):
-            md += ['', '## q/k normalisation: lipsformer::l2_normalize against PyTorch', '',
-                   _l2_table(conv['l2_normalize'])]
     if eager:
         md += ['', '## Eager, interleaved in one process', '',
                'Images/s with the ratio to the first model and, in brackets, the median (interquartile range) of the '
@@ -841,14 +595,19 @@ def write_gpu_report(results: list[StepResult], out_dir: Path, budget_s: float, 
             md += ['', '### Top kernels by time', top_kernels]
     if by_kind.get('compiled'):
         md += ['', '## Compiled (torch.compile), one process per model', '',
-               'The first step includes compilation; ratios to timm\'s Swin-T compiled in the default mode, and of '
-               'training to the same model eager.', '', _compiled_table(results, eager)]
+               'The first step includes compilation (a mode after the default finds the kernels that one compiled '
+               'in inductor\'s cache); ratios to timm\'s Swin-T compiled in the same mode, and to the same model '
+               'eager.', '', _compiled_table(results, eager)]
     kinds = _kinds_table([('eager', eager)] + [(f'compiled, {result.compile_mode}', result.data)
                                                for result in by_kind.get('compiled', [])])
     if kinds:
         md += ['', '## Device time a step by kernel kind (ms, profiled steps)', '', kinds]
-    if sweep:
-        md += ['', '## Depthwise convolutions: the op\'s tilings swept', '', _sweep_table(sweep)]
+    if cudnn_table := _cudnn_table(results):
+        md += ['', '## cuDNN autotuning: eager training with it on and off, a process each', '',
+               'Images/s with the ratio to the first model (autotuning on: the eager step\'s training rows); the '
+               'first step of each model includes autotuning\'s timing of cuDNN\'s kernels.', '', cudnn_table]
+    if ops:
+        md += ['', '## q/k normalisation: lipsformer::l2_normalize against PyTorch', '', _l2_table(ops)]
     if memory:
         md += ['', '## Peak memory of an eager training step (fresh process each)', '',
                '| model | peak (MiB) | ratio |', '|---|---:|---:|']
@@ -863,11 +622,9 @@ def write_gpu_report(results: list[StepResult], out_dir: Path, budget_s: float, 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='scripts/gpu_check.sh OUT_DIR',
-        description='The GPU check: environment, eager training with cuDNN autotuning on and off, depthwise '
-                    'convolutions, eager benchmark with profiles, '
-                    'tests/test_cuda.py, compiled runs, peak memory, the convolutions\' tilings swept, under a time '
-                    'guard; writes gpu_check.md, '
-                    'gpu_check.json and gpu_check.log.')
+        description='The GPU check: environment, eager benchmark with profiles, compiled training, eager training '
+                    'with cuDNN autotuning off, the q/k normalisation op, peak memory, tests/test_cuda.py, under a '
+                    'time guard; writes gpu_check.md, gpu_check.json and gpu_check.log.')
     parser.add_argument('--out', type=Path, help='the folder for the report (created)')
     parser.add_argument('--budget', type=float, default=DEFAULT_BUDGET_S,
                         help=f'seconds for the steps; a step that would not fit is skipped, and the driver ends '
@@ -877,19 +634,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--steps', default=','.join(KINDS),
                         help='comma list of the steps to run, of %(default)s (default: all)')
     parser.add_argument('--cudnn-benchmark', action=argparse.BooleanOptionalAction, default=True,
-                        help='cuDNN autotuning in the benchmark steps and the convolutions\' timings, as timm\'s '
-                             'scripts set it (default: on; the cudnn step times training with it on and off '
-                             'whatever this says)')
+                        help='cuDNN autotuning in every step, as timm\'s scripts set it (default: on, and a step '
+                             'times training with it off for comparison)')
     parser.add_argument('--environment', type=Path, help=argparse.SUPPRESS)  # the environment step's own entry
-    # the conv step's own entry (depthwise_conv_benchmark) and its settings
-    parser.add_argument('--conv-benchmark', type=Path, help=argparse.SUPPRESS)
+    # the ops step's own entry (l2_normalize_benchmark) and its settings
+    parser.add_argument('--op-benchmark', type=Path, help=argparse.SUPPRESS)
     parser.add_argument('--batch-size', type=int, default=128, help=argparse.SUPPRESS)
     parser.add_argument('--device', default='cuda', help=argparse.SUPPRESS)
     parser.add_argument('--precision', default='bf16', choices=('bf16', 'fp16', 'fp32'), help=argparse.SUPPRESS)
     parser.add_argument('--repeats', type=int, default=20, help=argparse.SUPPRESS)
-    # the conv sweep's own entry (depthwise_conv_sweep): the settings above, and seconds before it takes no new shape
-    parser.add_argument('--conv-sweep', type=Path, help=argparse.SUPPRESS)
-    parser.add_argument('--sweep-budget', type=float, default=150.0, help=argparse.SUPPRESS)
     return parser
 
 
@@ -899,20 +652,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.environment is not None:
         args.environment.write_text(json.dumps(environment_facts(), indent=1) + '\n')
         return 0
-    if args.conv_benchmark is not None or args.conv_sweep is not None:
+    if args.op_benchmark is not None:
         from lipsformer.utils.processes import set_cudnn_benchmark
-        set_cudnn_benchmark(args.cudnn_benchmark)  # ATen's side of the timings
-    if args.conv_benchmark is not None:
-        report = depthwise_conv_benchmark(args.batch_size, args.device, args.precision, args.repeats)
-        report['l2_normalize'] = l2_normalize_benchmark(args.batch_size, args.device, args.precision, args.repeats)
-        args.conv_benchmark.write_text(json.dumps(report, indent=1) + '\n')
-        print(_conv_table(report), _l2_table(report['l2_normalize']), sep='\n\n')
-        return 0
-    if args.conv_sweep is not None:
-        report = depthwise_conv_sweep(args.batch_size, args.device, args.precision, args.repeats,
-                                      budget_s=args.sweep_budget)
-        args.conv_sweep.write_text(json.dumps(report, indent=1) + '\n')
-        print(_sweep_table(report))
+        set_cudnn_benchmark(args.cudnn_benchmark)
+        report = l2_normalize_benchmark(args.batch_size, args.device, args.precision, args.repeats)
+        args.op_benchmark.write_text(json.dumps(report, indent=1) + '\n')
+        print(_l2_table(report))
         return 0
     if args.out is None:
         parser.error('give the folder for the report: --out OUT_DIR')

@@ -24,7 +24,7 @@ SDPA_KERNEL = re.compile(r'flash|fmha|attention|sdpa|cudnn_generated_fort_native
 
 # Kinds of device kernels, by name, in the order they are tried: the profiler's own ranges on the device timeline
 # (an optimizer step's, which overlap its kernels); attention; convolutions (cuDNN's, PyTorch's own
-# depthwise kernels, lipsformer::depthwise_conv2d's Triton kernels); matrix products (cuBLAS, CUTLASS, cuBLASLt's
+# depthwise kernels); matrix products (cuBLAS, CUTLASS, cuBLASLt's
 # nvjet); the fused kernels inductor generates (triton_poi_/red_/per_...); copies, fills and layout changes; the rest
 # (elementwise ops, reductions, norms, the package's other Triton kernels).
 KERNEL_KINDS = (
