@@ -13,7 +13,6 @@ This room stands above the models: they know nothing of it.
 - ``l2_normalize_op``: SCSA's q/k normalisation as the ``lipsformer::l2_normalize`` custom op, one Triton kernel a
   direction on a GPU (a tile of rows a program), PyTorch elsewhere;
 - ``onednn_linear``: token-wise products on CPU through oneDNN's 1x1 convolution;
-- ``triton_device``: where the Triton kernels run (a GPU, or the CPU under Triton's interpreter);
 - ``depthwise_conv_op``: the conv shortcuts' depthwise convolutions on the CPU as the ``lipsformer::depthwise_conv2d``
   custom op, whose weight gradient runs through oneDNN's forward kernel;
 - ``fused_center_norm``: CenterNorm through LayerNorm's fused kernel (:func:`center_norm`).

@@ -19,23 +19,26 @@ of the plain expression, as in :mod:`.lean_autograd`.
 ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the kernels on CPU tensors, which the tests use.
 """
 import functools
+import os
 from types import SimpleNamespace
 
 import torch
 
 from .lean_autograd import lean_backward
-from .triton_device import triton_device
 
 __all__ = ['l2_normalize', 'l2_normalize_op', 'l2_normalize_kernels_run_on']
 
 _MAX_WIDTH = 1024  # the widest rows one program reduces (head dims are 32 to 128)
 _TILE = 4096  # elements a program loads: rows of one head are too short to keep a program's threads busy alone
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def l2_normalize_kernels_run_on(x: torch.Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: x is on a GPU (or on the CPU under Triton's interpreter,
-    ``TRITON_INTERPRET=1``), with rows of at most 1024 elements, and Triton is installed."""
-    if x.shape[-1] > _MAX_WIDTH or not triton_device(x):
+    ``TRITON_INTERPRET=1``), in float32, bfloat16 or float16, with rows of at most 1024 elements, and Triton is
+    installed."""
+    on_triton_device = x.device.type == 'cuda' or x.device.type == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'
+    if x.shape[-1] > _MAX_WIDTH or x.dtype not in _TRITON_DTYPES or not on_triton_device:
         return False
     return _kernels() is not None
 
