@@ -135,7 +135,7 @@ def _benchmark_report(models, mode_speeds, **extra):
                          'ratio_median': speed / speeds[0], 'ratio_quartiles': [speed / speeds[0]] * 2,
                          'first_step_s': 30.0, 'cuda_peak_memory_mb_in_process': 9000.0,
                          'peak_memory_mb': 9000.0 + speed, 'memory_ratio': 1.0, **extra})
-    return {'config': {'models': models}, 'results': rows}
+    return {'config': {'models': models, 'cudnn_benchmark': True}, 'results': rows}
 
 
 def test_report_tables(tmp_path):

@@ -446,9 +446,8 @@ def _cudnn_table(results: list[StepResult]) -> str:
     times the kernels)."""
     runs: dict[bool, dict[str, dict]] = {}
     for result in results:
-        autotuned = (result.data or {}).get('config', {}).get('cudnn_benchmark')
-        if result.kind in ('eager', 'cudnn') and autotuned is not None:
-            runs[autotuned] = {row['model']: row for row in _rows(result.data, 'train')}
+        if result.kind in ('eager', 'cudnn') and result.data:  # a benchmark report records its autotuning
+            runs[result.data['config']['cudnn_benchmark']] = {row['model']: row for row in _rows(result.data, 'train')}
     if False not in runs:
         return ''
     models = list(dict.fromkeys(model for rows in runs.values() for model in rows))
